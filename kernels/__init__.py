@@ -1,0 +1,21 @@
+"""Mamba2 kernels. Each op module holds the Triton kernel, its launcher and a pure-torch reference
+with the same signature (``<op>_ref``). Launchers pick Triton on CUDA and the reference on CPU.
+"""
+
+from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
+from mambaserve.kernels.selective_state_update import selective_state_update
+from mambaserve.kernels.ssd_scan import BoundaryStates, ssd_scan_varlen
+from mambaserve.kernels.state_ops import clear_slots, copy_slots, scatter_steps
+
+__all__ = [
+    "BoundaryStates",
+    "causal_conv1d_update",
+    "causal_conv1d_varlen",
+    "clear_slots",
+    "copy_slots",
+    "gated_rmsnorm",
+    "scatter_steps",
+    "selective_state_update",
+    "ssd_scan_varlen",
+]

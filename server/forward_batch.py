@@ -1,0 +1,50 @@
+"""What one model step runs: built by the scheduler (plain Python), executed by the model runner.
+
+The scheduler never touches state tensors. Every state mutation it decides — copy-on-write of a
+cached snapshot into a request's slot, zeroing a slot — is recorded here and executed by the runner
+on the forward stream *before* the layers run, in list order (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill chunks: packed variable-length sequences
+    DECODE = "decode"  # one token per running request
+
+
+@dataclass
+class StateOps:
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
+    clears: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies or self.clears)
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    token_ids: list[int]  # packed: every sequence's new tokens, in order
+    seq_lens: list[int]  # new tokens per sequence (all 1 for decode)
+    start_pos: list[int]  # tokens already in each sequence's state (absolute position of its first new token)
+    slots: list[int]  # state slot of each sequence
+    state_ops: StateOps = field(default_factory=StateOps)
+    all_logits: bool = False  # logits for every token (tests), not only each sequence's last
+    boundary_states: bool = False  # also return states at absolute chunk boundaries (radix tracking)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def has_initial_state(self) -> list[bool]:
+        # A sequence at position 0 starts from the zero state whatever its slot holds.
+        return [p > 0 for p in self.start_pos]

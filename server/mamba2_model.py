@@ -1,0 +1,159 @@
+"""Mamba2 language model over a packed batch, with its recurrent state in a slot pool.
+
+Parameter names follow Hugging Face's ``Mamba2ForCausalLM`` so checkpoints load as they are. All
+math goes through ``mambaserve.kernels`` (Triton on CUDA, pure-torch references on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mambaserve import kernels
+from mambaserve.server.forward_batch import ForwardMode
+from mambaserve.server.model_config import Mamba2Dims
+
+
+@dataclass
+class BatchTensors:
+    """ForwardBatch fields as device tensors (built once per step by the runner)."""
+
+    mode: ForwardMode
+    cu_seqlens: torch.Tensor  # [S+1]
+    slots: torch.Tensor  # [S]
+    has_initial_state: torch.Tensor  # [S]
+    start_pos: torch.Tensor  # [S]
+    boundary_states: bool = False
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class GatedNorm(nn.Module):
+    def __init__(self, dim: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps = group_size, eps
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, d: Mamba2Dims):
+        super().__init__()
+        self.d = d
+        self.in_proj = nn.Linear(d.hidden_size, d.d_inner + d.conv_dim + d.num_heads, bias=d.use_bias)
+        self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim, bias=d.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(d.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(d.num_heads))
+        self.D = nn.Parameter(torch.ones(d.num_heads))
+        # Normalised per group of d_inner / n_groups channels, as the original Mamba2 does.
+        self.norm = GatedNorm(d.d_inner, d.d_inner // d.n_groups, d.eps)
+        self.out_proj = nn.Linear(d.d_inner, d.hidden_size, bias=d.use_bias)
+
+    def forward(self, h: torch.Tensor, bt: BatchTensors, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        d = self.d
+        T = h.shape[0]
+        z, xBC, dt = self.in_proj(h).split([d.d_inner, d.conv_dim, d.num_heads], dim=-1)
+        conv_w = self.conv1d.weight.squeeze(1)
+        A = -torch.exp(self.A_log.float())
+        boundary = None
+        if bt.mode is ForwardMode.EXTEND:
+            xBC = kernels.causal_conv1d_varlen(xBC.contiguous(), conv_w, self.conv1d.bias, conv_state, bt.cu_seqlens,
+                                               bt.slots, bt.has_initial_state)
+            x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
+            y, boundary = kernels.ssd_scan_varlen(
+                x.reshape(T, d.num_heads, d.head_dim), dt, A,
+                B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
+                chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
+                has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
+                dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit,
+                return_boundary_states=bt.boundary_states)
+        else:
+            xBC = kernels.causal_conv1d_update(xBC.contiguous(), conv_state, conv_w, self.conv1d.bias, bt.slots)
+            x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
+            y = kernels.selective_state_update(
+                ssm_state, x.reshape(T, d.num_heads, d.head_dim), dt, A,
+                B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
+                D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, state_indices=bt.slots)
+        y = kernels.gated_rmsnorm(y.reshape(T, d.d_inner), z, self.norm.weight, self.norm.eps, self.norm.group_size)
+        return self.out_proj(y.to(h.dtype)), boundary
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, d: Mamba2Dims):
+        super().__init__()
+        self.norm = RMSNorm(d.hidden_size, d.eps)
+        self.mixer = Mamba2Mixer(d)
+
+
+class Backbone(nn.Module):
+    def __init__(self, d: Mamba2Dims):
+        super().__init__()
+        self.embeddings = nn.Embedding(d.vocab_size, d.hidden_size)
+        self.layers = nn.ModuleList(Mamba2Block(d) for _ in range(d.num_layers))
+        self.norm_f = RMSNorm(d.hidden_size, d.eps)
+
+
+class Mamba2ForCausalLM(nn.Module):
+    def __init__(self, d: Mamba2Dims):
+        super().__init__()
+        self.dims = d
+        self.backbone = Backbone(d)
+        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        if d.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        # Original state-spaces checkpoints call the embedding "embedding".
+        state = {k.replace("backbone.embedding.", "backbone.embeddings."): v for k, v in state.items()}
+        if self.dims.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        elif "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["backbone.embeddings.weight"]
+        own = dict(self.named_parameters())
+        missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if self.dims.tie_word_embeddings else set()))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            from mambaserve.server.model_config import ModelLoadError
+
+            raise ModelLoadError(f"checkpoint does not match the config: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                p = own[name]
+                if p.shape != tensor.shape:
+                    from mambaserve.server.model_config import ModelLoadError
+
+                    raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
+                p.copy_(tensor.to(p.dtype))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, bt: BatchTensors, conv: torch.Tensor, ssm: torch.Tensor,
+                logit_rows: torch.Tensor | None):
+        """Run all layers; return logits (fp32) at ``logit_rows`` (all rows if None) and boundary states.
+
+        conv ``[L, slots, conv_dim, K-1]`` and ssm ``[L, slots, H, P, N]`` are updated in place.
+        """
+        d = self.dims
+        h = self.backbone.embeddings(input_ids)
+        residual = h.float() if d.residual_in_fp32 else h
+        boundaries = []
+        for i, layer in enumerate(self.backbone.layers):
+            out, boundary = layer.mixer(layer.norm(residual.to(h.dtype)), bt, conv[i], ssm[i])
+            residual = residual + out
+            boundaries.append(boundary)
+        if logit_rows is not None:
+            residual = residual[logit_rows]
+        h = self.backbone.norm_f(residual.to(h.dtype))
+        return self.lm_head(h).float(), boundaries

@@ -1,0 +1,63 @@
+"""From a checkpoint directory to a ready model on a device, with clear errors on the way."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from mambaserve.server.mamba2_model import Mamba2ForCausalLM
+from mambaserve.server.model_config import Mamba2Dims, ModelLoadError, read_config
+from mambaserve.server.weights import load_state_dict
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA device is available (use --device cpu)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    dtype = DTYPES[name]
+    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ModelLoadError("this GPU cannot run bfloat16 (compute capability < 8.0): use --dtype float16")
+    try:  # the cheapest proof that the device runs this dtype's matmul
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        (a @ a).sum().item()
+    except RuntimeError as e:
+        raise ModelLoadError(f"device {device} cannot run dtype {name}: {e}") from None
+    return dtype
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[Mamba2ForCausalLM, dict]:
+    model_dir = Path(model_dir)
+    cfg = read_config(model_dir)
+    dims = Mamba2Dims.from_dict(cfg)
+    state = load_state_dict(model_dir)
+    with torch.device("meta"):
+        model = Mamba2ForCausalLM(dims)
+    model = model.to_empty(device=device).to(dtype)
+    if dims.tie_word_embeddings:  # to_empty breaks the tie: restore it
+        model.lm_head.weight = model.backbone.embeddings.weight
+    model.load_weights(state)
+    # A, D, dt_bias are tiny and decide the recurrence's decay: keep them in fp32 (as mamba_ssm does).
+    for layer in model.backbone.layers:
+        for name in ("A_log", "D", "dt_bias"):
+            p = getattr(layer.mixer, name)
+            p.data = p.data.float()
+    model.eval()
+    log.info("loaded %s: %d layers, %d heads x %d, state %d, %.1fM parameters, %s on %s", model_dir,
+             dims.num_layers, dims.num_heads, dims.head_dim, dims.state_size,
+             sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
+    return model, cfg

@@ -1,0 +1,59 @@
+"""Runs one ForwardBatch: deferred state ops first, then the model, then sampling.
+
+The only place (with the kernels) that touches the state pool's tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mambaserve import kernels
+from mambaserve.server.forward_batch import ForwardBatch, ForwardMode
+from mambaserve.server.mamba2_model import BatchTensors, Mamba2ForCausalLM
+from mambaserve.server.state_pool import MambaStatePool
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [S, V] (last token of each sequence) or [T, V] with all_logits; fp32
+    boundary_states: list | None = None  # per layer, kernels.BoundaryStates
+
+
+class ModelRunner:
+    def __init__(self, model: Mamba2ForCausalLM, pool: MambaStatePool, device: torch.device):
+        self.model, self.pool, self.device = model, pool, device
+
+    def _apply_state_ops(self, batch: ForwardBatch) -> None:
+        ops = batch.state_ops
+        if ops.copies:
+            src = torch.tensor([s for s, _ in ops.copies], device=self.device)
+            dst = torch.tensor([d for _, d in ops.copies], device=self.device)
+            kernels.copy_slots(self.pool.conv, src, dst)
+            kernels.copy_slots(self.pool.ssm, src, dst)
+        if ops.clears:
+            idx = torch.tensor(ops.clears, device=self.device)
+            kernels.clear_slots(self.pool.conv, idx)
+            kernels.clear_slots(self.pool.ssm, idx)
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        self._apply_state_ops(batch)
+        dev = self.device
+        lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lens, 0)
+        bt = BatchTensors(
+            mode=batch.mode,
+            cu_seqlens=cu.to(dev),
+            slots=torch.tensor(batch.slots, dtype=torch.long, device=dev),
+            has_initial_state=torch.tensor(batch.has_initial_state, dtype=torch.bool, device=dev),
+            start_pos=torch.tensor(batch.start_pos, dtype=torch.long, device=dev),
+            boundary_states=batch.boundary_states,
+        )
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
+        rows = None
+        if batch.mode is ForwardMode.EXTEND and not batch.all_logits:
+            rows = (cu[1:] - 1).to(dev, torch.long)
+        logits, boundaries = self.model(ids, bt, self.pool.conv, self.pool.ssm, rows)
+        return ForwardOutput(logits=logits, boundary_states=boundaries if batch.boundary_states else None)

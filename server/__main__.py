@@ -1,0 +1,3 @@
+from mambaserve.server.cli import main
+
+main()

@@ -1,0 +1,83 @@
+"""``mambaserve serve``: the command line, built into a ServerConfig once, here at the edge."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mambaserve.server.config import ServerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mambaserve", description="Serve Mamba2 language models over HTTP.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="start the HTTP server", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Start an OpenAI- and SGLang-compatible server for a Mamba2 checkpoint.")
+    s.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, "
+                   "tokenizer.json)")
+    s.add_argument("--served-model-name", help="model name in /v1/models and requests (default: directory name)")
+    s.add_argument("--tokenizer", help="tokenizer directory, if not the model's")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to listen on all interfaces)")
+    s.add_argument("--port", type=int, default=30000, help="HTTP port for the API, health checks and /metrics")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    s.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="SSM state pool dtype (bfloat16 doubles capacity at some accuracy cost)")
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    s.add_argument("--context-length", type=int, help="longest prompt + output accepted (default: from the model, "
+                   "else 8192)")
+    s.add_argument("--max-running-requests", type=int, help="requests decoded together (default 256 on CUDA, 64 on CPU)")
+    s.add_argument("--chunked-prefill-size", type=int, default=2048,
+                   help="prompt tokens prefilled per step; longer prompts are split across steps")
+    s.add_argument("--mamba-cache-size", type=int, help="state slots in the pool (default 4 x max running requests)")
+    s.add_argument("--mamba-cache-strategy", default="no_buffer", choices=["no_buffer", "extra_buffer"],
+                   help="where prefix-cache snapshots are taken (see docs/architecture.md)")
+    s.add_argument("--mamba-track-interval", type=int, help="extra snapshots every N prompt tokens (extra_buffer)")
+    s.add_argument("--page-size", type=int, default=1, help="KV page size (hybrid models)")
+    s.add_argument("--disable-radix-cache", action="store_true", help="turn prefix caching off")
+    s.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
+    s.add_argument("--session-timeout", type=float, default=600.0, help="default idle timeout of a session (s)")
+    s.add_argument("--debug-cache-invariants", action="store_true",
+                   help="check slot accounting after every step (slow; for tests and debugging)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
+    s.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own seed")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    fields = {k: v for k, v in vars(args).items() if k != "command"}
+    return ServerConfig(**fields)
+
+
+def serve(cfg: ServerConfig) -> None:
+    import uvicorn
+
+    from mambaserve.server.engine import Engine
+    from mambaserve.server.http_server import create_app
+    from mambaserve.server.model_config import ModelLoadError
+
+    try:
+        engine = Engine(cfg)
+    except (ModelLoadError, ValueError) as e:
+        logging.getLogger("mambaserve").error("%s", e)
+        sys.exit(2)
+    app = create_app(engine)
+    shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    url = f"http://{shown}:{cfg.port}"
+    print(f"\nmambaserve: serving {engine.model_name!r} at {url}\n  try:\n"
+          f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
+          f"\"temperature\": 0}}'\n", flush=True)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve(config_from_args(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Server configuration: built once at the edge (CLI) and passed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "auto"
+    state_dtype: str = "float32"
+    device: str = "auto"
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int = 2048
+    mamba_cache_size: int | None = None
+    mamba_cache_strategy: str = "no_buffer"
+    mamba_track_interval: int | None = None
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    max_sessions: int = 1024
+    session_timeout: float = 600.0
+    debug_cache_invariants: bool = False
+    log_level: str = "info"
+    seed: int = 0
+    max_queued_requests: int = 4096
+
+    def running_limit(self, is_cuda: bool) -> int:
+        return self.max_running_requests or (256 if is_cuda else 64)
+
+    def slot_count(self, is_cuda: bool) -> int:
+        return self.mamba_cache_size or self.running_limit(is_cuda) * 4

@@ -1,0 +1,154 @@
+"""The engine: a loaded model, its tokenizer and a running scheduler, behind an asyncio API.
+
+The HTTP layer calls ``generate`` (an async iterator of StepOutput increments); everything heavy
+happens on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+
+from mambaserve.server.config import ServerConfig
+from mambaserve.server.detokenizer import IncrementalDetokenizer
+from mambaserve.server.metrics import ServerMetrics
+from mambaserve.server.model_loader import DTYPES, load_model, resolve_device, resolve_dtype
+from mambaserve.server.model_runner import ModelRunner
+from mambaserve.server.request import BadRequest, Req, SamplingParams, StepOutput
+from mambaserve.server.scheduler import Scheduler
+from mambaserve.server.state_pool import MambaStatePool
+from mambaserve.server.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT_LENGTH = 8192
+
+
+class Engine:
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model, self.hf_config = load_model(cfg.model, self.dtype, self.device)
+        self.dims = d = self.model.dims
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
+        self.context_length = cfg.context_length or self._default_context_length()
+        if cfg.state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--state-dtype must be float32 or bfloat16, got {cfg.state_dtype!r}")
+        is_cuda = self.device.type == "cuda"
+        self.pool = MambaStatePool(d.num_layers, cfg.slot_count(is_cuda), d.conv_dim, d.conv_kernel, d.num_heads,
+                                   d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(
+            ModelRunner(self.model, self.pool, self.device), self.metrics,
+            max_running=cfg.running_limit(is_cuda), chunked_prefill_size=cfg.chunked_prefill_size,
+            context_length=self.context_length, seed=cfg.seed, debug_invariants=cfg.debug_cache_invariants)
+        eos = set(d.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._ids = itertools.count()
+        log.info("state pool: %d slots x %.2f MiB; context length %d; max running %d", self.pool.allocator.capacity,
+                 self.pool.bytes_per_slot / 2**20, self.context_length, cfg.running_limit(is_cuda))
+
+    def _default_context_length(self) -> int:
+        n = self.dims.max_position_embeddings or getattr(self.tokenizer, "model_max_length", None)
+        return int(n) if n and n < 10**7 else DEFAULT_CONTEXT_LENGTH
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def new_rid(self) -> str:
+        return f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams, max_tokens_explicit: bool) -> SamplingParams:
+        """Validate a prompt against the model; returns params with max_new_tokens fitted to the context."""
+        params.validate()
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty")
+        vocab = self.dims.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        room = self.context_length - len(prompt_ids)
+        if room <= 0:
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context length is "
+                             f"{self.context_length}", code="context_length_exceeded")
+        if params.max_new_tokens > room:
+            if max_tokens_explicit:
+                raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
+                                 f"the context length {self.context_length}", code="context_length_exceeded")
+            params = _replace(params, max_new_tokens=room)
+        return params
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
+                       return_logprob: bool = False, top_logprobs_num: int = 0) -> AsyncIterator[StepOutput]:
+        """Yield increments until the request finishes; closing the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[StepOutput] = asyncio.Queue()
+        rid = rid or self.new_rid()
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params,
+                  detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                                     prompt_tail=list(prompt_ids[-4:])),
+                  emit=lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
+                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                  stop_token_ids=frozenset(stop_ids))
+        self.scheduler.submit(req)
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # client went away (or the consumer stopped): free the slot now
+                self.scheduler.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    async def run_in_scheduler(self, fn):
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    def server_info(self) -> dict:
+        c = self.cfg
+        return {"model_path": c.model, "served_model_name": self.model_name, "dtype": str(self.dtype).split(".")[-1],
+                "state_dtype": c.state_dtype, "device": str(self.device), "context_length": self.context_length,
+                "max_running_requests": self.scheduler.max_running, "chunked_prefill_size": c.chunked_prefill_size,
+                "mamba_cache_size": self.pool.allocator.capacity, "disable_radix_cache": c.disable_radix_cache,
+                "page_size": c.page_size, "version": _version()}
+
+
+def _replace(params: SamplingParams, **kw) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, **kw)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mambaserve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+torch.set_grad_enabled(False)

@@ -1,0 +1,58 @@
+"""Prometheus metrics of one server (names in docs/server-interface.md). Each server gets its own
+registry so several engines in one process (tests) do not collide."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+# `_created` series double the scrape size and no dashboard uses them.
+disable_created_metrics()
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, hit_rate_window_s: float = 300.0):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("mambaserve_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.rejected = Counter("mambaserve_requests_rejected", "Requests refused before running", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("mambaserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("mambaserve_generation_tokens", "Generated tokens", registry=r)
+        self.running = Gauge("mambaserve_num_running_requests", "Requests holding a state slot", registry=r)
+        self.waiting = Gauge("mambaserve_num_waiting_requests", "Requests queued for admission", registry=r)
+        self.ttft = Histogram("mambaserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mambaserve_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("mambaserve_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.slots_total = Gauge("mambaserve_state_slots_total", "State slots in the pool", registry=r)
+        self.slots_used = Gauge("mambaserve_state_slots_used", "State slots in use", registry=r)
+        self.slots_evictable = Gauge("mambaserve_state_slots_evictable",
+                                     "Used slots that eviction could free (cached snapshots not in use)", registry=r)
+        self.cache_queried = Counter("mambaserve_prefix_cache_queried_tokens",
+                                     "Prompt tokens looked up in the prefix cache", registry=r)
+        self.cache_hit = Counter("mambaserve_prefix_cache_hit_tokens", "Prompt tokens served from a cache",
+                                 ["tier"], registry=r)
+        self.hit_rate = Gauge("mambaserve_cache_hit_rate",
+                              "Hit tokens / queried tokens over a sliding window (convenience)", registry=r)
+        self.evictions = Counter("mambaserve_cache_evictions", "Snapshots evicted", ["tier"], registry=r)
+        self._window: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._window_s = hit_rate_window_s
+
+    def observe_lookup(self, queried: int, hit: int, tier: str = "gpu") -> None:
+        self.cache_queried.inc(queried)
+        if hit:
+            self.cache_hit.labels(tier).inc(hit)
+        now = time.monotonic()
+        self._window.append((now, queried, hit))
+        while self._window and self._window[0][0] < now - self._window_s:
+            self._window.popleft()
+        q = sum(w[1] for w in self._window)
+        self.hit_rate.set(sum(w[2] for w in self._window) / q if q else 0.0)

@@ -1,0 +1,164 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from mambaserve.server.engine import Engine
+from mambaserve.server.http_server import collect, error_response, sse
+from mambaserve.server.protocol import ChatRequest, CompletionRequest
+from mambaserve.server.request import BadRequest, StepOutput
+from mambaserve.server.tokenizer import render_chat
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_TOKENS = 512
+
+
+def _usage(last: StepOutput) -> dict:
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
+
+
+def add_openai_routes(app: FastAPI, engine: Engine) -> None:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != engine.model_name:
+            raise BadRequest(f"model {name!r} does not exist; this server serves {engine.model_name!r}",
+                             code="model_not_found", status=404)
+
+    def token_text(t: int) -> str:
+        return engine.tokenizer.decode([t])
+
+    def completion_logprobs(outs: list[StepOutput], offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for o in outs:
+            for i, t in enumerate(o.token_ids):
+                s = token_text(t)
+                tokens.append(s)
+                lps.append(o.logprobs[i])
+                tops.append({token_text(a): v for a, v in o.top_logprobs[i]} if o.top_logprobs else None)
+                offsets.append(offset)
+                offset += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(outs: list[StepOutput]) -> dict:
+        content = []
+        for o in outs:
+            for i, t in enumerate(o.token_ids):
+                s = token_text(t)
+                content.append({"token": s, "logprob": o.logprobs[i], "bytes": list(s.encode()),
+                                "top_logprobs": [{"token": token_text(a), "logprob": v, "bytes": list(token_text(a).encode())}
+                                                 for a, v in (o.top_logprobs[i] if o.top_logprobs else [])]})
+        return {"content": content}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "mambaserve", "max_model_len": engine.context_length}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        if body.echo:
+            raise BadRequest("echo is not supported", code="unsupported_parameter")
+        explicit = body.max_tokens is not None
+        base = body.sampling(body.max_tokens if explicit else DEFAULT_COMPLETION_TOKENS)
+        prompts = [engine.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        params = [engine.check_prompt(ids, base, explicit) for ids in prompts]
+        want_lp = body.logprobs is not None
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def gen(i):
+            return engine.generate(prompts[i], params[i], return_logprob=want_lp, top_logprobs_num=body.logprobs or 0)
+
+        if body.stream:
+            if len(prompts) != 1:
+                raise BadRequest("streaming takes a single prompt")
+
+            async def events():
+                offset = 0
+                async with contextlib.aclosing(gen(0)) as it:
+                    async for out in it:
+                        if not out.text and not out.finished:
+                            continue
+                        choice = {"index": 0, "text": out.text, "logprobs": None,
+                                  "finish_reason": out.finish_reason.value if out.finished else None}
+                        if want_lp:
+                            choice["logprobs"] = completion_logprobs([out], offset)
+                        offset += len(out.text)
+                        yield sse({"id": cid, "object": "text_completion", "created": created,
+                                   "model": engine.model_name, "choices": [choice]})
+                        last = out
+                if body.include_usage:
+                    yield sse({"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
+                               "choices": [], "usage": _usage(last)})
+                yield sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        results = await asyncio.gather(*(collect(request, gen(i)) for i in range(len(prompts))))
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+        for i, outs in enumerate(results):
+            last = outs[-1]
+            if last.error:
+                return error_response(500, last.error, "internal_error", "server_error")
+            choices.append({"index": i, "text": "".join(o.text for o in outs),
+                            "logprobs": completion_logprobs(outs, 0) if want_lp else None,
+                            "finish_reason": last.finish_reason.value})
+            u = _usage(last)
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                usage[k] += u[k]
+            usage["prompt_tokens_details"]["cached_tokens"] += last.cached_tokens
+        return {"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
+                "choices": choices, "usage": usage}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        check_model(body.model)
+        try:
+            text = render_chat(engine.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        ids = engine.encode(text)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        explicit = max_tokens is not None
+        params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)
+        top_n = body.top_logprobs or 0
+        stream = engine.generate(ids, params, return_logprob=body.logprobs, top_logprobs_num=top_n)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            async def events():
+                first = True
+                async with contextlib.aclosing(stream) as it:
+                    async for out in it:
+                        if not out.text and not out.finished and not first:
+                            continue
+                        delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
+                        first = False
+                        choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs([out]) if body.logprobs else None,
+                                  "finish_reason": out.finish_reason.value if out.finished else None}
+                        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                   "model": engine.model_name, "choices": [choice]})
+                        last = out
+                if body.include_usage:
+                    yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                               "model": engine.model_name, "choices": [], "usage": _usage(last)})
+                yield sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        outs = await collect(request, stream)
+        last = outs[-1]
+        if last.error:
+            return error_response(500, last.error, "internal_error", "server_error")
+        message = {"role": "assistant", "content": "".join(o.text for o in outs)}
+        return {"id": cid, "object": "chat.completion", "created": created, "model": engine.model_name,
+                "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(outs) if body.logprobs else None,
+                             "finish_reason": last.finish_reason.value}],
+                "usage": _usage(last)}

@@ -1,0 +1,133 @@
+"""Request bodies of the HTTP API (pydantic), and their translation into SamplingParams.
+
+Unknown fields are ignored (clients send many); known fields of the wrong type are a 422.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mambaserve.server.request import BadRequest, SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+class _OpenAISampling(_Body):
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    session_id: str | None = None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        if self.n != 1:
+            raise BadRequest("only n=1 is supported", code="unsupported_parameter")
+        if self.presence_penalty or self.frequency_penalty:
+            raise BadRequest("presence_penalty and frequency_penalty are not supported", code="unsupported_parameter")
+        return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=_stop_tuple(self.stop),
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                              skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=None)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise BadRequest("the prompt is empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class NativeSampling(_Body):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+    seed: int | None = None
+
+    def params(self) -> SamplingParams:
+        seed = self.sampling_seed if self.sampling_seed is not None else self.seed
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, seed=seed, stop=_stop_tuple(self.stop),
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                              skip_special_tokens=self.skip_special_tokens)
+
+
+class GenerateRequest(_Body):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    rid: str | None = None
+    session_params: dict[str, Any] | None = None
+
+
+class AbortRequest(_Body):
+    rid: str

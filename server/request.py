@@ -1,0 +1,112 @@
+"""A request as the scheduler sees it, and what it reports back to the HTTP side."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mambaserve.server.detokenizer import IncrementalDetokenizer
+
+
+class BadRequest(ValueError):
+    """Client error: becomes a 400 with this message and an OpenAI-style error code."""
+
+    def __init__(self, message: str, code: str = "invalid_request", status: int = 400):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise BadRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise BadRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not s for s in self.stop):
+            raise BadRequest("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # stop token or stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"  # client disconnect or /abort_request
+
+
+@dataclass
+class StepOutput:
+    """One increment for the client: new tokens and text, and the totals so far."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    emit: Callable[[StepOutput], None]
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens already folded into the state
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # what has been sent to the client
+    sent_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,275 @@
+"""The scheduler thread: owns the queues, the state slots and every request's lifecycle.
+
+Its loop reads like the engine it drives: take new requests and aborts from the inbox, schedule a
+batch, run the model, process the results. Nothing else touches its data; other threads talk to it
+through ``submit``, ``abort`` and ``call`` (a function run between steps, returning a Future).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from mambaserve.server.forward_batch import ForwardBatch, ForwardMode
+from mambaserve.server.metrics import ServerMetrics
+from mambaserve.server.model_runner import ModelRunner
+from mambaserve.server.request import FinishReason, Req, StepOutput
+from mambaserve.server.sampling import sample
+from mambaserve.server.schedule_policy import PrefillCandidate, plan_prefill
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int, chunked_prefill_size: int,
+                 context_length: int, seed: int = 0, debug_invariants: bool = False):
+        self.runner = runner
+        self.slots = runner.pool.allocator
+        self.metrics = metrics
+        self.max_running = max_running
+        self.chunk = chunked_prefill_size
+        self.context_length = context_length
+        self.debug_invariants = debug_invariants
+        self.device = runner.device
+        self.default_gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        metrics.slots_total.set(self.slots.capacity)
+
+    # ---- thread-safe API -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.alive:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop after the current step; queued and running requests stay and resume on start()."""
+        self._stop.set()
+        self.inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, req: Req) -> None:
+        self.inbox.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put(("call", (fn, fut)))
+        return fut
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not (self.waiting or self.running))
+            try:
+                self.step()
+            except Exception as e:  # a failed step must not take the server down
+                log.exception("step failed; failing its requests")
+                self._fail_running(f"internal error: {e}")
+
+    def step(self) -> None:
+        batch, plan = self.schedule()
+        if batch is not None:
+            out = self.runner.forward(batch)
+            self.process_results(batch, plan, out.logits)
+            self.steps += 1
+        self._update_gauges()
+        if self.debug_invariants:
+            self.check_invariants()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = item
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort":
+                self._abort(arg)
+            elif kind == "call":
+                fn, fut = arg
+                try:
+                    fut.set_result(fn())
+                except Exception as e:
+                    fut.set_exception(e)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, req: Req) -> None:
+        if req.rid in self.reqs:
+            req.emit(self._output(req, [], "", finish=FinishReason.ABORT, error=f"duplicate request id {req.rid!r}"))
+            return
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+
+    def _abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is not None and not req.finished:
+            self._finish(req, FinishReason.ABORT)
+
+    # ---- scheduling ---------------------------------------------------------------------------------
+    def schedule(self) -> tuple[ForwardBatch | None, list[tuple[Req, int]]]:
+        cands = [PrefillCandidate(r, len(r.prompt_ids) - r.prefilled, False) for r in self.running
+                 if not r.prefill_done]
+        cands += [PrefillCandidate(r, len(r.prompt_ids), True) for r in self.waiting]
+        plan = plan_prefill(cands, self.chunk, self.slots.num_free, len(self.running), self.max_running)
+        if plan:
+            return self._extend_batch(plan), plan
+        decode = [r for r in self.running if r.prefill_done]
+        if not decode:
+            return None, []
+        batch = ForwardBatch(ForwardMode.DECODE, [r.output_ids[-1] for r in decode], [1] * len(decode),
+                             [r.num_tokens - 1 for r in decode], [r.slot for r in decode])
+        return batch, [(r, 1) for r in decode]
+
+    def _extend_batch(self, plan: list[tuple[Req, int]]) -> ForwardBatch:
+        for req, _ in plan:
+            if req.slot is None:
+                self._admit(req)
+        tokens, lens, starts, slots = [], [], [], []
+        for req, n in plan:
+            tokens += req.prompt_ids[req.prefilled:req.prefilled + n]
+            lens.append(n)
+            starts.append(req.prefilled)
+            slots.append(req.slot)
+        return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots)
+
+    def _admit(self, req: Req) -> None:
+        self.waiting.remove(req)
+        req.slot = self.slots.alloc()
+        assert req.slot is not None, "plan_prefill admitted beyond free slots"
+        self.running.append(req)
+        self.metrics.observe_lookup(len(req.prompt_ids), req.cached_tokens)
+        if req.params.seed is not None:
+            self.generators[req.rid] = torch.Generator(device=self.device).manual_seed(req.params.seed)
+
+    # ---- results ------------------------------------------------------------------------------------
+    def process_results(self, batch: ForwardBatch, plan: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        rows, reqs = [], []
+        for i, (req, n) in enumerate(plan):
+            if batch.mode is ForwardMode.EXTEND:
+                req.prefilled += n
+                if not req.prefill_done:
+                    continue
+                if req.params.max_new_tokens == 0:
+                    self._finish(req, FinishReason.LENGTH)
+                    continue
+            if req.finished:  # aborted while the step ran
+                continue
+            rows.append(i)
+            reqs.append(req)
+        if not reqs:
+            return
+        result = sample(logits[rows], [r.params for r in reqs],
+                        [self.generators.get(r.rid, self.default_gen) for r in reqs],
+                        [j for j, r in enumerate(reqs) if r.return_logprob],
+                        [r.top_logprobs_num if r.return_logprob else 0 for r in reqs])
+        for j, req in enumerate(reqs):
+            lp = result.logprobs[j] if result.logprobs is not None else None
+            top = result.top_logprobs[j] if result.top_logprobs is not None else None
+            self._append_token(req, result.tokens[j], lp, top)
+
+    def _append_token(self, req: Req, tok: int, lp: float | None, top) -> None:
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.created)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        req.output_ids.append(tok)
+        self.metrics.generation_tokens.inc()
+        if req.return_logprob:
+            req.logprobs.append(lp)
+            req.top_logprobs.append(top or [])
+        finish = None
+        if tok in req.stop_token_ids:
+            finish, req.matched_stop = FinishReason.STOP, tok
+        else:
+            req.detokenizer.add(tok)
+            if req.detokenizer.stopped is not None:
+                finish, req.matched_stop = FinishReason.STOP, req.detokenizer.stopped
+        if finish is None and (len(req.output_ids) >= req.params.max_new_tokens
+                               or req.num_tokens >= self.context_length):
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            self._finish(req, finish)
+        else:
+            req.emit(self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release()))
+            req.sent_tokens = len(req.output_ids)
+
+    def _output(self, req: Req, token_ids, text, finish=None, error=None) -> StepOutput:
+        start = req.sent_tokens
+        return StepOutput(
+            rid=req.rid, token_ids=list(token_ids), text=text,
+            logprobs=req.logprobs[start:] if req.return_logprob else None,
+            top_logprobs=req.top_logprobs[start:] if req.return_logprob else None,
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens, finish_reason=finish, matched_stop=req.matched_stop, error=error)
+
+    def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        req.finish_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req.slot is not None:
+            self.slots.free(req.slot)
+            req.slot = None
+        self.reqs.pop(req.rid, None)
+        self.generators.pop(req.rid, None)
+        self.metrics.requests.labels("error" if error else reason.value).inc()
+        self.metrics.e2e.observe(time.monotonic() - req.created)
+        req.emit(self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release(final=True),
+                              finish=reason, error=error))
+        req.sent_tokens = len(req.output_ids)
+
+    def _fail_running(self, message: str) -> None:
+        for req in list(self.running):
+            self._finish(req, FinishReason.ABORT, error=message)
+
+    # ---- bookkeeping --------------------------------------------------------------------------------
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.slots_used.set(self.slots.num_used)
+
+    def check_invariants(self) -> None:
+        """free + held by requests == capacity, and every held slot belongs to exactly one request."""
+        held = [r.slot for r in self.running]
+        assert None not in held, "running request without a slot"
+        assert len(set(held)) == len(held), "two requests share a slot"
+        assert set(held) == self.slots.used_slots(), f"slot leak: used {self.slots.used_slots() - set(held)}"
+        assert self.slots.num_free + len(held) == self.slots.capacity, "slot accounting broken"
+        assert all(r.slot is None for r in self.waiting), "waiting request holds a slot"
+
+    def accounting(self) -> dict:
+        return {"capacity": self.slots.capacity, "free": self.slots.num_free, "held_by_requests": len(self.running),
+                "running": len(self.running), "waiting": len(self.waiting)}

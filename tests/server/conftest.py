@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny checkpoints, an engine behind the real FastAPI app, a real uvicorn server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from mambaserve.server.config import ServerConfig
+from mambaserve.server.engine import Engine
+from mambaserve.server.http_server import create_app
+from tests.server.tiny_models import make_checkpoint
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("tiny"), "h6_g1", chat_template=CHAT_TEMPLATE)
+
+
+def make_engine(path, **overrides) -> Engine:
+    kw = dict(model=str(path), served_model_name="tiny", debug_cache_invariants=True, chunked_prefill_size=16,
+              mamba_cache_size=8, max_running_requests=6, context_length=256)
+    kw.update(overrides)
+    return Engine(ServerConfig(**kw))
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: Engine):
+    """The real app (lifespan included) behind an in-process ASGI transport."""
+    app = create_app(engine)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as client:
+            yield client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def uvicorn_server(engine: Engine):
+    """A real HTTP server on loopback (needed where the transport matters: client disconnects)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+async def accounting(engine: Engine) -> dict:
+    """Wait until the scheduler is idle, run the invariant check on its thread, return the accounting."""
+    deadline = time.monotonic() + 30
+    while True:
+        acc = await engine.run_in_scheduler(engine.scheduler.accounting)
+        if acc["running"] == 0 and acc["waiting"] == 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    await engine.run_in_scheduler(engine.scheduler.check_invariants)
+    return acc
+
+
+def run(coro):
+    return asyncio.run(coro)

@@ -1,0 +1,140 @@
+"""Pure parts of the engine: admission policy, sampling filters, detokenizer, slot allocator, loading errors."""
+
+import json
+
+import pytest
+import torch
+
+from mambaserve.server.detokenizer import IncrementalDetokenizer
+from mambaserve.server.model_config import ModelLoadError
+from mambaserve.server.model_loader import load_model, resolve_device
+from mambaserve.server.request import BadRequest, SamplingParams
+from mambaserve.server.sampling import _filter, sample
+from mambaserve.server.schedule_policy import PrefillCandidate, plan_prefill
+from mambaserve.server.state_pool import SlotAllocator
+from tests.server.tiny_models import byte_tokenizer, make_checkpoint
+
+
+def test_prefill_plan_packs_chunks_and_keeps_arrival_order():
+    c = [PrefillCandidate("a", 5, False), PrefillCandidate("b", 30, True), PrefillCandidate("c", 2, True)]
+    assert plan_prefill(c, 16, free_slots=4, running=1, max_running=8) == [("a", 5), ("b", 11)]
+    assert plan_prefill(c, 64, free_slots=4, running=1, max_running=8) == [("a", 5), ("b", 30), ("c", 2)]
+    # no slot for b: c must not overtake it
+    assert plan_prefill(c, 64, free_slots=0, running=1, max_running=8) == [("a", 5)]
+    assert plan_prefill(c, 64, free_slots=4, running=2, max_running=2) == [("a", 5)]
+    assert plan_prefill([], 64, 4, 0, 8) == []
+
+
+def test_sampling_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = _filter(logits, [SamplingParams(top_k=2)])
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))
+    p = _filter(logits, [SamplingParams(top_p=0.7)])  # 0.5 < 0.7, 0.8 >= 0.7: keeps two
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))
+    p = _filter(logits, [SamplingParams(min_p=0.25)])  # threshold 0.125
+    assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95)
+    p = _filter(logits, [SamplingParams(temperature=0.5)])
+    assert torch.allclose(p, torch.softmax(logits / 0.5, -1))
+    r = sample(logits.repeat(2, 1), [SamplingParams(temperature=0), SamplingParams(top_k=1)], [None, None], [0, 1],
+               [2, 0])
+    assert r.tokens == [0, 0] and r.logprobs[0] == pytest.approx(float(torch.log(torch.tensor(0.5))))
+    assert [t for t, _ in r.top_logprobs[0]] == [0, 1] and r.top_logprobs[1] == []
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=-1), dict(temperature=-0.1), dict(top_p=0), dict(top_p=1.5),
+                                 dict(min_p=2), dict(stop=("",))])
+def test_sampling_params_validation(bad):
+    with pytest.raises(BadRequest):
+        SamplingParams(**bad).validate()
+
+
+class _Tok:
+    def __init__(self):
+        self.t = byte_tokenizer()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.t.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode(self, s):
+        return self.t.encode(s).ids
+
+
+def test_detokenizer_holds_back_possible_stop_prefix_and_cuts_at_stop():
+    tok = _Tok()
+    d = IncrementalDetokenizer(tok, stop=("END",))
+    released = ""
+    for t in tok.encode("abc EN"):
+        d.add(t)
+        released += d.release()
+    assert released == "abc "  # "EN" may start "END"
+    for t in tok.encode("Dxyz"):
+        d.add(t)
+        released += d.release()
+    assert d.stopped == "END" and released + d.release(final=True) == "abc "
+    d2 = IncrementalDetokenizer(tok, stop=("END",))
+    for t in tok.encode("ENx"):
+        d2.add(t)
+    assert d2.release() == "ENx"
+
+
+def test_slot_allocator_accounting():
+    a = SlotAllocator(3)
+    slots = [a.alloc() for _ in range(3)]
+    assert sorted(slots) == [1, 2, 3] and a.alloc() is None and a.num_free == 0
+    a.free(slots[0])
+    assert a.num_free == 1 and a.alloc() == slots[0]
+    with pytest.raises(RuntimeError, match="double free"):
+        a.free(99)
+
+
+def test_loading_errors_are_clear(tmp_path):
+    cpu = torch.device("cpu")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope", torch.float32, cpu)
+    tmp_path.joinpath("empty").mkdir()
+    with pytest.raises(ModelLoadError, match="config.json is missing"):
+        load_model(tmp_path / "empty", torch.float32, cpu)
+    ck = make_checkpoint(tmp_path / "m")
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        load_model(ck, torch.float32, cpu)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    (ck / "model.safetensors").rename(ck / "elsewhere.safetensors")
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_model(ck, torch.float32, cpu)
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            resolve_device("cuda")
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ck = make_checkpoint(tmp_path / "m")
+    state = load_file(ck / "model.safetensors")
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for fname, keys in shards.items():
+        save_file({k: state[k] for k in keys}, ck / fname)
+    (ck / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    single, _ = load_model(ck, torch.float32, torch.device("cpu"))
+    (ck / "model.safetensors").unlink()
+    sharded, _ = load_model(ck, torch.float32, torch.device("cpu"))
+    for (n, a), (_, b) in zip(single.named_parameters(), sharded.named_parameters()):
+        assert torch.equal(a, b), n
+    (ck / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_model(ck, torch.float32, torch.device("cpu"))
+
+
+def test_cli_help_explains_every_flag():
+    from mambaserve.server.cli import build_parser
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    for action in serve._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 10, action.dest

@@ -46,10 +46,12 @@ class Engine:
         self.pool = MambaStatePool(d.num_layers, cfg.slot_count(is_cuda), d.conv_dim, d.conv_kernel, d.num_heads,
                                    d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)
         self.metrics = ServerMetrics()
+        self.track_interval = self._track_interval()
         self.scheduler = Scheduler(
             ModelRunner(self.model, self.pool, self.device), self.metrics,
             max_running=cfg.running_limit(is_cuda), chunked_prefill_size=cfg.chunked_prefill_size,
-            context_length=self.context_length, seed=cfg.seed, debug_invariants=cfg.debug_cache_invariants)
+            context_length=self.context_length, seed=cfg.seed, debug_invariants=cfg.debug_cache_invariants,
+            radix_cache=not cfg.disable_radix_cache, page_size=cfg.page_size, track_interval=self.track_interval)
         eos = set(d.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -57,6 +59,21 @@ class Engine:
         self._ids = itertools.count()
         log.info("state pool: %d slots x %.2f MiB; context length %d; max running %d", self.pool.allocator.capacity,
                  self.pool.bytes_per_slot / 2**20, self.context_length, cfg.running_limit(is_cuda))
+
+    def _track_interval(self) -> int:
+        """Tracked-snapshot interval: states come from the chunked scan's chunk boundaries, so it must be
+        a multiple of the model's chunk size; default for extra_buffer: the multiple nearest 256."""
+        cfg, q = self.cfg, self.dims.chunk_size
+        if cfg.mamba_cache_strategy not in ("no_buffer", "extra_buffer"):
+            raise ValueError(f"--mamba-cache-strategy must be no_buffer or extra_buffer, got {cfg.mamba_cache_strategy!r}")
+        if cfg.mamba_cache_strategy == "no_buffer":
+            if cfg.mamba_track_interval:
+                raise ValueError("--mamba-track-interval needs --mamba-cache-strategy extra_buffer")
+            return 0
+        n = cfg.mamba_track_interval or max(q, round(256 / q) * q)
+        if n <= 0 or n % q:
+            raise ValueError(f"--mamba-track-interval {n} must be a positive multiple of the model's chunk size {q}")
+        return n
 
     def _default_context_length(self) -> int:
         n = self.dims.max_position_embeddings or getattr(self.tokenizer, "model_max_length", None)
@@ -133,7 +150,8 @@ class Engine:
                 "state_dtype": c.state_dtype, "device": str(self.device), "context_length": self.context_length,
                 "max_running_requests": self.scheduler.max_running, "chunked_prefill_size": c.chunked_prefill_size,
                 "mamba_cache_size": self.pool.allocator.capacity, "disable_radix_cache": c.disable_radix_cache,
-                "page_size": c.page_size, "version": _version()}
+                "page_size": c.page_size, "mamba_cache_strategy": c.mamba_cache_strategy,
+                "mamba_track_interval": self.track_interval, "version": _version()}
 
 
 def _replace(params: SamplingParams, **kw) -> SamplingParams:

@@ -34,7 +34,9 @@ class ForwardBatch:
     slots: list[int]  # state slot of each sequence
     state_ops: StateOps = field(default_factory=StateOps)
     all_logits: bool = False  # logits for every token (tests), not only each sequence's last
-    boundary_states: bool = False  # also return states at absolute chunk boundaries (radix tracking)
+    # (sequence index, absolute position, slot): write the state after `position` tokens of that
+    # sequence into `slot` during the forward (radix cache tracking, extra_buffer)
+    track: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

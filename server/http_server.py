@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mambaserve.server.engine import Engine
 from mambaserve.server.protocol import AbortRequest, GenerateRequest
+from mambaserve.server.radix_cache import CacheBusyError
 from mambaserve.server.request import BadRequest, FinishReason, SamplingParams, StepOutput
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,11 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache():
-        return {"success": True, "message": "the radix cache is not enabled in this build"}
+        try:
+            freed = await engine.run_in_scheduler(engine.scheduler.flush_cache)
+        except CacheBusyError as e:
+            return error_response(409, str(e), "cache_busy")
+        return {"success": True, "freed_snapshots": freed}
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):

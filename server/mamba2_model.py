@@ -6,7 +6,7 @@ math goes through ``mambaserve.kernels`` (Triton on CUDA, pure-torch references 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,7 +25,10 @@ class BatchTensors:
     slots: torch.Tensor  # [S]
     has_initial_state: torch.Tensor  # [S]
     start_pos: torch.Tensor  # [S]
-    boundary_states: bool = False
+    # tracked states to capture: (sequence index, absolute position), positions multiples of chunk_size
+    track: list[tuple[int, int]] = field(default_factory=list)
+    host_cu: list[int] = field(default_factory=list)
+    host_start: list[int] = field(default_factory=list)
 
 
 class RMSNorm(nn.Module):
@@ -67,8 +70,9 @@ class Mamba2Mixer(nn.Module):
         z, xBC, dt = self.in_proj(h).split([d.d_inner, d.conv_dim, d.num_heads], dim=-1)
         conv_w = self.conv1d.weight.squeeze(1)
         A = -torch.exp(self.A_log.float())
-        boundary = None
+        tracked = None
         if bt.mode is ForwardMode.EXTEND:
+            conv_windows = self._conv_windows(xBC, conv_state, bt) if bt.track else None
             xBC = kernels.causal_conv1d_varlen(xBC.contiguous(), conv_w, self.conv1d.bias, conv_state, bt.cu_seqlens,
                                                bt.slots, bt.has_initial_state)
             x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
@@ -78,7 +82,9 @@ class Mamba2Mixer(nn.Module):
                 chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
                 has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
                 dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit,
-                return_boundary_states=bt.boundary_states)
+                return_boundary_states=bool(bt.track))
+            if bt.track:
+                tracked = (conv_windows, self._pick_states(boundary, bt))
         else:
             xBC = kernels.causal_conv1d_update(xBC.contiguous(), conv_state, conv_w, self.conv1d.bias, bt.slots)
             x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
@@ -87,7 +93,25 @@ class Mamba2Mixer(nn.Module):
                 B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, state_indices=bt.slots)
         y = kernels.gated_rmsnorm(y.reshape(T, d.d_inner), z, self.norm.weight, self.norm.eps, self.norm.group_size)
-        return self.out_proj(y.to(h.dtype)), boundary
+        return self.out_proj(y.to(h.dtype)), tracked
+
+    def _conv_windows(self, xBC: torch.Tensor, conv_state: torch.Tensor, bt: BatchTensors) -> torch.Tensor:
+        """Conv state (last K-1 inputs) at each tracked position, from this batch's inputs and, near a
+        sequence start, the sequence's initial conv state (read before the conv kernel updates it)."""
+        K1 = self.d.conv_kernel - 1
+        out = []
+        for i, pos in bt.track:
+            s, n = bt.host_start[i], bt.host_cu[i + 1] - bt.host_cu[i]
+            seq = xBC[bt.host_cu[i]:bt.host_cu[i + 1]].t()
+            init = conv_state[bt.slots[i]] if s > 0 else seq.new_zeros(seq.shape[0], K1)
+            full = torch.cat([init.to(seq.dtype), seq], dim=1)  # absolute positions s-K1 .. s+n-1
+            out.append(full[:, pos - s:pos - s + K1])
+        return torch.stack(out)
+
+    @staticmethod
+    def _pick_states(boundary, bt: BatchTensors) -> torch.Tensor:
+        where = {(int(i), int(p)): k for k, (i, p) in enumerate(zip(boundary.seq_idx, boundary.positions))}
+        return boundary.states[[where[(i, p)] for i, p in bt.track]]
 
 
 class Mamba2Block(nn.Module):
@@ -141,19 +165,20 @@ class Mamba2ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, bt: BatchTensors, conv: torch.Tensor, ssm: torch.Tensor,
                 logit_rows: torch.Tensor | None):
-        """Run all layers; return logits (fp32) at ``logit_rows`` (all rows if None) and boundary states.
+        """Run all layers; return logits (fp32) at ``logit_rows`` (all rows if None) and, per layer, the
+        tracked (conv, ssm) states asked for in ``bt.track`` (None when nothing is tracked).
 
         conv ``[L, slots, conv_dim, K-1]`` and ssm ``[L, slots, H, P, N]`` are updated in place.
         """
         d = self.dims
         h = self.backbone.embeddings(input_ids)
         residual = h.float() if d.residual_in_fp32 else h
-        boundaries = []
+        tracked = []
         for i, layer in enumerate(self.backbone.layers):
-            out, boundary = layer.mixer(layer.norm(residual.to(h.dtype)), bt, conv[i], ssm[i])
+            out, states = layer.mixer(layer.norm(residual.to(h.dtype)), bt, conv[i], ssm[i])
             residual = residual + out
-            boundaries.append(boundary)
+            tracked.append(states)
         if logit_rows is not None:
             residual = residual[logit_rows]
         h = self.backbone.norm_f(residual.to(h.dtype))
-        return self.lm_head(h).float(), boundaries
+        return self.lm_head(h).float(), tracked

@@ -18,7 +18,6 @@ from mambaserve.server.state_pool import MambaStatePool
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [S, V] (last token of each sequence) or [T, V] with all_logits; fp32
-    boundary_states: list | None = None  # per layer, kernels.BoundaryStates
 
 
 class ModelRunner:
@@ -49,11 +48,17 @@ class ModelRunner:
             slots=torch.tensor(batch.slots, dtype=torch.long, device=dev),
             has_initial_state=torch.tensor(batch.has_initial_state, dtype=torch.bool, device=dev),
             start_pos=torch.tensor(batch.start_pos, dtype=torch.long, device=dev),
-            boundary_states=batch.boundary_states,
+            track=[(i, pos) for i, pos, _ in batch.track],
+            host_cu=cu.tolist(),
+            host_start=list(batch.start_pos),
         )
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
         rows = None
         if batch.mode is ForwardMode.EXTEND and not batch.all_logits:
             rows = (cu[1:] - 1).to(dev, torch.long)
-        logits, boundaries = self.model(ids, bt, self.pool.conv, self.pool.ssm, rows)
-        return ForwardOutput(logits=logits, boundary_states=boundaries if batch.boundary_states else None)
+        logits, tracked = self.model(ids, bt, self.pool.conv, self.pool.ssm, rows)
+        if batch.track:  # tracked states into their snapshot slots, all layers at once
+            dst = torch.tensor([slot for _, _, slot in batch.track], device=dev)
+            self.pool.conv[:, dst] = torch.stack([c for c, _ in tracked]).to(self.pool.conv.dtype)
+            self.pool.ssm[:, dst] = torch.stack([s for _, s in tracked]).to(self.pool.ssm.dtype)
+        return ForwardOutput(logits=logits)

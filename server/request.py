@@ -87,8 +87,10 @@ class Req:
     stop_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
-    prefilled: int = 0  # prompt tokens already folded into the state
+    prefill_len: int = 0  # prompt tokens run as prefill; the rest (the last one, with a cache) runs as decode
+    in_state: int = 0  # tokens of prompt + output already folded into the slot's state
     cached_tokens: int = 0
+    locked_node: object | None = None  # radix node whose snapshot is being copied in (unlocked after the copy)
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     created: float = field(default_factory=time.monotonic)
@@ -105,7 +107,15 @@ class Req:
 
     @property
     def prefill_done(self) -> bool:
-        return self.prefilled >= len(self.prompt_ids)
+        return self.in_state >= self.prefill_len
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, n: int) -> list[int]:
+        """The first n tokens of prompt + output."""
+        return (self.prompt_ids + self.output_ids)[:n]
 
     @property
     def finished(self) -> bool:

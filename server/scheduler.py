@@ -20,6 +20,8 @@ import torch
 from mambaserve.server.forward_batch import ForwardBatch, ForwardMode
 from mambaserve.server.metrics import ServerMetrics
 from mambaserve.server.model_runner import ModelRunner
+from mambaserve.server.prefix_cache import DisabledCache, PrefixCache
+from mambaserve.server.radix_cache import CacheBusyError
 from mambaserve.server.request import FinishReason, Req, StepOutput
 from mambaserve.server.sampling import sample
 from mambaserve.server.schedule_policy import PrefillCandidate, plan_prefill
@@ -29,9 +31,12 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int, chunked_prefill_size: int,
-                 context_length: int, seed: int = 0, debug_invariants: bool = False):
+                 context_length: int, seed: int = 0, debug_invariants: bool = False, radix_cache: bool = True,
+                 page_size: int = 1, track_interval: int = 0):
         self.runner = runner
         self.slots = runner.pool.allocator
+        self.cache = PrefixCache(self.slots, page_size) if radix_cache else DisabledCache(self.slots)
+        self.track_interval = track_interval if radix_cache else 0
         self.metrics = metrics
         self.max_running = max_running
         self.chunk = chunked_prefill_size
@@ -125,6 +130,9 @@ class Scheduler:
         if req.rid in self.reqs:
             req.emit(self._output(req, [], "", finish=FinishReason.ABORT, error=f"duplicate request id {req.rid!r}"))
             return
+        # With a cache, the prompt's last token runs as the first decode step, so that the state after
+        # the prompt minus that token exists and can be kept: the same prompt sent again then hits.
+        req.prefill_len = len(req.prompt_ids) - (1 if self.cache.enabled else 0)
         self.reqs[req.rid] = req
         self.waiting.append(req)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -136,53 +144,95 @@ class Scheduler:
 
     # ---- scheduling ---------------------------------------------------------------------------------
     def schedule(self) -> tuple[ForwardBatch | None, list[tuple[Req, int]]]:
-        cands = [PrefillCandidate(r, len(r.prompt_ids) - r.prefilled, False) for r in self.running
-                 if not r.prefill_done]
-        cands += [PrefillCandidate(r, len(r.prompt_ids), True) for r in self.waiting]
-        plan = plan_prefill(cands, self.chunk, self.slots.num_free, len(self.running), self.max_running)
-        if plan:
-            return self._extend_batch(plan), plan
+        """An EXTEND batch if any prompt has tokens to prefill, else a DECODE batch of every running
+        request; the deferred state ops recorded since the last forward ride on whichever runs."""
+        cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in self.running if not r.prefill_done]
+        cands += [PrefillCandidate(r, r.prefill_len, True) for r in self.waiting]
+        plan = plan_prefill(cands, self.chunk, self.slots.num_free + self.cache.evictable_slots,
+                            len(self.running), self.max_running)
+        chunks = []
+        for req, n in plan:
+            if req.slot is None and not self._admit(req):
+                break  # no slot after all (a locked match): wait for one
+            n = min(n, req.prefill_len - req.in_state)  # a cache hit shortens the prefill
+            if n > 0:
+                chunks.append((req, n))
+        if chunks:
+            return self._extend_batch(chunks), chunks
         decode = [r for r in self.running if r.prefill_done]
         if not decode:
             return None, []
-        batch = ForwardBatch(ForwardMode.DECODE, [r.output_ids[-1] for r in decode], [1] * len(decode),
-                             [r.num_tokens - 1 for r in decode], [r.slot for r in decode])
+        batch = ForwardBatch(ForwardMode.DECODE, [r.token_at(r.in_state) for r in decode], [1] * len(decode),
+                             [r.in_state for r in decode], [r.slot for r in decode], self.cache.take_pending())
         return batch, [(r, 1) for r in decode]
 
-    def _extend_batch(self, plan: list[tuple[Req, int]]) -> ForwardBatch:
-        for req, _ in plan:
-            if req.slot is None:
-                self._admit(req)
-        tokens, lens, starts, slots = [], [], [], []
-        for req, n in plan:
-            tokens += req.prompt_ids[req.prefilled:req.prefilled + n]
+    def _extend_batch(self, chunks: list[tuple[Req, int]]) -> ForwardBatch:
+        tokens, lens, starts, slots, track = [], [], [], [], []
+        for i, (req, n) in enumerate(chunks):
+            s = req.in_state
+            tokens += req.prompt_ids[s:s + n]
             lens.append(n)
-            starts.append(req.prefilled)
+            starts.append(s)
             slots.append(req.slot)
-        return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots)
+            if self.track_interval:
+                # strictly inside the chunk: its end is donated whole after the step
+                for pos in range((s // self.track_interval + 1) * self.track_interval, s + n, self.track_interval):
+                    slot = self.cache.alloc()
+                    if slot is None:
+                        break
+                    track.append((i, pos, slot))
+        return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots, self.cache.take_pending(), track=track)
 
-    def _admit(self, req: Req) -> None:
+    def _admit(self, req: Req) -> bool:
+        cached, node, src = self.cache.match(req.prompt_ids[:req.prefill_len])
+        slot = self.cache.alloc()
+        if slot is None:
+            self.cache.unlock(node)
+            return False
         self.waiting.remove(req)
-        req.slot = self.slots.alloc()
-        assert req.slot is not None, "plan_prefill admitted beyond free slots"
+        req.slot = slot
         self.running.append(req)
-        self.metrics.observe_lookup(len(req.prompt_ids), req.cached_tokens)
+        if cached:
+            self.cache.pending.copies.append((src, slot))
+            req.in_state = req.cached_tokens = cached
+            req.locked_node = node
+        elif req.prefill_len == 0:  # a one-token prompt decodes straight from the zero state
+            self.cache.pending.clears.append(slot)
+        self.metrics.observe_lookup(len(req.prompt_ids), cached)
         if req.params.seed is not None:
             self.generators[req.rid] = torch.Generator(device=self.device).manual_seed(req.params.seed)
+        return True
+
+    def _donate(self, req: Req) -> None:
+        """Give the request's state to the tree and continue in a fresh slot filled by a deferred copy."""
+        fresh = self.cache.alloc()
+        if fresh is None:
+            return
+        if self.cache.keep(req.tokens(req.in_state), req.slot):
+            self.cache.pending.copies.append((req.slot, fresh))
+            req.slot = fresh
+        else:
+            self.cache.free(fresh)
 
     # ---- results ------------------------------------------------------------------------------------
     def process_results(self, batch: ForwardBatch, plan: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        for req in self.running:  # every pending copy ran with this batch: release the snapshots
+            self.cache.unlock(req.locked_node)
+            req.locked_node = None
+        for i, pos, slot in batch.track:
+            if not self.cache.keep(plan[i][0].prompt_ids[:pos], slot):
+                self.cache.free(slot)
         rows, reqs = [], []
         for i, (req, n) in enumerate(plan):
+            req.in_state += n
             if batch.mode is ForwardMode.EXTEND:
-                req.prefilled += n
-                if not req.prefill_done:
+                if req.in_state < len(req.prompt_ids):
+                    if self.cache.enabled:
+                        self._donate(req)
                     continue
                 if req.params.max_new_tokens == 0:
                     self._finish(req, FinishReason.LENGTH)
                     continue
-            if req.finished:  # aborted while the step ran
-                continue
             rows.append(i)
             reqs.append(req)
         if not reqs:
@@ -240,8 +290,12 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
+        self.cache.unlock(req.locked_node)
+        req.locked_node = None
         if req.slot is not None:
-            self.slots.free(req.slot)
+            # the state covers prompt + output minus the last sampled token: the next turn starts there
+            if error or not self.cache.keep(req.tokens(req.in_state), req.slot):
+                self.cache.free(req.slot)
             req.slot = None
         self.reqs.pop(req.rid, None)
         self.generators.pop(req.rid, None)
@@ -257,19 +311,36 @@ class Scheduler:
 
     # ---- bookkeeping --------------------------------------------------------------------------------
     def _update_gauges(self) -> None:
-        self.metrics.running.set(len(self.running))
-        self.metrics.waiting.set(len(self.waiting))
-        self.metrics.slots_used.set(self.slots.num_used)
+        m = self.metrics
+        m.running.set(len(self.running))
+        m.waiting.set(len(self.waiting))
+        m.slots_used.set(self.slots.num_used)
+        m.slots_evictable.set(self.cache.evictable_slots)
+        if self.cache.evictions:
+            m.evictions.labels("gpu").inc(self.cache.evictions)
+            self.cache.evictions = 0
 
     def check_invariants(self) -> None:
-        """free + held by requests == capacity, and every held slot belongs to exactly one request."""
+        """free + held by requests + held by the tree == capacity; no slot shared or leaked."""
         held = [r.slot for r in self.running]
         assert None not in held, "running request without a slot"
         assert len(set(held)) == len(held), "two requests share a slot"
-        assert set(held) == self.slots.used_slots(), f"slot leak: used {self.slots.used_slots() - set(held)}"
-        assert self.slots.num_free + len(held) == self.slots.capacity, "slot accounting broken"
+        tree = set(self.cache.tree.all_slots()) if self.cache.enabled else set()
+        assert not tree & set(held), f"slots held by both a request and the tree: {tree & set(held)}"
+        assert tree | set(held) == self.slots.used_slots(), f"slot leak: {self.slots.used_slots() - tree - set(held)}"
+        assert self.slots.num_free + len(held) + len(tree) == self.slots.capacity, "slot accounting broken"
         assert all(r.slot is None for r in self.waiting), "waiting request holds a slot"
+        assert all(r.locked_node is None for r in self.running), "a snapshot stayed locked after its copy"
+        self.cache.check_invariants()
 
     def accounting(self) -> dict:
         return {"capacity": self.slots.capacity, "free": self.slots.num_free, "held_by_requests": len(self.running),
+                "held_by_tree": self.cache.tree_slots, "evictable": self.cache.evictable_slots,
                 "running": len(self.running), "waiting": len(self.waiting)}
+
+    def flush_cache(self) -> int:
+        """Empty the radix cache; refused while requests run (their snapshots may be in use)."""
+        if self.running or self.waiting:
+            raise CacheBusyError(f"cannot flush the cache while {len(self.running)} requests run and "
+                                 f"{len(self.waiting)} wait")
+        return self.cache.flush()

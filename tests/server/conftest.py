@@ -81,3 +81,9 @@ async def accounting(engine: Engine) -> dict:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def assert_idle(acc: dict) -> None:
+    """No request holds a slot; every slot is free or a cached snapshot."""
+    assert acc["running"] == 0 and acc["waiting"] == 0 and acc["held_by_requests"] == 0, acc
+    assert acc["free"] + acc["held_by_tree"] == acc["capacity"], acc

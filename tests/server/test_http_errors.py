@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.server.conftest import accounting, make_engine, run, serving
+from tests.server.conftest import accounting, assert_idle, make_engine, run, serving
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_bad_requests_get_clear_errors_and_nothing_leaks(engine):
         assert needle in err["message"], (path, body, err)
         assert err["type"] == "invalid_request_error" and err["code"]
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
-    assert acc["free"] == acc["capacity"]
+    assert_idle(acc)
     assert 'mambaserve_requests_rejected_total{reason="too_long"} 2.0' in metrics
 
 

@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import accounting, make_engine, run, uvicorn_server
+from tests.server.conftest import accounting, assert_idle, make_engine, run, uvicorn_server
 from tests.server.hf_reference import hf_greedy
 
 PROMPTS = [[(5 * i + 11 * k) % 90 + 1 for k in range(n)] for i, n in enumerate([3, 9, 21, 34, 2])]
@@ -64,7 +64,7 @@ def test_streams_match_non_streamed_results(engine, tiny_ckpt):
         hf_greedy(tiny_ckpt, engine.encode(text_prompt), N)[0])
     assert comp[-3]["choices"][0]["finish_reason"] == "length"
     assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[-2]["choices"][0]["finish_reason"]
-    assert acc["free"] == acc["capacity"]
+    assert_idle(acc)
 
 
 def test_abort_request_and_client_disconnect_free_the_slot(engine):
@@ -89,7 +89,7 @@ def test_abort_request_and_client_disconnect_free_the_slot(engine):
     assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
     assert aborted["meta_info"]["completion_tokens"] < 8000
     assert len(events) == 2
-    assert acc["free"] == acc["capacity"]
+    assert_idle(acc)
 
     def aborts(text):
         return float(next(line.split()[-1] for line in text.splitlines()
@@ -136,4 +136,4 @@ def test_burst_of_fifty_mixed_requests(engine, tiny_ckpt):
         elif kind == "bad":
             assert status in (400, 422) and body["error"]["message"], (i, body)
     assert after["output_ids"] == refs[3]
-    assert acc["free"] == acc["capacity"] and acc["running"] == 0
+    assert_idle(acc)

@@ -1,0 +1,126 @@
+"""Slot ownership between requests and the radix cache, and the state operations it implies.
+
+The scheduler asks this module for slots and tells it when states become worth keeping; it decides
+which deferred state operations (copy-on-write, clear) the next batch must run first. Plain Python
+over slot ids: the tree (``radix_cache``) and the allocator (``state_pool``) are both tensor-free.
+
+Where snapshots come from (DESIGN §5):
+  * admission: a request whose prompt prefix has a snapshot gets a fresh slot filled by a deferred
+    copy from it (copy-on-write; the tree's slot is never written by a request);
+  * the end of every prefill chunk that leaves the prompt unfinished, and the end of the prompt
+    minus its last token (which runs as the request's first decode step): the request's slot is
+    *donated* to the tree and the request continues in a fresh slot filled by a deferred copy;
+  * tracked positions every ``track_interval`` tokens inside a prompt (``extra_buffer``): states
+    emitted by the chunked scan are written into fresh slots during the forward;
+  * the end of a finished request: its slot goes to the tree at prompt + output minus the last
+    sampled token (whose state was never computed).
+``DisabledCache`` keeps the same interface with no tree: the plain engine.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mambaserve.server.forward_batch import StateOps
+from mambaserve.server.radix_cache import MambaRadixCache, TreeNode
+from mambaserve.server.state_pool import SlotAllocator
+
+
+class DisabledCache:
+    enabled = False
+
+    def __init__(self, allocator: SlotAllocator):
+        self.allocator = allocator
+        self.pending = StateOps()
+        self.evictions = 0
+
+    def take_pending(self) -> StateOps:
+        ops, self.pending = self.pending, StateOps()
+        return ops
+
+    def alloc(self) -> int | None:
+        return self.allocator.alloc()
+
+    def free(self, slot: int) -> None:
+        # a deferred op into a slot that is given up must not land on its next owner
+        self.pending.copies = [(s, d) for s, d in self.pending.copies if d != slot]
+        self.pending.clears = [c for c in self.pending.clears if c != slot]
+        self.allocator.free(slot)
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, TreeNode | None, int | None]:
+        return 0, None, None
+
+    def keep(self, tokens: Sequence[int], slot: int) -> bool:
+        """Offer a state to the cache; True if it took the slot (else the caller still owns it)."""
+        return False
+
+    def unlock(self, node: TreeNode | None) -> None:
+        pass
+
+    @property
+    def tree_slots(self) -> int:
+        return 0
+
+    @property
+    def evictable_slots(self) -> int:
+        return 0
+
+    def flush(self) -> int:
+        return 0
+
+    def check_invariants(self) -> None:
+        pass
+
+
+class PrefixCache(DisabledCache):
+    enabled = True
+
+    def __init__(self, allocator: SlotAllocator, page_size: int = 1):
+        super().__init__(allocator)
+        self.tree = MambaRadixCache(page_size)
+
+    def alloc(self) -> int | None:
+        slot = self.allocator.alloc()
+        if slot is None and self.tree.evictable_slots:
+            freed = self.tree.evict(1)
+            self.evictions += len(freed)
+            for s in freed:
+                self.free(s)
+            slot = self.allocator.alloc()
+        return slot
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, TreeNode | None, int | None]:
+        """Longest cached prefix of ``tokens``: (length, locked node, its slot). Unlock the node once
+        the copy from its slot has been recorded *and executed* (after the next forward)."""
+        m = self.tree.match_prefix(tokens)
+        if m.length == 0:
+            return 0, None, None
+        self.tree.lock(m.node)
+        return m.length, m.node, m.node.slot
+
+    def unlock(self, node: TreeNode | None) -> None:
+        if node is not None:
+            self.tree.unlock(node)
+
+    def keep(self, tokens: Sequence[int], slot: int) -> bool:
+        if not tokens:
+            return False
+        return self.tree.insert(tokens, slot).stored
+
+    @property
+    def tree_slots(self) -> int:
+        return self.tree.snapshot_slots
+
+    @property
+    def evictable_slots(self) -> int:
+        return self.tree.evictable_slots
+
+    def flush(self) -> int:
+        """Empty the tree (raises CacheBusyError while any snapshot is locked)."""
+        slots = self.tree.flush()
+        for s in slots:
+            self.free(s)
+        return len(slots)
+
+    def check_invariants(self) -> None:
+        self.tree.check_invariants()

@@ -1,0 +1,336 @@
+"""Mamba radix cache: a radix tree over token ids whose nodes may hold a state snapshot slot.
+
+Pure Python over integers (DESIGN §5): a *snapshot* is the id of a slot in the state pool holding
+the Mamba state (conv + SSM) after the node's last token. No tensors live here; the engine copies
+and frees the slots this tree names.
+
+Rules the engine relies on:
+
+* **Match.** ``match_prefix(key)`` walks the tree along ``key`` (splitting nothing) and returns the
+  deepest path node that holds a snapshot; ``length`` is that node's depth in tokens (0 and the
+  root on a miss). Path nodes below it without a snapshot, and a key ending inside an edge, do not
+  count: a Mamba model can only resume from a stored state. The engine passes the prompt minus
+  its last token (that token must run to produce logits), so ``cached_tokens == length``. A prompt
+  sent twice hits only if a snapshot sits exactly at ``len(prompt) - 1`` (or shorter): inserting
+  prompt+output at finish leaves that position mid-edge, so the engine must also insert the state
+  it has at ``len(prompt) - 1`` (insert at any length works, splitting an edge if needed).
+  With ``page_size > 1`` the key is first truncated down to a page multiple.
+* **Insert and slot ownership.** ``insert(key, slot)`` stores ``slot`` as the snapshot after
+  ``len(key)`` tokens. ``InsertResult.stored`` says who owns ``slot`` afterwards:
+  ``stored=True`` -> the tree owns it (it comes back from ``evict``/``flush``);
+  ``stored=False`` -> the caller still owns it and must free it. That happens when a snapshot
+  already exists at that key (``existed=True``, ``node`` = that node; the tree keeps its own slot)
+  or when the key is rejected (empty, or not a page multiple with ``page_size > 1``: the state is
+  for ``len(key)`` tokens and cannot be moved to another depth; ``node=None``).
+  Inserting a slot the tree already holds is a caller bug and raises ``ValueError``.
+* **Locking.** ``lock(node)`` ref-counts the node and all its ancestors; snapshots on locked nodes
+  are never evicted and locked nodes are never removed. Lock the node *before* using the slot it
+  returned (before the copy-on-write is recorded) and unlock it once the copy has executed or the
+  request ends; each ``lock`` needs exactly one ``unlock``. Locking the root (a miss) is allowed.
+* **Eviction.** ``evict(n)`` frees up to ``n`` unlocked snapshots, least recently used first, and
+  returns their slot ids (the caller returns them to the pool). An inner node losing its snapshot
+  stays as a *tombstone* (its children still need the path); a leaf without a snapshot is removed,
+  then its childless, unlocked, snapshot-less ancestors too.
+* **Recency.** A logical clock ticks once per ``match_prefix`` hit and per ``insert``; the tick is
+  stamped on the touched node and all its ancestors, so ``parent.last_access >= child.last_access``
+  always. Eviction orders by ``(last_access, depth)``: among nodes touched by the same operation the
+  shallower goes first, i.e. along a touched path a child is more recent than its parent, and a
+  conversation's deepest (longest, most useful) state outlives its earlier turns. A *global*
+  "child more recent than parent" cannot hold under any path-touch LRU: touching S via branch X
+  makes S newer than its idle branch Y (which is the right thing to evict first).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class CacheBusyError(RuntimeError):
+    """The operation needs an idle tree, but some node is locked by a running request."""
+
+
+class TreeNode:
+    """One edge of the tree plus the node at its end.
+
+    ``key`` holds the edge tokens from the parent; ``depth`` is the token count from the root to the
+    end of this edge. Identity matters: requests hold ``TreeNode`` objects, so a split keeps the
+    existing object as the lower half (where its snapshot and holders' expectations live).
+    """
+
+    __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], parent: TreeNode | None, depth: int, last_access: int = 0):
+        self.key = key
+        self.parent = parent
+        self.children: dict[object, TreeNode] = {}  # first token (page_size 1) or first page -> child
+        self.depth = depth
+        self.slot: int | None = None  # snapshot slot id, None = no snapshot (tombstone or split point)
+        self.lock_ref = 0  # locks on this node + locks on all its descendants
+        self.last_access = last_access
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(depth={self.depth}, edge={len(self.key)}, slot={self.slot}, "
+                f"lock_ref={self.lock_ref}, last_access={self.last_access}, children={len(self.children)})")
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    node: TreeNode  # deepest path node holding a snapshot, or the root on a miss
+    length: int  # node.depth: the number of prompt tokens served from the cache
+
+    @property
+    def slot(self) -> int | None:
+        return self.node.slot
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    node: TreeNode | None  # node at exactly len(key) tokens; None when the key was rejected
+    existed: bool  # a snapshot was already there; the tree kept it
+    stored: bool  # the tree took ownership of the slot passed in (else the caller frees it)
+
+
+def _require(cond: bool, msg: str) -> None:
+    # Explicit raise rather than `assert`, so the checks also run under `python -O`.
+    if not cond:
+        raise AssertionError(msg)
+
+
+class MambaRadixCache:
+    """Radix tree of state snapshots with LRU eviction and lock ref-counts. See the module docstring."""
+
+    def __init__(self, page_size: int = 1):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._clock = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.root = TreeNode((), None, 0, self._clock)
+        self._owner: dict[int, TreeNode] = {}  # slot -> node holding it
+        self._evictable = 0
+        self._protected = 0
+
+    # ---------------------------------------------------------------- sizes
+
+    @property
+    def snapshot_slots(self) -> int:
+        return len(self._owner)
+
+    @property
+    def evictable_slots(self) -> int:
+        """Snapshots on unlocked nodes: what ``evict`` can free right now."""
+        return self._evictable
+
+    @property
+    def protected_slots(self) -> int:
+        """Snapshots on locked nodes (the matched node of a running request and its ancestors)."""
+        return self._protected
+
+    def all_slots(self) -> list[int]:
+        return list(self._owner)
+
+    # ---------------------------------------------------------------- match / insert
+
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        """Deepest snapshot on ``key``'s path; refreshes the recency of that node and its ancestors."""
+        key = tuple(key)
+        n = len(key) - len(key) % self.page_size
+        node, pos, best = self.root, 0, self.root
+        while pos < n:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            m = self._common_len(child.key, key, pos, n)
+            if m < len(child.key):
+                break  # the key ends or diverges inside this edge: no state there
+            node, pos = child, pos + m
+            if node.slot is not None:
+                best = node
+        if best is not self.root:
+            self._touch(best)
+        return MatchResult(best, best.depth)
+
+    def insert(self, key: Sequence[int], slot: int) -> InsertResult:
+        """Store ``slot`` as the snapshot after ``len(key)`` tokens; see the module docstring for ownership."""
+        if slot < 1:
+            raise ValueError(f"slot {slot} is not a snapshot slot (slot 0 is the pool's null slot)")
+        if slot in self._owner:
+            raise ValueError(f"slot {slot} is already held by the tree at depth {self._owner[slot].depth}")
+        key = tuple(key)
+        n = len(key)
+        if n == 0 or n % self.page_size:
+            return InsertResult(None, existed=False, stored=False)
+        node, pos = self.root, 0
+        while pos < n:
+            ck = self._child_key(key, pos)
+            child = node.children.get(ck)
+            if child is None:
+                child = TreeNode(key[pos:], node, n)
+                node.children[ck] = child
+                node, pos = child, n
+                break
+            m = self._common_len(child.key, key, pos, n)  # >= 1 page: the first page matched
+            if m < len(child.key):
+                child = self._split(child, m)
+            node, pos = child, pos + m
+        self._touch(node)
+        if node.slot is not None:
+            return InsertResult(node, existed=True, stored=False)
+        node.slot = slot
+        self._owner[slot] = node
+        if node.lock_ref:
+            self._protected += 1
+        else:
+            self._evictable += 1
+        return InsertResult(node, existed=False, stored=True)
+
+    # ---------------------------------------------------------------- locking
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors: their snapshots cannot be evicted until ``unlock``."""
+        for n in self._path_to_root(node):
+            if n.lock_ref == 0 and n.slot is not None:
+                self._evictable -= 1
+                self._protected += 1
+            n.lock_ref += 1
+
+    def unlock(self, node: TreeNode) -> None:
+        path = self._path_to_root(node)
+        if node.lock_ref <= 0:
+            raise RuntimeError(f"unlock without a matching lock: {node!r}")
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0 and n.slot is not None:
+                self._protected -= 1
+                self._evictable += 1
+        # A node locked while it had no snapshot may have become a tombstone leaf meanwhile.
+        self._prune(node)
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict(self, num_slots: int) -> list[int]:
+        """Free up to ``num_slots`` unlocked snapshots, LRU first; returns their slot ids in order.
+
+        O(S log S) in the number of snapshots S per call, which is bounded by the state pool
+        (hundreds to a few thousand slots), so a scan beats keeping an ordered index in sync.
+        """
+        if num_slots <= 0:
+            return []
+        candidates = [n for n in self._owner.values() if n.lock_ref == 0]
+        victims = heapq.nsmallest(num_slots, candidates, key=lambda n: (n.last_access, n.depth))
+        freed = []
+        for node in victims:
+            freed.append(node.slot)
+            del self._owner[node.slot]
+            node.slot = None
+            self._evictable -= 1
+            self._prune(node)  # leaf -> removed with its bare ancestors; inner node -> tombstone
+        return freed
+
+    def flush(self) -> list[int]:
+        """Empty the tree and return every snapshot slot; refused while anything is locked."""
+        if self.root.lock_ref:
+            raise CacheBusyError(
+                f"cannot flush the radix cache: {self.root.lock_ref} lock(s) held by running requests "
+                f"({self._protected} protected snapshot(s))")
+        slots = self.all_slots()
+        self._reset()
+        return slots
+
+    # ---------------------------------------------------------------- checks
+
+    def check_invariants(self) -> None:
+        """Walk the whole tree; raise AssertionError naming the first broken invariant (debug mode)."""
+        r = self.root
+        _require(r.parent is None and r.key == () and r.depth == 0 and r.slot is None, f"bad root {r!r}")
+        _require(r.last_access <= self._clock, "root stamped in the future")
+        seen: dict[int, TreeNode] = {}
+        evictable = protected = 0
+        stack = [r]
+        while stack:
+            node = stack.pop()
+            _require(node.lock_ref >= 0, f"negative lock count on {node!r}")
+            child_locks = 0
+            for ck, child in node.children.items():
+                _require(child.parent is node, f"{child!r} has a wrong parent pointer")
+                _require(len(child.key) > 0, f"empty edge at {child!r}")
+                _require(ck == self._child_key(child.key, 0), f"{child!r} filed under a wrong child key")
+                _require(len(child.key) % self.page_size == 0,
+                         f"edge of {len(child.key)} tokens is not a multiple of page_size {self.page_size}")
+                _require(child.depth == node.depth + len(child.key), f"wrong depth on {child!r}")
+                _require(child.last_access <= node.last_access,
+                         f"{child!r} is more recent than its parent {node!r}: a touch missed an ancestor")
+                child_locks += child.lock_ref
+                stack.append(child)
+            _require(node.lock_ref >= child_locks,
+                     f"{node!r} has fewer locks than its children together ({child_locks})")
+            if node is not r and node.slot is None and not node.children:
+                _require(node.lock_ref > 0, f"tombstone leaf left in the tree: {node!r}")
+            if node.slot is not None:
+                _require(node.slot not in seen, f"slot {node.slot} held by two nodes")
+                _require(self._owner.get(node.slot) is node, f"slot index out of date for {node!r}")
+                seen[node.slot] = node
+                if node.lock_ref:
+                    protected += 1
+                else:
+                    evictable += 1
+        _require(len(seen) == len(self._owner),
+                 f"slot index holds {len(self._owner)} slots, tree holds {len(seen)}")
+        _require((evictable, protected) == (self._evictable, self._protected),
+                 f"evictable/protected counters {self._evictable}/{self._protected}, "
+                 f"tree says {evictable}/{protected}")
+
+    # ---------------------------------------------------------------- internals
+
+    def _child_key(self, key: tuple[int, ...], pos: int) -> object:
+        # Edges are page-aligned, so two children never share their first page.
+        return key[pos] if self.page_size == 1 else key[pos:pos + self.page_size]
+
+    def _common_len(self, edge: tuple[int, ...], key: tuple[int, ...], pos: int, end: int) -> int:
+        """Tokens of ``edge`` matching ``key[pos:end]``, rounded down to a page multiple."""
+        limit = min(len(edge), end - pos)
+        if key[pos:pos + limit] == edge[:limit]:  # common case: whole overlap matches (C-speed compare)
+            m = limit
+        else:
+            m = next(i for i in range(limit) if key[pos + i] != edge[i])
+        return m - m % self.page_size
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut ``child``'s edge after ``m`` tokens; the new upper node carries no snapshot."""
+        parent = child.parent
+        mid = TreeNode(child.key[:m], parent, child.depth - len(child.key) + m, child.last_access)
+        mid.lock_ref = child.lock_ref  # every lock through `child` also passes through `mid`
+        parent.children[self._child_key(child.key, 0)] = mid
+        child.key = child.key[m:]
+        child.parent = mid
+        mid.children[self._child_key(child.key, 0)] = child
+        return mid
+
+    def _touch(self, node: TreeNode) -> None:
+        self._clock += 1
+        while node is not None:
+            node.last_access = self._clock
+            node = node.parent
+
+    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        n = node
+        while n is not None:
+            path.append(n)
+            n = n.parent
+        if path[-1] is not self.root:
+            raise ValueError(f"{node!r} is not in this tree (removed by eviction or flush?)")
+        return path
+
+    def _prune(self, node: TreeNode) -> None:
+        """Remove ``node`` and then its ancestors while each is a bare, unlocked leaf."""
+        while (node is not self.root and node.slot is None and not node.children
+               and node.lock_ref == 0):
+            parent = node.parent
+            del parent.children[self._child_key(node.key, 0)]
+            node.parent = None  # detach, so a stale reference fails loudly in lock/unlock
+            node = parent

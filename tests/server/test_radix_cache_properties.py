@@ -1,0 +1,177 @@
+"""Property-based tests for the Mamba radix cache: random insert / match+lock / unlock / evict / flush.
+
+The oracle is deliberately naive: a dict {key tuple: slot} of stored snapshots plus the list of
+touch events (tick, key). It predicts match lengths and slots, which snapshots are pinned by locks,
+the exact eviction order (least recent touch covering the key first, shallower first on ties) and
+the slot accounting (every stored slot is either in the tree or was returned exactly once).
+"""
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mambaserve.server.radix_cache import CacheBusyError, MambaRadixCache
+
+# Three token values and short keys give lots of shared prefixes, splits and tombstones.
+KEYS = st.lists(st.integers(0, 2), max_size=8).map(tuple)
+
+
+class RadixCacheMachine(RuleBasedStateMachine):
+    page_size = 1
+
+    @initialize()
+    def setup(self):
+        self.cache = MambaRadixCache(page_size=self.page_size)
+        self.model: dict[tuple, int] = {}  # stored snapshots: key -> slot
+        self.events: list[tuple[int, tuple]] = []  # (tick, touched key), tick = operation order
+        self.tick = 0
+        self.locks: list[tuple] = []  # (node, key of the locked node, slot it held)
+        self.next_slot = 1
+        self.stored: set[int] = set()  # slots the tree took ownership of
+        self.returned: list[int] = []  # slots given back by evict / flush
+
+    # ------------------------------------------------------------ oracle
+
+    def _touch(self, key):
+        self.tick += 1
+        self.events.append((self.tick, key))
+
+    def _recency(self, key):
+        return max(t for t, k in self.events if k[: len(key)] == key)
+
+    def _expected_match(self, query):
+        n = len(query) - len(query) % self.page_size
+        hits = [k for k in self.model if len(k) <= n and query[: len(k)] == k]
+        return max(hits, key=len) if hits else ()
+
+    def _pinned(self):
+        return {k for k in self.model for _, lk, _ in self.locks if lk[: len(k)] == k}
+
+    # ------------------------------------------------------------ rules
+
+    @rule(key=KEYS)
+    def insert_random(self, key):
+        self._insert(key)
+
+    def _insert(self, key):
+        slot = self.next_slot
+        self.next_slot += 1
+        r = self.cache.insert(key, slot)
+        if len(key) == 0 or len(key) % self.page_size:
+            assert (r.node, r.existed, r.stored) == (None, False, False)
+            return
+        self._touch(key)
+        assert r.node.depth == len(key)
+        if key in self.model:
+            assert r.existed and not r.stored and r.node.slot == self.model[key]
+        else:
+            assert r.stored and not r.existed and r.node.slot == slot
+            self.model[key] = slot
+            self.stored.add(slot)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def insert_near_existing(self, data):
+        """Cut an existing key and maybe extend it: targets edge splits, also of locked edges."""
+        locked = [k for _, k, _ in self.locks if k]
+        if locked and data.draw(st.booleans(), label="under a lock"):
+            base = data.draw(st.sampled_from(locked), label="locked base")
+        else:
+            base = data.draw(st.sampled_from(sorted(self.model)), label="base")
+        cut = data.draw(st.integers(0, len(base)), label="cut")
+        suffix = data.draw(st.lists(st.integers(0, 2), max_size=3), label="suffix")
+        self._insert(base[:cut] + tuple(suffix))
+
+    @rule(key=KEYS, lock=st.booleans())
+    def match_random(self, key, lock):
+        self._match(key, lock)
+
+    def _match(self, key, lock):
+        m = self.cache.match_prefix(key)
+        expected = self._expected_match(key)
+        assert m.length == len(expected), (key, expected, m)
+        assert m.node.slot == self.model.get(expected)
+        if expected:
+            self._touch(expected)
+        if lock:
+            self.cache.lock(m.node)
+            self.locks.append((m.node, expected, m.node.slot))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), lock=st.booleans())
+    def match_near_existing(self, data, lock):
+        """Query a stored key plus a random tail: a hit (often on an inner snapshot) to lock."""
+        base = data.draw(st.sampled_from(sorted(self.model)), label="base")
+        suffix = data.draw(st.lists(st.integers(0, 2), max_size=3), label="suffix")
+        self._match(base + tuple(suffix), lock)
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        i = data.draw(st.integers(0, len(self.locks) - 1), label="lock index")
+        node, _, _ = self.locks.pop(i)
+        self.cache.unlock(node)
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n):
+        pinned = self._pinned()
+        candidates = sorted((k for k in self.model if k not in pinned),
+                            key=lambda k: (self._recency(k), len(k)))
+        expected = [self.model[k] for k in candidates[:n]]
+        freed = self.cache.evict(n)
+        assert freed == expected, (freed, expected)
+        for k in candidates[:n]:
+            del self.model[k]
+        self.returned += freed
+
+    @rule()
+    def flush(self):
+        if self.locks:
+            try:
+                self.cache.flush()
+            except CacheBusyError:
+                return
+            raise AssertionError("flush succeeded while nodes were locked")
+        freed = self.cache.flush()
+        assert sorted(freed) == sorted(self.model.values())
+        self.model.clear()
+        self.returned += freed
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def tree_invariants(self):
+        self.cache.check_invariants()
+
+    @invariant()
+    def slot_accounting(self):
+        in_tree = self.cache.all_slots()
+        assert sorted(in_tree) == sorted(self.model.values())
+        assert len(self.returned) == len(set(self.returned)), "a slot was returned twice"
+        assert not set(self.returned) & set(in_tree), "a returned slot is still in the tree"
+        assert set(self.returned) | set(in_tree) == self.stored, "a stored slot leaked"
+        pinned = self._pinned()
+        assert self.cache.protected_slots == len(pinned)
+        assert self.cache.evictable_slots == len(self.model) - len(pinned)
+
+    @invariant()
+    def locked_snapshots_intact(self):
+        for node, key, slot in self.locks:
+            assert node.slot == slot and node.depth == len(key)
+            top = node
+            while top.parent is not None:
+                top = top.parent
+            assert top is self.cache.root, "a locked node was removed from the tree"
+
+
+class PagedRadixCacheMachine(RadixCacheMachine):
+    page_size = 2
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=50, derandomize=True, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+TestRadixCache = RadixCacheMachine.TestCase
+TestRadixCache.settings = SETTINGS
+TestPagedRadixCache = PagedRadixCacheMachine.TestCase
+TestPagedRadixCache.settings = SETTINGS

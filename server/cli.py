@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-radix-cache", action="store_true", help="turn prefix caching off")
     s.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
     s.add_argument("--session-timeout", type=float, default=600.0, help="default idle timeout of a session (s)")
+    s.add_argument("--session-snapshot-dir", default="mambaserve-sessions",
+                   help="directory where /sessions/{id}/snapshot writes and /sessions/restore reads session files "
+                        "(share it between servers to migrate sessions)")
     s.add_argument("--debug-cache-invariants", action="store_true",
                    help="check slot accounting after every step (slow; for tests and debugging)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")

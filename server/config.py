@@ -25,6 +25,7 @@ class ServerConfig:
     disable_radix_cache: bool = False
     max_sessions: int = 1024
     session_timeout: float = 600.0
+    session_snapshot_dir: str = "mambaserve-sessions"
     debug_cache_invariants: bool = False
     log_level: str = "info"
     seed: int = 0

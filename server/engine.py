@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 import torch
 
+from mambaserve.server import session_snapshot
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.detokenizer import IncrementalDetokenizer
 from mambaserve.server.metrics import ServerMetrics
@@ -22,6 +23,7 @@ from mambaserve.server.model_loader import DTYPES, load_model, resolve_device, r
 from mambaserve.server.model_runner import ModelRunner
 from mambaserve.server.request import BadRequest, Req, SamplingParams, StepOutput
 from mambaserve.server.scheduler import Scheduler
+from mambaserve.server.sessions import TurnParams
 from mambaserve.server.state_pool import MambaStatePool
 from mambaserve.server.tokenizer import load_tokenizer
 
@@ -51,7 +53,10 @@ class Engine:
             ModelRunner(self.model, self.pool, self.device), self.metrics,
             max_running=cfg.running_limit(is_cuda), chunked_prefill_size=cfg.chunked_prefill_size,
             context_length=self.context_length, seed=cfg.seed, debug_invariants=cfg.debug_cache_invariants,
-            radix_cache=not cfg.disable_radix_cache, page_size=cfg.page_size, track_interval=self.track_interval)
+            radix_cache=not cfg.disable_radix_cache, page_size=cfg.page_size, track_interval=self.track_interval,
+            max_sessions=cfg.max_sessions, session_timeout=cfg.session_timeout,
+            snapshot_dir=Path(cfg.session_snapshot_dir),
+            compat=session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]))
         eos = set(d.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -113,8 +118,12 @@ class Engine:
         return params
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
-                       return_logprob: bool = False, top_logprobs_num: int = 0) -> AsyncIterator[StepOutput]:
-        """Yield increments until the request finishes; closing the iterator early aborts the request."""
+                       return_logprob: bool = False, top_logprobs_num: int = 0, session_id: str | None = None,
+                       turn_params: TurnParams | None = None) -> AsyncIterator[StepOutput]:
+        """Yield increments until the request finishes; closing the iterator early aborts the request.
+
+        With ``session_id``, ``prompt_ids`` are the turn's new tokens only; the session adds its history.
+        A refused request yields one output with ``error_status`` set."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         rid = rid or self.new_rid()
@@ -126,7 +135,8 @@ class Engine:
                                                      prompt_tail=list(prompt_ids[-4:])),
                   emit=lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                  stop_token_ids=frozenset(stop_ids))
+                  stop_token_ids=frozenset(stop_ids), session_id=session_id,
+                  turn_params=turn_params or TurnParams())
         self.scheduler.submit(req)
         finished = False
         try:

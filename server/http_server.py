@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mambaserve.server.engine import Engine
-from mambaserve.server.protocol import AbortRequest, GenerateRequest
+from mambaserve.server.protocol import (AbortRequest, CloseSessionRequest, GenerateRequest, OpenSessionRequest,
+                                        RestoreRequest, SnapshotRequest)
+from mambaserve.server.sessions import SessionError, TurnParams
 from mambaserve.server.radix_cache import CacheBusyError
 from mambaserve.server.request import BadRequest, FinishReason, SamplingParams, StepOutput
 
@@ -32,6 +34,27 @@ def error_response(status: int, message: str, code: str = "invalid_request",
 
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def admitted(stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+    """Wait for the request's first output: raise its refusal as an HTTP error (unknown session,
+    busy session, ...) before any response starts; else return a stream that begins with it."""
+    first = await stream.__anext__()
+    if first.error_status is not None:
+        await stream.aclose()
+        raise BadRequest(first.error or "request refused", code=first.error_code or "refused",
+                         status=first.error_status)
+
+    async def chained():
+        try:
+            yield first
+            if not first.finished:
+                async for out in stream:
+                    yield out
+        finally:
+            await stream.aclose()
+
+    return chained()
 
 
 async def collect(request: Request, stream: AsyncIterator[StepOutput]) -> list[StepOutput]:
@@ -154,13 +177,14 @@ def create_app(engine: Engine) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request):
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
-        if body.session_params:
-            raise BadRequest("sessions are not supported yet", code="unsupported_parameter")
         ids = engine.encode(body.text) if body.text is not None else body.input_ids
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
         params = engine.check_prompt(ids, body.sampling_params.params(), explicit)
-        stream = engine.generate(ids, params, rid=body.rid, return_logprob=body.return_logprob,
-                                 top_logprobs_num=body.top_logprobs_num)
+        sp = body.session_params
+        turn = TurnParams(sp.rid, sp.offset, sp.replace, sp.drop_previous_output) if sp else None
+        stream = await admitted(engine.generate(ids, params, rid=body.rid, return_logprob=body.return_logprob,
+                                                top_logprobs_num=body.top_logprobs_num,
+                                                session_id=sp.id if sp else None, turn_params=turn))
         if body.stream:
             return StreamingResponse(_native_stream(stream), media_type="text/event-stream")
         outs = await collect(request, stream)
@@ -184,6 +208,36 @@ def create_app(engine: Engine) -> FastAPI:
                 payload = _native_payload(outs, out.rid, out.logprobs is not None)
                 yield sse(payload)
         yield sse("[DONE]")
+
+    @app.exception_handler(SessionError)
+    async def _session_error(_, e: SessionError):
+        return error_response(e.status, str(e), e.code)
+
+    @app.post("/open_session")
+    async def open_session(body: OpenSessionRequest):
+        return await engine.run_in_scheduler(lambda: engine.scheduler.sessions.open(
+            body.session_id, body.streaming, body.timeout, body.capacity_of_str_len))
+
+    @app.post("/close_session")
+    async def close_session(body: CloseSessionRequest):
+        await engine.run_in_scheduler(lambda: engine.scheduler.sessions.close(body.session_id))
+        return {"success": True}
+
+    @app.post("/sessions/{session_id}/snapshot")
+    async def snapshot_session(session_id: str, body: SnapshotRequest | None = None):
+        name = body.name if body else None
+        for _ in range(500):  # a turn that just answered folds its last token within a step
+            try:
+                return await engine.run_in_scheduler(lambda: engine.scheduler.sessions.snapshot(session_id, name))
+            except SessionError as e:
+                if e.code != "session_folding":
+                    raise
+            await asyncio.sleep(0.01)
+        raise SessionError(503, f"session {session_id!r} did not become idle", "session_busy")
+
+    @app.post("/sessions/restore")
+    async def restore_session(body: RestoreRequest):
+        return await engine.run_in_scheduler(lambda: engine.scheduler.sessions.restore(body.name, body.session_id))
 
     from mambaserve.server.openai_api import add_openai_routes
 

@@ -43,6 +43,13 @@ class ServerMetrics:
         self.hit_rate = Gauge("mambaserve_cache_hit_rate",
                               "Hit tokens / queried tokens over a sliding window (convenience)", registry=r)
         self.evictions = Counter("mambaserve_cache_evictions", "Snapshots evicted", ["tier"], registry=r)
+        self.sessions_open = Gauge("mambaserve_sessions_open", "Open sessions", registry=r)
+        self.session_held_slots = Gauge("mambaserve_session_held_slots",
+                                        "State slots held by streaming sessions between turns", registry=r)
+        self.sessions_closed = Counter("mambaserve_sessions_closed", "Closed sessions by reason", ["reason"],
+                                       registry=r)
+        self.session_restores = Counter("mambaserve_session_restores", "Sessions restored from a snapshot",
+                                        registry=r)
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
 

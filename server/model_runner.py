@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from mambaserve import kernels
-from mambaserve.server.forward_batch import ForwardBatch, ForwardMode
+from mambaserve.server.forward_batch import ForwardBatch, ForwardMode, StateOps
 from mambaserve.server.mamba2_model import BatchTensors, Mamba2ForCausalLM
 from mambaserve.server.state_pool import MambaStatePool
 
@@ -24,8 +24,7 @@ class ModelRunner:
     def __init__(self, model: Mamba2ForCausalLM, pool: MambaStatePool, device: torch.device):
         self.model, self.pool, self.device = model, pool, device
 
-    def _apply_state_ops(self, batch: ForwardBatch) -> None:
-        ops = batch.state_ops
+    def apply_state_ops(self, ops: StateOps) -> None:
         if ops.copies:
             src = torch.tensor([s for s, _ in ops.copies], device=self.device)
             dst = torch.tensor([d for _, d in ops.copies], device=self.device)
@@ -37,7 +36,7 @@ class ModelRunner:
             kernels.clear_slots(self.pool.ssm, idx)
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        self._apply_state_ops(batch)
+        self.apply_state_ops(batch.state_ops)
         dev = self.device
         lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from mambaserve.server.engine import Engine
-from mambaserve.server.http_server import collect, error_response, sse
+from mambaserve.server.http_server import admitted, collect, error_response, sse
 from mambaserve.server.protocol import ChatRequest, CompletionRequest
 from mambaserve.server.request import BadRequest, StepOutput
 from mambaserve.server.tokenizer import render_chat
@@ -74,16 +74,17 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
         want_lp = body.logprobs is not None
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def gen(i):
-            return engine.generate(prompts[i], params[i], return_logprob=want_lp, top_logprobs_num=body.logprobs or 0)
+        session_id = request.headers.get("x-session-id") or body.session_id
+        if (session_id or body.stream) and len(prompts) != 1:
+            raise BadRequest("streaming and session turns take a single prompt")
+        streams = await asyncio.gather(*(admitted(engine.generate(
+            ids, p, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0, session_id=session_id))
+            for ids, p in zip(prompts, params)))
 
         if body.stream:
-            if len(prompts) != 1:
-                raise BadRequest("streaming takes a single prompt")
-
             async def events():
                 offset = 0
-                async with contextlib.aclosing(gen(0)) as it:
+                async with contextlib.aclosing(streams[0]) as it:
                     async for out in it:
                         if not out.text and not out.finished:
                             continue
@@ -102,7 +103,7 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        results = await asyncio.gather(*(collect(request, gen(i)) for i in range(len(prompts))))
+        results = await asyncio.gather(*(collect(request, st) for st in streams))
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
                               "prompt_tokens_details": {"cached_tokens": 0}}
         for i, outs in enumerate(results):
@@ -122,7 +123,9 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model)
+        session_id = request.headers.get("x-session-id") or body.session_id
         try:
+            # with a session, `messages` are only the new turn's: rendered alone, appended to the history
             text = render_chat(engine.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
         except ValueError as e:
             raise BadRequest(str(e)) from None
@@ -131,7 +134,8 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
         explicit = max_tokens is not None
         params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)
         top_n = body.top_logprobs or 0
-        stream = engine.generate(ids, params, return_logprob=body.logprobs, top_logprobs_num=top_n)
+        stream = await admitted(engine.generate(ids, params, return_logprob=body.logprobs, top_logprobs_num=top_n,
+                                                session_id=session_id))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             async def events():

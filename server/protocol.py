@@ -126,8 +126,36 @@ class GenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     rid: str | None = None
-    session_params: dict[str, Any] | None = None
+    session_params: "SessionParams | None" = None
 
 
 class AbortRequest(_Body):
     rid: str
+
+
+class SessionParams(_Body):
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
+class OpenSessionRequest(_Body):
+    capacity_of_str_len: int | None = Field(default=None, ge=0)
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    streaming: bool = False
+    timeout: float | None = None
+
+
+class CloseSessionRequest(_Body):
+    session_id: str
+
+
+class SnapshotRequest(_Body):
+    name: str | None = None
+
+
+class RestoreRequest(_Body):
+    name: str
+    session_id: str | None = None

@@ -69,6 +69,8 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     error: str | None = None
+    error_status: int | None = None  # set when the request was refused before running (HTTP status)
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -91,6 +93,10 @@ class Req:
     in_state: int = 0  # tokens of prompt + output already folded into the slot's state
     cached_tokens: int = 0
     locked_node: object | None = None  # radix node whose snapshot is being copied in (unlocked after the copy)
+    session_id: str | None = None
+    turn_params: object | None = None  # sessions.TurnParams
+    session: object | None = None  # sessions.Session, once the turn is accepted
+    folding: bool = False  # finished; its last token runs once more so the session's state covers it
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     created: float = field(default_factory=time.monotonic)

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,6 +23,8 @@ from mambaserve.server.metrics import ServerMetrics
 from mambaserve.server.model_runner import ModelRunner
 from mambaserve.server.prefix_cache import DisabledCache, PrefixCache
 from mambaserve.server.radix_cache import CacheBusyError
+from mambaserve.server.session_manager import SessionManager
+from mambaserve.server.sessions import SessionError, SessionTable
 from mambaserve.server.request import FinishReason, Req, StepOutput
 from mambaserve.server.sampling import sample
 from mambaserve.server.schedule_policy import PrefillCandidate, plan_prefill
@@ -32,11 +35,16 @@ log = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int, chunked_prefill_size: int,
                  context_length: int, seed: int = 0, debug_invariants: bool = False, radix_cache: bool = True,
-                 page_size: int = 1, track_interval: int = 0):
+                 page_size: int = 1, track_interval: int = 0, max_sessions: int = 1024,
+                 session_timeout: float = 600.0, snapshot_dir: Path | None = None, compat: dict | None = None):
         self.runner = runner
         self.slots = runner.pool.allocator
         self.cache = PrefixCache(self.slots, page_size) if radix_cache else DisabledCache(self.slots)
         self.track_interval = track_interval if radix_cache else 0
+        self.sessions = SessionManager(SessionTable(max_sessions, session_timeout), self.cache, runner.pool, metrics,
+                                       snapshot_dir or Path("mambaserve-sessions"), compat or {},
+                                       self._apply_pending_now)
+        self._next_reap = 0.0
         self.metrics = metrics
         self.max_running = max_running
         self.chunk = chunked_prefill_size
@@ -95,6 +103,10 @@ class Scheduler:
                 self._fail_running(f"internal error: {e}")
 
     def step(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_reap:  # idle sessions are closed within a second of their timeout
+            self.sessions.reap(now)
+            self._next_reap = now + 0.5
         batch, plan = self.schedule()
         if batch is not None:
             out = self.runner.forward(batch)
@@ -130,6 +142,15 @@ class Scheduler:
         if req.rid in self.reqs:
             req.emit(self._output(req, [], "", finish=FinishReason.ABORT, error=f"duplicate request id {req.rid!r}"))
             return
+        if req.session_id is not None:
+            try:
+                self.sessions.begin_turn(req, req.session_id, req.turn_params, self.context_length)
+            except SessionError as e:
+                req.finish_reason = FinishReason.ABORT
+                out = self._output(req, [], "", finish=FinishReason.ABORT, error=str(e))
+                out.error_status, out.error_code = e.status, e.code
+                req.emit(out)
+                return
         # With a cache, the prompt's last token runs as the first decode step, so that the state after
         # the prompt minus that token exists and can be kept: the same prompt sent again then hits.
         req.prefill_len = len(req.prompt_ids) - (1 if self.cache.enabled else 0)
@@ -139,7 +160,9 @@ class Scheduler:
 
     def _abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
-        if req is not None and not req.finished:
+        if req is not None and req.folding:
+            self._finish(req, req.finish_reason, emit=False)  # answered already; the fold is skipped
+        elif req is not None and not req.finished:
             self._finish(req, FinishReason.ABORT)
 
     # ---- scheduling ---------------------------------------------------------------------------------
@@ -147,7 +170,8 @@ class Scheduler:
         """An EXTEND batch if any prompt has tokens to prefill, else a DECODE batch of every running
         request; the deferred state ops recorded since the last forward ride on whichever runs."""
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in self.running if not r.prefill_done]
-        cands += [PrefillCandidate(r, r.prefill_len, True) for r in self.waiting]
+        cands += [PrefillCandidate(r, r.prefill_len, not self._has_live_slot(r)) for r in self.waiting
+                  if r.session is None or not r.session.awaiting_fold]  # the live state arrives next step
         plan = plan_prefill(cands, self.chunk, self.slots.num_free + self.cache.evictable_slots,
                             len(self.running), self.max_running)
         chunks = []
@@ -183,8 +207,18 @@ class Scheduler:
                     track.append((i, pos, slot))
         return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots, self.cache.take_pending(), track=track)
 
+    @staticmethod
+    def _has_live_slot(req: Req) -> bool:
+        return req.session is not None and req.session.streaming and req.session.slot is not None
+
     def _admit(self, req: Req) -> bool:
-        cached, node, src = self.cache.match(req.prompt_ids[:req.prefill_len])
+        if self.sessions.take_live_slot(req):
+            self.waiting.remove(req)
+            self.running.append(req)
+            self._seed(req)
+            return True
+        # the last token must run to produce logits: never match the whole prompt
+        cached, node, src = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
         slot = self.cache.alloc()
         if slot is None:
             self.cache.unlock(node)
@@ -199,9 +233,12 @@ class Scheduler:
         elif req.prefill_len == 0:  # a one-token prompt decodes straight from the zero state
             self.cache.pending.clears.append(slot)
         self.metrics.observe_lookup(len(req.prompt_ids), cached)
+        self._seed(req)
+        return True
+
+    def _seed(self, req: Req) -> None:
         if req.params.seed is not None:
             self.generators[req.rid] = torch.Generator(device=self.device).manual_seed(req.params.seed)
-        return True
 
     def _donate(self, req: Req) -> None:
         """Give the request's state to the tree and continue in a fresh slot filled by a deferred copy."""
@@ -225,6 +262,9 @@ class Scheduler:
         rows, reqs = [], []
         for i, (req, n) in enumerate(plan):
             req.in_state += n
+            if req.folding:  # its last token is now in the state: hand the slot to the session
+                self._finish(req, req.finish_reason, emit=False)
+                continue
             if batch.mode is ForwardMode.EXTEND:
                 if req.in_state < len(req.prompt_ids):
                     if self.cache.enabled:
@@ -269,11 +309,27 @@ class Scheduler:
         if finish is None and (len(req.output_ids) >= req.params.max_new_tokens
                                or req.num_tokens >= self.context_length):
             finish = FinishReason.LENGTH
-        if finish is not None:
+        if finish is not None and self._keeps_live_state(req):
+            # Answer now; run the last token once more before the session takes the slot, so the next
+            # turn prefills only its new tokens.
+            req.finish_reason, req.folding = finish, True
+            self.sessions.turn_answered(req)
+            self._emit_final(req, finish)
+        elif finish is not None:
             self._finish(req, finish)
         else:
             req.emit(self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release()))
             req.sent_tokens = len(req.output_ids)
+
+    @staticmethod
+    def _keeps_live_state(req: Req) -> bool:
+        s = req.session
+        return s is not None and s.streaming and not s.closing
+
+    def _emit_final(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        req.emit(self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release(final=True),
+                              finish=reason, error=error))
+        req.sent_tokens = len(req.output_ids)
 
     def _output(self, req: Req, token_ids, text, finish=None, error=None) -> StepOutput:
         start = req.sent_tokens
@@ -284,7 +340,7 @@ class Scheduler:
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, finish_reason=finish, matched_stop=req.matched_stop, error=error)
 
-    def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, req: Req, reason: FinishReason, error: str | None = None, emit: bool = True) -> None:
         req.finish_reason = reason
         if req in self.waiting:
             self.waiting.remove(req)
@@ -292,6 +348,10 @@ class Scheduler:
             self.running.remove(req)
         self.cache.unlock(req.locked_node)
         req.locked_node = None
+        if req.session is not None:
+            completed = (req.folding or reason is not FinishReason.ABORT) and not error
+            if self.sessions.end_turn(req, completed):
+                req.slot = None  # the session holds it until the next turn
         if req.slot is not None:
             # the state covers prompt + output minus the last sampled token: the next turn starts there
             if error or not self.cache.keep(req.tokens(req.in_state), req.slot):
@@ -301,9 +361,8 @@ class Scheduler:
         self.generators.pop(req.rid, None)
         self.metrics.requests.labels("error" if error else reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - req.created)
-        req.emit(self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release(final=True),
-                              finish=reason, error=error))
-        req.sent_tokens = len(req.output_ids)
+        if emit:
+            self._emit_final(req, reason, error)
 
     def _fail_running(self, message: str) -> None:
         for req in list(self.running):
@@ -316,13 +375,15 @@ class Scheduler:
         m.waiting.set(len(self.waiting))
         m.slots_used.set(self.slots.num_used)
         m.slots_evictable.set(self.cache.evictable_slots)
+        m.sessions_open.set(len(self.sessions.table.sessions))
+        m.session_held_slots.set(len(self.sessions.held_slots))
         if self.cache.evictions:
             m.evictions.labels("gpu").inc(self.cache.evictions)
             self.cache.evictions = 0
 
     def check_invariants(self) -> None:
-        """free + held by requests + held by the tree == capacity; no slot shared or leaked."""
-        held = [r.slot for r in self.running]
+        """free + held by requests + by the tree + by sessions == capacity; no slot shared or leaked."""
+        held = [r.slot for r in self.running] + self.sessions.held_slots
         assert None not in held, "running request without a slot"
         assert len(set(held)) == len(held), "two requests share a slot"
         tree = set(self.cache.tree.all_slots()) if self.cache.enabled else set()
@@ -331,12 +392,20 @@ class Scheduler:
         assert self.slots.num_free + len(held) + len(tree) == self.slots.capacity, "slot accounting broken"
         assert all(r.slot is None for r in self.waiting), "waiting request holds a slot"
         assert all(r.locked_node is None for r in self.running), "a snapshot stayed locked after its copy"
+        assert all(s.in_flight in self.reqs for s in self.sessions.table.sessions.values() if s.in_flight), \
+            "a session waits for a turn that no longer exists"
         self.cache.check_invariants()
 
     def accounting(self) -> dict:
         return {"capacity": self.slots.capacity, "free": self.slots.num_free, "held_by_requests": len(self.running),
-                "held_by_tree": self.cache.tree_slots, "evictable": self.cache.evictable_slots,
-                "running": len(self.running), "waiting": len(self.waiting)}
+                "held_by_tree": self.cache.tree_slots, "held_by_sessions": len(self.sessions.held_slots),
+                "evictable": self.cache.evictable_slots, "running": len(self.running), "waiting": len(self.waiting),
+                "sessions": len(self.sessions.table.sessions)}
+
+    def _apply_pending_now(self) -> None:
+        ops = self.cache.take_pending()
+        if ops:
+            self.runner.apply_state_ops(ops)
 
     def flush_cache(self) -> int:
         """Empty the radix cache; refused while requests run (their snapshots may be in use)."""

@@ -1,0 +1,162 @@
+"""Conversation sessions: bookkeeping only (ids, histories, turn rules, timeouts).
+
+Plain Python; the scheduler owns the slots this table names (DESIGN §6).
+
+* A **streaming** session keeps its live state slot between turns. A turn sends only its new tokens;
+  the session supplies the history and the turn prefills only the new tokens on top of the slot.
+  Append-only: ``replace``, ``drop_previous_output``, a non-zero ``offset``, a ``rid`` other than the
+  last turn's, or a second request while one is in flight are refused and leave the session intact.
+* A **non-streaming** session keeps the token history of every turn; a turn branches from an earlier
+  one (``rid``, default the last; ``offset`` cuts that turn's tokens; ``drop_previous_output`` leaves
+  its output out; ``replace`` forgets the parent's other branches) and reuses state through the
+  radix cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+class SessionError(Exception):
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass
+class Turn:
+    rid: str
+    parent: str | None
+    input_len: int  # tokens of this turn's full prompt (history + new)
+    tokens: list[int]  # prompt + output once finished
+    children: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Session:
+    id: str
+    streaming: bool
+    timeout: float
+    capacity: int | None
+    last_active: float
+    history: list[int] = field(default_factory=list)  # committed tokens of finished turns (streaming)
+    slot: int | None = None  # live state after history[:in_state] (streaming, between turns)
+    in_state: int = 0
+    in_flight: str | None = None  # rid of the running turn
+    closing: str | None = None  # close reason, deferred until the in-flight turn ends
+    awaiting_fold: str | None = None  # rid of an answered turn whose last token is still being folded in
+    turns: dict[str, Turn] = field(default_factory=dict)
+    last_rid: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnParams:
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int, default_timeout: float):
+        self.max_sessions = max_sessions
+        self.default_timeout = default_timeout
+        self.sessions: dict[str, Session] = {}
+
+    def open(self, session_id: str | None, streaming: bool, timeout: float | None, capacity: int | None,
+             now: float | None = None) -> Session:
+        sid = session_id or uuid.uuid4().hex
+        if sid in self.sessions:
+            raise SessionError(409, f"session {sid!r} already exists", "session_exists")
+        if len(self.sessions) >= self.max_sessions:
+            raise SessionError(429, f"too many open sessions ({self.max_sessions}); close one or retry later",
+                               "too_many_sessions")
+        if timeout is not None and timeout <= 0:
+            raise SessionError(400, "timeout must be > 0 seconds", "invalid_request")
+        s = Session(sid, streaming, timeout or self.default_timeout, capacity,
+                    time.monotonic() if now is None else now)
+        self.sessions[sid] = s
+        return s
+
+    def get(self, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None or s.closing:
+            raise SessionError(404, f"session {sid!r} does not exist or is closed", "session_not_found")
+        return s
+
+    def remove(self, sid: str) -> Session:
+        return self.sessions.pop(sid)
+
+    def turn_prompt(self, s: Session, new_tokens: list[int], p: TurnParams) -> list[int]:
+        """The full prompt of the next turn (history + new tokens); raises SessionError if not allowed."""
+        if not new_tokens:
+            raise SessionError(400, "a session turn needs new input tokens", "invalid_request")
+        if s.in_flight is not None:
+            raise SessionError(409, f"session {s.id!r} has a turn in flight ({s.in_flight}); wait for it",
+                               "session_busy")
+        if s.streaming:
+            if p.replace or p.drop_previous_output or p.offset not in (None, 0, -1):
+                raise SessionError(400, "streaming sessions are append-only: replace, drop_previous_output and "
+                                   "offset are not allowed", "session_append_only")
+            if p.rid is not None and p.rid != s.last_rid:
+                raise SessionError(400, f"streaming sessions are append-only: rid must be the last turn "
+                                   f"({s.last_rid}), got {p.rid!r}", "session_append_only")
+            prompt = s.history + new_tokens
+        else:
+            parent = p.rid if p.rid is not None else s.last_rid
+            base: list[int] = []
+            if parent is not None:
+                if parent not in s.turns:
+                    raise SessionError(404, f"session {s.id!r} has no turn {parent!r}", "turn_not_found")
+                t = s.turns[parent]
+                base = t.tokens[:t.input_len] if p.drop_previous_output else t.tokens
+                if p.offset is not None and p.offset >= 0:
+                    base = base[:p.offset]
+            prompt = base + new_tokens
+        if s.capacity and len(prompt) > s.capacity:
+            raise SessionError(400, f"session {s.id!r} would hold {len(prompt)} tokens, over its capacity "
+                               f"{s.capacity}", "session_full")
+        return prompt
+
+    def record_turn(self, s: Session, rid: str, p: TurnParams, prompt: list[int]) -> None:
+        s.in_flight = rid
+        if not s.streaming:
+            parent = p.rid if p.rid is not None else s.last_rid
+            if parent is not None and p.replace:
+                for child in s.turns[parent].children:
+                    self._forget(s, child)
+                s.turns[parent].children = []
+            s.turns[rid] = Turn(rid, parent, len(prompt), list(prompt))
+            if parent is not None:
+                s.turns[parent].children.append(rid)
+
+    def _forget(self, s: Session, rid: str) -> None:
+        t = s.turns.pop(rid, None)
+        for child in t.children if t else []:
+            self._forget(s, child)
+
+    def end_turn(self, s: Session, rid: str, tokens: list[int], completed: bool, now: float | None = None) -> None:
+        """A turn ended. Completed turns extend the history; an aborted one leaves the history as it was."""
+        s.in_flight = None
+        s.last_active = time.monotonic() if now is None else now
+        if not completed:
+            if not s.streaming:
+                t = s.turns.get(rid)
+                if t is not None:
+                    t.tokens = t.tokens[:t.input_len]
+            return
+        if s.streaming:
+            s.history = list(tokens)
+        else:
+            s.turns[rid].tokens = list(tokens)
+        s.last_rid = rid
+
+    def expired(self, now: float) -> list[Session]:
+        return [s for s in self.sessions.values()
+                if s.in_flight is None and not s.closing and now - s.last_active > s.timeout]
+
+    @property
+    def held_slots(self) -> list[int]:
+        return [s.slot for s in self.sessions.values() if s.slot is not None]

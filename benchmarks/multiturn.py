@@ -1,0 +1,117 @@
+"""Multi-turn chat benchmark: does the radix cache turn a conversation's history into cache hits?
+
+C concurrent clients each hold a conversation of R rounds. Round 1 sends a random prompt of
+--request-length tokens; each later round sends the whole history (previous prompt + answer) plus a
+new question of --question-length tokens. Requests start as a Poisson process (--request-rate per
+second, inf = all at once), optionally with a barrier between rounds. Prints per round the mean TTFT
+and the cache hit rate (sum cached / sum prompt tokens); writes JSON.
+
+  python benchmarks/multiturn.py --model models/mamba2-tiny-pystdlib --compare
+  python benchmarks/multiturn.py --url http://127.0.0.1:30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+from _server import launched  # noqa: E402 (the script's folder is on sys.path)
+
+
+async def one_request(c: httpx.AsyncClient, ids: list[int], out_len: int) -> tuple[float, list[int], int]:
+    """Stream one /generate; returns (TTFT seconds, output ids, cached tokens)."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    async with c.stream("POST", "/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[6:])
+            if ttft is None and last["output_ids"]:
+                ttft = time.perf_counter() - t0
+    return ttft, last["output_ids"], last["meta_info"]["cached_tokens"]
+
+
+async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
+    rng = random.Random(a.seed)
+    vocab_hi = 4000 if a.vocab is None else a.vocab
+    convs = [[rng.randrange(1, vocab_hi) for _ in range(a.request_length)] for _ in range(a.clients)]
+    rounds = [dict(ttft=[], cached=0, prompt=0) for _ in range(a.rounds)]
+    barrier = asyncio.Barrier(a.clients) if a.round_barrier else None
+
+    async def client(k: int, c: httpx.AsyncClient):
+        history = convs[k]
+        for r in range(a.rounds):
+            if a.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(a.request_rate / a.clients))
+            ttft, out, cached = await one_request(c, history, a.output_length)
+            rounds[r]["ttft"].append(ttft)
+            rounds[r]["cached"] += cached
+            rounds[r]["prompt"] += len(history)
+            history = history + out + [rng.randrange(1, vocab_hi) for _ in range(a.question_length)]
+            if barrier:
+                await barrier.wait()
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=a.clients + 8)) as c:
+        await asyncio.gather(*(client(k, c) for k in range(a.clients)))
+    return [{"round": i + 1, "mean_ttft_s": statistics.mean(r["ttft"]), "hit_rate": r["cached"] / r["prompt"],
+             "prompt_tokens": r["prompt"]} for i, r in enumerate(rounds)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="benchmark a running server instead of launching one")
+    p.add_argument("--model", default="models/mamba2-tiny-pystdlib")
+    p.add_argument("--server-args", default="", help="extra flags for the launched server")
+    p.add_argument("--compare", action="store_true", help="run with the radix cache and with --disable-radix-cache")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--request-length", type=int, default=512)
+    p.add_argument("--question-length", type=int, default=64)
+    p.add_argument("--output-length", type=int, default=32)
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--round-barrier", action="store_true")
+    p.add_argument("--vocab", type=int, help="draw prompt token ids below this (default 4000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="multiturn.json")
+    a = p.parse_args()
+
+    results = {}
+    if a.url:
+        results["server"] = asyncio.run(run_benchmark(a.url, a))
+    else:
+        base = a.server_args.split() + ["--context-length", str(a.request_length + a.rounds * (
+            a.question_length + a.output_length) + 64)]
+        modes = {"radix": base, "no_cache": base + ["--disable-radix-cache"]} if a.compare else {"radix": base}
+        for name, flags in modes.items():
+            with launched(a.model, flags) as url:
+                results[name] = asyncio.run(run_benchmark(url, a))
+    print(f"{a.clients} clients x {a.rounds} rounds, request {a.request_length} + question {a.question_length}, "
+          f"output {a.output_length} tokens")
+    names = list(results)
+    print("round " + "".join(f"| {n:>10} TTFT ms  hit rate " for n in names)
+          + ("| TTFT ratio no_cache/radix" if a.compare else ""))
+    for i in range(a.rounds):
+        row = f"{i + 1:5} "
+        for n in names:
+            r = results[n][i]
+            row += f"| {r['mean_ttft_s'] * 1e3:18.1f} {r['hit_rate']:9.3f} "
+        if a.compare:
+            row += f"| {results['no_cache'][i]['mean_ttft_s'] / results['radix'][i]['mean_ttft_s']:8.2f}x"
+        print(row)
+    with open(a.out, "w") as f:
+        json.dump({"args": vars(a) | {"request_rate": str(a.request_rate)}, "results": results}, f, indent=1)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

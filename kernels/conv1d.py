@@ -14,6 +14,129 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mambaserve.kernels._dispatch import HAS_TRITON, locate_block, next_pow2, tl, triton, use_triton
+
+_BLOCK_T = 32
+_BLOCK_D = 256
+_WARPS = 4  # 128 threads over 256 channels: no replicated element, so in-place state updates are safe
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _causal_conv1d_varlen_kernel(
+        x_ptr, w_ptr, bias_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr, out_ptr, S, Dm,
+        x_t, x_d, w_d, w_k, st_s, st_d, st_k, o_t, o_d,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        """Grid (T // BLOCK_T + S, cdiv(D, BLOCK_D)): one block of one sequence's tokens (blocks never
+        cross sequences). Taps before the sequence's first token read its slot's conv state."""
+        seq, _j, tok0, tok1 = locate_block(tl.program_id(0), cu_ptr, cu_ptr, S, BLOCK_T, False, BLOCK_S)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        md = d < Dm
+        seq_c = tl.minimum(seq, S - 1)
+        beg = tl.load(cu_ptr + seq_c).to(tl.int32)
+        slot = tl.maximum(tl.load(slot_ptr + seq_c).to(tl.int64), 0)
+        has_init = tl.load(init_ptr + seq_c) != 0
+        t = tok0 + tl.arange(0, BLOCK_T)
+        mt = t < tok1
+        mt_init = t < tl.where(has_init, tok1, 0)  # scalar flags fold into bounds (see _dispatch)
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + d, mask=md, other=0.0).to(tl.float32)[None, :]
+        for k in tl.static_range(K):
+            u = t - (K - 1) + k  # input position of tap k
+            in_x = u >= beg
+            xv = tl.load(x_ptr + u[:, None] * x_t + d[None, :] * x_d,
+                         mask=(mt & in_x)[:, None] & md[None, :], other=0.0).to(tl.float32)
+            col = u - beg + (K - 1)  # column of the conv state, oldest first
+            sv = tl.load(state_ptr + slot * st_s + d[None, :] * st_d + col[:, None] * st_k,
+                         mask=(mt_init & (u < beg))[:, None] & md[None, :], other=0.0).to(tl.float32)
+            wk = tl.load(w_ptr + d * w_d + k * w_k, mask=md, other=0.0).to(tl.float32)
+            acc += (xv + sv) * wk[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + t[:, None] * o_t + d[None, :] * o_d, acc.to(out_ptr.dtype.element_ty),
+                 mask=mt[:, None] & md[None, :])
+
+    @triton.jit
+    def _conv_state_write_kernel(
+        x_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr, Dm, x_t, x_d, st_s, st_d, st_k,
+        K: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Grid (S, cdiv(D, BLOCK_D)), after the conv: slot <- last K-1 inputs of [old state, x]."""
+        s = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        md = d < Dm
+        beg = tl.load(cu_ptr + s).to(tl.int32)
+        L = tl.load(cu_ptr + s + 1).to(tl.int32) - beg
+        slot = tl.load(slot_ptr + s).to(tl.int64)
+        has_init = tl.load(init_ptr + s) != 0
+        m = d < tl.where(L > 0, Dm, 0)
+        base = state_ptr + slot * st_s + d * st_d
+        # Load every new column before storing any: the new column j is old column L + j when the
+        # sequence is shorter than the window. 1-D tiles keep all columns of channel d in one thread.
+        n0 = _new_column(x_ptr, base, beg, L, d, m, has_init, 0, x_t, x_d, st_k, K)
+        if K > 2:
+            n1 = _new_column(x_ptr, base, beg, L, d, m, has_init, 1, x_t, x_d, st_k, K)
+        if K > 3:
+            n2 = _new_column(x_ptr, base, beg, L, d, m, has_init, 2, x_t, x_d, st_k, K)
+        tl.store(base, n0.to(state_ptr.dtype.element_ty), mask=m)
+        if K > 2:
+            tl.store(base + st_k, n1.to(state_ptr.dtype.element_ty), mask=m)
+        if K > 3:
+            tl.store(base + 2 * st_k, n2.to(state_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _new_column(x_ptr, base, beg, L, d, m, has_init, j: tl.constexpr, x_t, x_d, st_k, K: tl.constexpr):
+        i = L + j  # index into [old state (K-1 columns), x (L tokens)]
+        xv = tl.load(x_ptr + (beg + i - (K - 1)) * x_t + d * x_d, mask=m & (d < tl.where(i >= K - 1, 1 << 30, 0)),
+                     other=0.0)
+        sv = tl.load(base + i * st_k, mask=m & (d < tl.where((i < K - 1) & has_init, 1 << 30, 0)), other=0.0)
+        return tl.where(i >= K - 1, xv.to(tl.float32), sv.to(tl.float32))
+
+    @triton.jit
+    def _causal_conv1d_update_kernel(
+        x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_ptr, Dm,
+        x_b, x_d, st_s, st_d, st_k, w_d, w_k, o_b, o_d,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Grid (rows, cdiv(D, BLOCK_D)). Slot -1: output 0, no state access."""
+        b = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+        valid = slot >= 0
+        slot = tl.maximum(slot, 0)
+        md = d < Dm
+        m = d < tl.where(valid, Dm, 0)
+        xv = tl.load(x_ptr + b * x_b + d * x_d, mask=m, other=0.0).to(tl.float32)
+        acc = tl.load(w_ptr + d * w_d + (K - 1) * w_k, mask=md, other=0.0).to(tl.float32) * xv
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + d, mask=md, other=0.0).to(tl.float32)
+        base = state_ptr + slot * st_s + d * st_d
+        prev = tl.load(base, mask=m, other=0.0)
+        acc += tl.load(w_ptr + d * w_d, mask=md, other=0.0).to(tl.float32) * prev.to(tl.float32)
+        # Shift the window one column left; every column of channel d stays in the thread that owns d.
+        for k in tl.static_range(1, K - 1):
+            cur = tl.load(base + k * st_k, mask=m, other=0.0)
+            acc += tl.load(w_ptr + d * w_d + k * w_k, mask=md, other=0.0).to(tl.float32) * cur.to(tl.float32)
+            tl.store(base + (k - 1) * st_k, cur, mask=m)
+        tl.store(base + (K - 2) * st_k, xv.to(state_ptr.dtype.element_ty), mask=m)
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        acc = tl.where(valid, acc, 0.0)
+        tl.store(out_ptr + b * o_b + d * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
+
+
+def _silu_flag(activation: str | None) -> bool:
+    if activation in ("silu", "swish"):
+        return True
+    if activation is None:
+        return False
+    raise ValueError(f"unsupported activation {activation!r}")
+
+
+
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation in ("silu", "swish"):
@@ -76,14 +199,50 @@ def causal_conv1d_update_ref(
 
 def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state,
                          activation="silu", *, force_triton: bool | None = None):
-    """Prefill conv: see the module docstring. Mutates ``conv_state`` in place."""
-    del force_triton  # the Triton kernel lands with the kernels issue
-    return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
-                                    has_initial_state, activation)
+    """Prefill conv: see the module docstring. Mutates ``conv_state`` in place. Two launches (the
+    state write-back must follow every read of the old state); no host synchronisation."""
+    if not use_triton(x, force_triton):
+        return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
+                                        has_initial_state, activation)
+    silu = _silu_flag(activation)
+    T, Dm = x.shape
+    K = weight.shape[1]
+    S = state_indices.numel()
+    out = torch.empty_like(x)
+    if T == 0 or S == 0:
+        return out
+    if not 2 <= K <= 4:  # the kernels unroll up to 3 state columns (Mamba2 uses K = 4)
+        return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
+                                        has_initial_state, activation)
+    b = bias if bias is not None else weight
+    grid = (T // _BLOCK_T + S, triton.cdiv(Dm, _BLOCK_D))
+    _causal_conv1d_varlen_kernel[grid](
+        x, weight, b, conv_state, cu_seqlens, state_indices, has_initial_state, out, S, Dm,
+        *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
+        K=K, HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D,
+        BLOCK_S=max(2, next_pow2(S)), num_warps=_WARPS)
+    _conv_state_write_kernel[(S, triton.cdiv(Dm, _BLOCK_D))](
+        x, conv_state, cu_seqlens, state_indices, has_initial_state, Dm, *x.stride(), *conv_state.stride(),
+        K=K, BLOCK_D=_BLOCK_D, num_warps=_WARPS)
+    return out
 
 
 def causal_conv1d_update(x, conv_state, weight, bias, state_indices, activation="silu", *,
                          force_triton: bool | None = None):
-    """Decode conv step for one token per row. Mutates ``conv_state`` in place."""
-    del force_triton
-    return causal_conv1d_update_ref(x, conv_state, weight, bias, state_indices, activation)
+    """Decode conv step for one token per row. Mutates ``conv_state`` in place. One launch."""
+    if not use_triton(x, force_triton):
+        return causal_conv1d_update_ref(x, conv_state, weight, bias, state_indices, activation)
+    silu = _silu_flag(activation)
+    Bsz, Dm = x.shape
+    K = weight.shape[1]
+    out = torch.empty_like(x)
+    if Bsz == 0:
+        return out
+    if K < 2:
+        raise ValueError("conv width must be >= 2")
+    b = bias if bias is not None else weight
+    _causal_conv1d_update_kernel[(Bsz, triton.cdiv(Dm, _BLOCK_D))](
+        x, conv_state, weight, b, state_indices, out, Dm, *x.stride(), *conv_state.stride(),
+        *weight.stride(), *out.stride(), K=K, HAS_BIAS=bias is not None, SILU=silu, BLOCK_D=_BLOCK_D,
+        num_warps=_WARPS)
+    return out

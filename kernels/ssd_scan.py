@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mambaserve.kernels._dispatch import (HAS_TRITON, interpreting, locate_block, next_pow2, softplus, tl, triton,
+                                          use_triton)
+
 
 @dataclass
 class BoundaryStates:
@@ -155,16 +158,256 @@ def ssd_scan_varlen_ref(
     return y, boundary
 
 
+
+# ---------------------------------------------------------------------------------------------------
+# Triton: four launches, no host synchronisation (one when boundary states are asked for: their count
+# sizes the output). "Chunk" below is a block of one sequence cut at absolute multiples of Q
+# (``locate_block``); chunk c of the call is one of at most NC = T // Q + 2 S.
+#   1. _ssd_prep_kernel        [NC, H]      dt -> softplus(dt + bias), clamp; dA cumsum within chunk
+#   2. _ssd_chunk_state_kernel [NC, H]      each chunk's own end state from zero (fp32, [P, N])
+#   3. _ssd_state_pass_kernel  [S, H, PN/b] sequential over a sequence's chunks: start states, final
+#                                            state into the slot, boundary states
+#   4. _ssd_chunk_scan_kernel  [NC*Q/BM, H] y = C S_start decay + causal (C B^T * decay * dt) x + D x
+# ---------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, meta_ptr, S, T,
+                         dt_lo, dt_hi, dt_t, dt_h,
+                         Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_Q: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+        c, h = tl.program_id(0), tl.program_id(1)
+        seq, _j, tok0, tok1 = locate_block(c, cu_ptr, pos_ptr, S, Q, HAS_POS, BLOCK_S)
+        if h == 0:  # chunk table for the later kernels: (first token, end token)
+            tl.store(meta_ptr + 2 * c, tok0)
+            tl.store(meta_ptr + 2 * c + 1, tok1)
+        t = tok0 + tl.arange(0, BLOCK_Q)
+        m = t < tok1
+        dt = tl.load(dt_ptr + t * dt_t + h * dt_h, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            dt += tl.load(bias_ptr + h).to(tl.float32)
+        if SOFTPLUS:
+            dt = softplus(dt)
+        if CLAMP:
+            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+        dt = tl.where(m, dt, 0.0)
+        cs = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0)
+        tl.store(dtp_ptr + h * T + t, dt, mask=m)
+        tl.store(cs_ptr + h * T + t, cs, mask=m)
+
+    @triton.jit
+    def _ssd_chunk_state_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, meta_ptr, st_ptr, T, H, P, N,
+                                heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
+                                BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                PREC: tl.constexpr, DOT_T: tl.constexpr):
+        """st[c, h] = sum_t exp(cs_end - cs_t) dt_t x_t B_t^T: the chunk's end state from zero."""
+        c, h = tl.program_id(0), tl.program_id(1)
+        tok0 = tl.load(meta_ptr + 2 * c)
+        tok1 = tl.load(meta_ptr + 2 * c + 1)
+        g = h // heads_per_group
+        p = tl.arange(0, BLOCK_P)
+        n = tl.arange(0, BLOCK_N)
+        cs_end = tl.load(cs_ptr + h * T + tok1 - 1, mask=tok1 > tok0, other=0.0)
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for k0 in range(tok0, tok1, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            mk = k < tok1
+            xk = tl.load(x_ptr + k[None, :] * x_t + h * x_h + p[:, None] * x_p,
+                         mask=(p < P)[:, None] & mk[None, :], other=0.0)  # [P, K]
+            Bk = tl.load(B_ptr + k[:, None] * B_t + g * B_g + n[None, :] * B_n,
+                         mask=mk[:, None] & (n < N)[None, :], other=0.0)  # [K, N]
+            cs_k = tl.load(cs_ptr + h * T + k, mask=mk, other=0.0)
+            dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
+            w = tl.where(mk, tl.exp(tl.minimum(cs_end - cs_k, 0.0)) * dt_k, 0.0)
+            acc += tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), input_precision=PREC)
+        st = st_ptr + (c * H + h).to(tl.int64) * P * N
+        tl.store(st + p[:, None] * N + n[None, :], acc, mask=(p < P)[:, None] & (n < N)[None, :])
+
+    @triton.jit
+    def _ssd_state_pass_kernel(st_ptr, cs_ptr, meta_ptr, ssm_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
+                               bnd_ptr, S, T, H, P, N, ss_s, ss_h, ss_p, ss_n,
+                               Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr,
+                               BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Walks one sequence's chunks in order over a BLOCK-slice of the [P, N] state: replaces each
+        chunk's own state by the state at its start (in place), writes the final state to the slot and,
+        for chunks that end on an absolute multiple of Q, the end state to the boundary output."""
+        s, h = tl.program_id(0), tl.program_id(1)
+        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < P * N
+        # chunk and boundary numbering of sequence s, as locate_block counts them
+        s_idx = tl.arange(0, BLOCK_S)
+        ms = s_idx < S
+        beg = tl.load(cu_ptr + s_idx, mask=ms, other=0).to(tl.int32)
+        L = tl.load(cu_ptr + s_idx + 1, mask=ms, other=0).to(tl.int32) - beg
+        if HAS_POS:
+            pos = tl.load(pos_ptr + s_idx, mask=ms, other=0)
+        else:
+            pos = tl.zeros([BLOCK_S], dtype=tl.int64)
+        off = (pos % Q).to(tl.int32)
+        nch = tl.where(L > 0, (off + L + Q - 1) // Q, 0)
+        nbd = ((pos + L) // Q - pos // Q).to(tl.int32)
+        before = s_idx < s
+        c0 = tl.sum(tl.where(before, nch, 0), 0)
+        b0 = tl.sum(tl.where(before, nbd, 0), 0)
+        n_chunks = tl.sum(tl.where(s_idx == s, nch, 0), 0)
+        n_bnd = tl.sum(tl.where(s_idx == s, nbd, 0), 0)
+
+        slot = tl.load(slot_ptr + s).to(tl.int64)
+        has_init = tl.load(init_ptr + s) != 0
+        p = offs // N
+        n = offs % N
+        sptr = ssm_ptr + slot * ss_s + h * ss_h + p * ss_p + n * ss_n
+        state = tl.load(sptr, mask=offs < tl.where(has_init, P * N, 0), other=0.0).to(tl.float32)
+        for j in range(0, n_chunks):
+            c = c0 + j
+            tok1 = tl.load(meta_ptr + 2 * c + 1)
+            decay = tl.exp(tl.load(cs_ptr + h * T + tok1 - 1))
+            cptr = st_ptr + (c * H + h).to(tl.int64) * P * N + offs
+            own = tl.load(cptr, mask=m, other=0.0)
+            tl.store(cptr, state, mask=m)
+            state = decay * state + own
+            if HAS_BND:
+                bptr = bnd_ptr + ((b0 + j) * H + h).to(tl.int64) * P * N + offs
+                tl.store(bptr, state, mask=offs < tl.where(j < n_bnd, P * N, 0))
+        tl.store(sptr, state.to(ssm_ptr.dtype.element_ty), mask=offs < tl.where(n_chunks > 0, P * N, 0))
+
+    @triton.jit
+    def _ssd_chunk_scan_kernel(x_ptr, B_ptr, C_ptr, D_ptr, dtp_ptr, cs_ptr, meta_ptr, st_ptr, y_ptr,
+                               T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n, C_t, C_g, C_n,
+                               y_t, y_h, y_p,
+                               HAS_D: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PREC: tl.constexpr, DOT_T: tl.constexpr):
+        pid, h = tl.program_id(0), tl.program_id(1)
+        c = pid // M_BLOCKS
+        mb = pid % M_BLOCKS
+        tok0 = tl.load(meta_ptr + 2 * c)
+        tok1 = tl.load(meta_ptr + 2 * c + 1)
+        g = h // heads_per_group
+        p = tl.arange(0, BLOCK_P)
+        n = tl.arange(0, BLOCK_N)
+        mp, mn = p < P, n < N
+        t = tok0 + mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mt = t < tok1
+        cs_t = tl.load(cs_ptr + h * T + t, mask=mt, other=0.0)
+        Ct = tl.load(C_ptr + t[:, None] * C_t + g * C_g + n[None, :] * C_n, mask=mt[:, None] & mn[None, :],
+                     other=0.0).to(DOT_T)  # [M, N]
+        # contribution of the chunk's start state
+        st = tl.load(st_ptr + (c * H + h).to(tl.int64) * P * N + p[None, :] * N + n[:, None],
+                     mask=mn[:, None] & mp[None, :], other=0.0)  # [N, P]
+        acc = tl.dot(Ct, st.to(DOT_T), input_precision=PREC) * tl.exp(cs_t)[:, None]
+        # within the chunk, causal
+        k_end = tl.minimum(tok0 + (mb + 1) * BLOCK_M, tok1)
+        for k0 in range(tok0, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            mk = k < k_end
+            Bk = tl.load(B_ptr + k[None, :] * B_t + g * B_g + n[:, None] * B_n, mask=mn[:, None] & mk[None, :],
+                         other=0.0)  # [N, K]
+            cb = tl.dot(Ct, Bk.to(DOT_T), input_precision=PREC)  # [M, K]
+            cs_k = tl.load(cs_ptr + h * T + k, mask=mk, other=0.0)
+            dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
+            keep = (t[:, None] >= k[None, :]) & mk[None, :]
+            w = tl.where(keep, cb * tl.exp(tl.minimum(cs_t[:, None] - cs_k[None, :], 0.0)) * dt_k[None, :], 0.0)
+            xk = tl.load(x_ptr + k[:, None] * x_t + h * x_h + p[None, :] * x_p, mask=mk[:, None] & mp[None, :],
+                         other=0.0)  # [K, P]
+            acc += tl.dot(w.to(DOT_T), xk.to(DOT_T), input_precision=PREC)
+        xt = tl.load(x_ptr + t[:, None] * x_t + h * x_h + p[None, :] * x_p, mask=mt[:, None] & mp[None, :],
+                     other=0.0)
+        if HAS_D:
+            acc += tl.load(D_ptr + h).to(tl.float32) * xt.to(tl.float32)
+        tl.store(y_ptr + t[:, None] * y_t + h * y_h + p[None, :] * y_p, acc.to(y_ptr.dtype.element_ty),
+                 mask=mt[:, None] & mp[None, :])
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRITON else {}
+
+# Tiles of the chunk-state and output kernels; overridable per call for benchmark sweeps. The best of a
+# 10-config sweep on an H100 at 2.7b dims (8x2048 and 1x16384 tokens, Q = 256): benchmarks/README.md.
+SCAN_CONFIG = {"block_m": 64, "block_k": 32, "num_warps": 4, "num_stages": 3, "state_warps": 4,
+               "pass_block": 1024}
+
+
+def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
+                     seq_start_pos, D, dt_bias, dt_softplus, dt_limit, return_boundary_states, config):
+    cfg = {**SCAN_CONFIG, **(config or {})}
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    S = state_indices.numel()
+    Q = chunk_size
+    dev = x.device
+    y = torch.empty(T, H, P, dtype=x.dtype, device=dev)
+    NC = T // Q + 2 * S
+    BLOCK_S = max(2, next_pow2(S))
+    BP, BN = max(16, next_pow2(P)), max(16, next_pow2(N))
+    has_pos = seq_start_pos is not None
+    pos = seq_start_pos if has_pos else cu_seqlens
+    lo, hi = dt_limit
+    clamp = lo > 0.0 or hi != float("inf")
+    # fp32 inputs keep fp32 products (tf32 would cost ~1e-3 relative); bf16/fp16 use the tensor cores.
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    # Matrix-unit operand type: the inputs' (bf16/fp16/fp32). The Triton 3.9 interpreter multiplies
+    # bf16 operands wrongly, so under it the operands go in as fp32 (same values, exact products).
+    dot_t = tl.float32 if interpreting() or x.dtype == torch.float32 else _TL_DTYPES[x.dtype]
+    dtp = torch.empty(H, T, dtype=torch.float32, device=dev)
+    cs = torch.empty(H, T, dtype=torch.float32, device=dev)
+    meta = torch.empty(NC, 2, dtype=torch.int32, device=dev)
+    states = torch.empty(NC, H, P, N, dtype=torch.float32, device=dev)
+
+    boundary = None
+    bnd = states  # placeholder pointer when no boundary output
+    if return_boundary_states:
+        # The one host synchronisation: the number of boundaries sizes the output.
+        bounds = cu_seqlens.tolist()
+        starts = seq_start_pos.tolist() if has_pos else [0] * S
+        b_seq, b_pos = [], []
+        for i in range(S):
+            L = bounds[i + 1] - bounds[i]
+            first = (starts[i] // Q + 1) * Q
+            for q in range(first, starts[i] + L + 1, Q):
+                b_seq.append(i)
+                b_pos.append(q)
+        bnd = torch.empty(len(b_pos), H, P, N, dtype=torch.float32, device=dev)
+        boundary = BoundaryStates(states=bnd, seq_idx=torch.tensor(b_seq, dtype=torch.long),
+                                  positions=torch.tensor(b_pos, dtype=torch.long))
+    _ssd_prep_kernel[(NC, H)](
+        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, S, T,
+        float(lo), float(min(hi, 3.0e38)), *dt.stride(),
+        Q=Q, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
+        BLOCK_Q=Q, BLOCK_S=BLOCK_S, num_warps=4)
+    _ssd_chunk_state_kernel[(NC, H)](
+        x, B, dtp, cs, meta, states, T, H, P, N, H // G, *x.stride(), *B.stride(),
+        BLOCK_K=min(cfg["block_k"], Q), BLOCK_P=BP, BLOCK_N=BN, PREC=prec, DOT_T=dot_t, num_warps=cfg["state_warps"])
+    PB = min(cfg["pass_block"], next_pow2(P * N))
+    _ssd_state_pass_kernel[(S, H, triton.cdiv(P * N, PB))](
+        states, cs, meta, ssm_state, cu_seqlens, pos, state_indices, has_initial_state, bnd, S, T, H, P, N,
+        *ssm_state.stride(), Q=Q, HAS_POS=has_pos, HAS_BND=return_boundary_states, BLOCK=PB,
+        BLOCK_S=BLOCK_S, num_warps=4)
+    BM = min(cfg["block_m"], Q)
+    _ssd_chunk_scan_kernel[(NC * (Q // BM), H)](
+        x, B, C, D if D is not None else A, dtp, cs, meta, states, y, T, H, P, N, H // G,
+        *x.stride(), *B.stride(), *C.stride(), *y.stride(),
+        HAS_D=D is not None, M_BLOCKS=Q // BM, BLOCK_M=BM, BLOCK_K=min(cfg["block_k"], BM), BLOCK_P=BP,
+        BLOCK_N=BN, PREC=prec, DOT_T=dot_t, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y, boundary
+
+
 def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices,
                     has_initial_state, seq_start_pos=None, D=None, dt_bias=None, dt_softplus=True,
                     dt_limit=(0.0, float("inf")), return_boundary_states=False,
-                    force_triton: bool | None = None):
-    """Prefill scan: see the module docstring. Mutates ``ssm_state`` in place."""
+                    force_triton: bool | None = None, config: dict | None = None):
+    """Prefill scan: see the module docstring. Mutates ``ssm_state`` in place.
+
+    Triton path: no host synchronisation unless ``return_boundary_states`` (one, to size the output).
+    Sequences must have distinct slots. ``config`` overrides ``SCAN_CONFIG`` (benchmark sweeps).
+    """
     if x.shape[1] % B.shape[1]:
         raise ValueError(f"heads {x.shape[1]} not divisible by groups {B.shape[1]}")
-    del force_triton  # the Triton kernel lands with the kernels issue
-    return ssd_scan_varlen_ref(
-        x, dt, A, B, C, chunk_size=chunk_size, cu_seqlens=cu_seqlens, ssm_state=ssm_state,
-        state_indices=state_indices, has_initial_state=has_initial_state, seq_start_pos=seq_start_pos,
-        D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-        return_boundary_states=return_boundary_states)
+    kwargs = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens, ssm_state=ssm_state,
+                  state_indices=state_indices, has_initial_state=has_initial_state,
+                  seq_start_pos=seq_start_pos, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                  dt_limit=dt_limit, return_boundary_states=return_boundary_states)
+    pow2 = chunk_size >= 16 and not chunk_size & (chunk_size - 1)  # tl.dot tiles need >= 16
+    if not use_triton(x, force_triton) or not pow2 or x.shape[0] == 0 or state_indices.numel() == 0:
+        return ssd_scan_varlen_ref(x, dt, A, B, C, **kwargs)
+    return _ssd_scan_triton(x, dt, A, B, C, config=config, **kwargs)

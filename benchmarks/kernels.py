@@ -1,0 +1,398 @@
+"""Kernel benchmarks on a CUDA GPU: time, achieved bandwidth / FLOP/s, ratio to the device's measured
+copy bandwidth, to the torch reference, and to the kernels users would otherwise run (mamba_ssm's
+Triton ``selective_state_update`` / ``mamba_chunk_scan_combined``, causal-conv1d's torch reference).
+
+    python benchmarks/kernels.py [--quick] [--json OUT.json] [--third-party third_party]
+
+The third-party sources are imported from an ignored folder (``third_party/``, fetched from
+state-spaces/mamba and Dao-AILab/causal-conv1d; never committed); only their pure-Triton / pure-torch
+modules are loaded, without running the packages' ``__init__`` (which needs compiled extensions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import types
+
+import torch
+
+try:
+    import mambaserve.kernels  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`: map kernels/ to mambaserve.kernels
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _shim = tempfile.mkdtemp()
+    os.makedirs(os.path.join(_shim, "mambaserve"))
+    open(os.path.join(_shim, "mambaserve", "__init__.py"), "w").close()
+    os.symlink(os.path.join(_root, "kernels"), os.path.join(_shim, "mambaserve", "kernels"))
+    sys.path.insert(0, _shim)
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import importlib  # noqa: E402
+
+# (the package re-exports functions under the module names, so import the modules explicitly)
+conv1d, ssu_mod, ssd_scan, state_ops = (importlib.import_module(f"mambaserve.kernels.{m}") for m in
+                                        ("conv1d", "selective_state_update", "ssd_scan", "state_ops"))
+from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref  # noqa: E402
+
+ROWS: list[dict] = []
+COPY_BW = None  # bytes/s, measured first
+
+
+def bench(fn, rep_ms=200):
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e-3  # seconds
+
+
+def graph_time(fn, n=20):
+    """Median seconds per call of ``fn`` replayed from a CUDA graph of ``n`` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    return bench(g.replay) / n
+
+
+def record(kernel, shape, t, *, nbytes=None, flops=None, ref_t=None, ext_t=None, ext_name="", note=""):
+    row = dict(kernel=kernel, shape=shape, us=t * 1e6, note=note)
+    if nbytes is not None:
+        row["GB/s"] = nbytes / t / 1e9
+        row["of_copy"] = nbytes / t / COPY_BW
+    if flops is not None:
+        row["TFLOP/s"] = flops / t / 1e12
+    if ref_t is not None:
+        row["x_torch_ref"] = ref_t / t
+    if ext_t is not None:
+        row["x_" + ext_name] = ext_t / t
+        row["ext"] = ext_name
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def measure_copy_bw():
+    a = torch.empty(2 * 1024**3 // 4, dtype=torch.float32, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = bench(lambda: b.copy_(a))
+    del a, b
+    return 2 * 2 * 1024**3 / t  # read + write
+
+
+def load_third_party(root):
+    """Import mamba_ssm's pure-Triton ops and causal-conv1d's torch references from ``root``."""
+    ext = {}
+    root = os.path.abspath(root)
+    if not os.path.isdir(os.path.join(root, "mamba_ssm")):
+        print(f"no third-party sources under {root}: comparing with the references only")
+        return ext
+    sys.path.insert(0, root)
+    for pkg in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.utils", "causal_conv1d"):
+        m = types.ModuleType(pkg)  # skip package __init__s: they import compiled extensions
+        m.__path__ = [os.path.join(root, *pkg.split("."))]
+        sys.modules[pkg] = m
+    sys.modules["causal_conv1d_cuda"] = types.ModuleType("causal_conv1d_cuda")  # only refs are used
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update as m_ssu
+        ext["ssu"] = m_ssu
+    except Exception as e:  # noqa: BLE001
+        print("mamba_ssm selective_state_update unavailable:", repr(e))
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        ext["scan"] = mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001
+        print("mamba_chunk_scan_combined unavailable:", repr(e))
+    try:
+        from causal_conv1d.causal_conv1d_interface import causal_conv1d_ref, causal_conv1d_update_ref
+        ext["conv_ref"], ext["conv_update_ref"] = causal_conv1d_ref, causal_conv1d_update_ref
+    except Exception as e:  # noqa: BLE001
+        print("causal_conv1d references unavailable:", repr(e))
+    return ext
+
+
+MODELS = {  # heads, head_dim, state, groups, conv_dim
+    "mamba2-130m": (24, 64, 128, 1, 24 * 64 + 2 * 128),
+    "mamba2-2.7b": (80, 64, 128, 1, 80 * 64 + 2 * 128),
+    "nemotron-h-8b": (128, 64, 128, 8, 128 * 64 + 2 * 8 * 128),
+}
+
+
+def bench_ssu(ext, batches, models, sweep):
+    for name in models:
+        H, P, N, G, _ = MODELS[name]
+        for Bsz in batches:
+            slots = Bsz + 1
+            pool = torch.randn(slots, H, P, N, device="cuda")
+            x, z = torch.randn(Bsz, H, P, device="cuda", dtype=torch.bfloat16), None
+            dt = torch.randn(Bsz, H, device="cuda", dtype=torch.bfloat16)
+            A = -torch.rand(H, device="cuda")
+            B = torch.randn(Bsz, G, N, device="cuda", dtype=torch.bfloat16)
+            C = torch.randn_like(B)
+            D, bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+            idx = torch.randperm(slots, device="cuda")[:Bsz]
+            nbytes = 2 * Bsz * H * P * N * 4 + 2 * x.numel() * 2
+            run = lambda **kw: ssu_mod.selective_state_update(pool, x, dt, A, B, C, D, z, bias,  # noqa: E731
+                                                              state_indices=idx, **kw)
+            t = bench(run)
+            note = ""
+            if sweep and Bsz * H >= 2560:
+                best = None
+                for bp in (8, 16, 32):
+                    for w in (4, 8):
+                        tt = bench(lambda: run(block_p=bp, num_warps=w))
+                        if best is None or tt < best[0]:
+                            best = (tt, bp, w)
+                note = f"best sweep BLOCK_P={best[1]} warps={best[2]}: {nbytes / best[0] / COPY_BW:.0%} of copy"
+            ref_t = bench(lambda: ssu_mod.selective_state_update_ref(pool, x, dt, A, B, C, D, z, bias,
+                                                                     state_indices=idx), rep_ms=50)
+            ext_t = None
+            if "ssu" in ext:
+                # as Mamba2.step calls it: per-(head, p) tensors broadcast with stride 0, state indexed
+                A_ = A[:, None, None].expand(H, P, N)
+                dt_ = dt[:, :, None].expand(Bsz, H, P)
+                bias_ = bias[:, None].expand(H, P)
+                D_ = D[:, None].expand(H, P)
+                ext_t = bench(lambda: ext["ssu"](pool, x, dt_, A_, B, C, D_, z, bias_, dt_softplus=True,
+                                                 state_batch_indices=idx))
+            record("selective_state_update", f"{name} b={Bsz} fp32 state", t, nbytes=nbytes, ref_t=ref_t,
+                   ext_t=ext_t, ext_name="mamba_ssm", note=note)
+            if Bsz == 1:
+                gt = graph_time(run)
+                record("selective_state_update", f"{name} b=1 in CUDA graph", gt, nbytes=nbytes,
+                       note="per call, graph replay")
+            del pool
+
+
+def scan_flops(T, H, P, N, Q):
+    # causal intra-chunk C.B^T and (scores).x (half of Q on average), chunk state, state->output
+    return 2 * T * H * (Q / 2 * (N + P) + 2 * N * P)
+
+
+def bench_scan(ext, cases, sweep):
+    H, P, N, G, _ = MODELS["mamba2-2.7b"]
+    Q = 256
+    for nseq, L in cases:
+        T = nseq * L
+        x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
+        dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) - 2
+        A = -torch.rand(H, device="cuda") * 4
+        B = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
+        C = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
+        D, bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+        pool = torch.zeros(nseq + 1, H, P, N, device="cuda")
+        cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
+        slots = torch.arange(1, nseq + 1, device="cuda")
+        no = torch.zeros(nseq, dtype=torch.bool, device="cuda")
+        kw = dict(chunk_size=Q, cu_seqlens=cu, ssm_state=pool, state_indices=slots, has_initial_state=no, D=D,
+                  dt_bias=bias, dt_softplus=True)
+        run = lambda **k: ssd_scan.ssd_scan_varlen(x, dt, A, B, C, **kw, **k)  # noqa: E731
+        t = bench(run)
+        note = ""
+        if sweep:
+            best = (t, dict(ssd_scan.SCAN_CONFIG))
+            for bm, bk, w, st in [(64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3),
+                                  (128, 128, 8, 2)]:
+                for sw in (4, 8):
+                    cfg = dict(block_m=bm, block_k=bk, num_warps=w, num_stages=st, state_warps=sw)
+                    try:
+                        tt = bench(lambda: run(config=cfg), rep_ms=100)
+                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                        print("config", cfg, "failed:", repr(e)[:120])
+                        continue
+                    if tt < best[0]:
+                        best = (tt, cfg)
+            note = f"best sweep {best[1]}: {best[0] * 1e6:.0f} us"
+            t_best = best[0]
+        ref_t = None
+        if T <= 16384:
+            ref_t = bench(lambda: ssd_scan.ssd_scan_varlen_ref(x, dt, A, B, C, **kw), rep_ms=100)
+        ext_t = None
+        if "scan" in ext:
+            xb, dtb = x.view(nseq, L, H, P), dt.view(nseq, L, H)
+            Bb, Cb = B.view(nseq, L, G, N), C.view(nseq, L, G, N)
+            ext_t = bench(lambda: ext["scan"](xb, dtb, A, Bb, Cb, Q, D=D, dt_bias=bias, dt_softplus=True,
+                                              return_final_states=True))
+        record("ssd_scan_varlen", f"2.7b {nseq}x{L} Q=256 bf16", t, flops=scan_flops(T, H, P, N, Q), ref_t=ref_t,
+               ext_t=ext_t, ext_name="mamba_ssm", note=note)
+        if sweep and ext_t is not None:
+            print(f"scan {nseq}x{L}: best config x_mamba_ssm = {ext_t / t_best:.2f}")
+        del pool
+
+
+def scan_breakdown(ext):
+    """Per-kernel device time of one scan call (ours and mamba_ssm's), through the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    H, P, N, G, _ = MODELS["mamba2-2.7b"]
+    for nseq, L in [(8, 2048), (1, 16384)]:
+        T = nseq * L
+        x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
+        dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) - 2
+        A = -torch.rand(H, device="cuda") * 4
+        B = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
+        C = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
+        D, bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+        pool = torch.zeros(nseq + 1, H, P, N, device="cuda")
+        kw = dict(chunk_size=256, cu_seqlens=torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda"),
+                  ssm_state=pool, state_indices=torch.arange(1, nseq + 1, device="cuda"),
+                  has_initial_state=torch.zeros(nseq, dtype=torch.bool, device="cuda"), D=D, dt_bias=bias)
+        fns = {"ours": lambda: ssd_scan.ssd_scan_varlen(x, dt, A, B, C, **kw)}
+        if "scan" in ext:
+            xb, dtb = x.view(nseq, L, H, P), dt.view(nseq, L, H)
+            Bb, Cb = B.view(nseq, L, G, N), C.view(nseq, L, G, N)
+            fns["mamba_ssm"] = lambda: ext["scan"](xb, dtb, A, Bb, Cb, 256, D=D, dt_bias=bias, dt_softplus=True,
+                                                   return_final_states=True)
+        for who, fn in fns.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fn()
+                torch.cuda.synchronize()
+            per = {}
+            for e in prof.key_averages():
+                if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
+                    t_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 10
+                    if t_us > 0:
+                        per[e.key[:48]] = round(t_us, 1)
+            print(f"breakdown {who} {nseq}x{L} (us per call):", json.dumps(per), flush=True)
+            ROWS.append(dict(kernel="scan breakdown " + who, shape=f"{nseq}x{L}", us=sum(per.values()),
+                             note=json.dumps(per)))
+
+
+def bench_conv(ext, batches):
+    _, _, _, _, Dm = MODELS["mamba2-2.7b"]
+    K = 4
+    w = torch.randn(Dm, K, device="cuda")
+    bias = torch.randn(Dm, device="cuda")
+    for nseq, L in [(8, 2048), (1, 16384)]:
+        T = nseq * L
+        x = torch.randn(T, Dm, device="cuda", dtype=torch.bfloat16)
+        pool = torch.zeros(nseq + 1, Dm, K - 1, device="cuda", dtype=torch.bfloat16)
+        cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
+        slots = torch.arange(1, nseq + 1, device="cuda")
+        no = torch.zeros(nseq, dtype=torch.bool, device="cuda")
+        t = bench(lambda: conv1d.causal_conv1d_varlen(x, w, bias, pool, cu, slots, no))
+        ref_t = bench(lambda: conv1d.causal_conv1d_varlen_ref(x, w, bias, pool, cu, slots, no), rep_ms=50)
+        ext_t = None
+        if "conv_ref" in ext:
+            xb = x.view(nseq, L, Dm).transpose(1, 2)
+            ext_t = bench(lambda: ext["conv_ref"](xb, w, bias, activation="silu"), rep_ms=50)
+        record("causal_conv1d_varlen", f"2.7b {nseq}x{L} K=4 bf16", t, nbytes=2 * x.numel() * 2, ref_t=ref_t,
+               ext_t=ext_t, ext_name="causal_conv1d_ref")
+    for Bsz in batches:
+        x = torch.randn(Bsz, Dm, device="cuda", dtype=torch.bfloat16)
+        pool = torch.randn(Bsz + 1, Dm, K - 1, device="cuda", dtype=torch.bfloat16)
+        idx = torch.randperm(Bsz + 1, device="cuda")[:Bsz]
+        t = bench(lambda: conv1d.causal_conv1d_update(x, pool, w, bias, idx))
+        ref_t = bench(lambda: conv1d.causal_conv1d_update_ref(x, pool, w, bias, idx), rep_ms=50)
+        ext_t = None
+        if "conv_update_ref" in ext:
+            st = pool[:Bsz].clone()
+            ext_t = bench(lambda: ext["conv_update_ref"](x, st, w, bias, activation="silu"), rep_ms=50)
+        nbytes = Bsz * Dm * (2 * (K - 1) * 2 + 2 * 2)
+        record("causal_conv1d_update", f"2.7b b={Bsz} K=4 bf16", t, nbytes=nbytes, ref_t=ref_t, ext_t=ext_t,
+               ext_name="causal_conv1d_ref")
+
+
+def bench_state_ops(n_layers, n_pairs):
+    H, P, N, _, _ = MODELS["mamba2-2.7b"]
+    E = H * P * N
+    pool = torch.randn(n_layers, 2 * n_pairs + 1, H, P, N, device="cuda")
+    src = torch.arange(1, n_pairs + 1, device="cuda")
+    dst = torch.arange(n_pairs + 1, 2 * n_pairs + 1, device="cuda")
+    nbytes = 2 * n_layers * n_pairs * E * 4
+    t = bench(lambda: state_ops.copy_slots(pool, src, dst))
+    ref_t = bench(lambda: state_ops.copy_slots_ref(pool, src, dst))
+    record("copy_slots", f"2.7b {n_layers} layers x {n_pairs} slots fp32", t, nbytes=nbytes, ref_t=ref_t)
+    t = bench(lambda: state_ops.clear_slots(pool, dst))
+    ref_t = bench(lambda: state_ops.clear_slots_ref(pool, dst))
+    record("clear_slots", f"2.7b {n_layers} layers x {n_pairs} slots fp32", t, nbytes=nbytes // 2, ref_t=ref_t)
+    steps = torch.randn(n_layers, n_pairs, 2, H, P, N, device="cuda")
+    step = torch.randint(0, 2, (n_pairs,), device="cuda")
+    step[::4] = -1
+    live = int((step >= 0).sum())
+    t = bench(lambda: state_ops.scatter_steps(pool, steps, dst, step))
+    ref_t = bench(lambda: state_ops.scatter_steps_ref(pool, steps, dst, step))
+    record("scatter_steps", f"2.7b {n_layers} layers x {n_pairs} rows ({live} live) fp32", t,
+           nbytes=2 * n_layers * live * E * 4, ref_t=ref_t)
+    del pool, steps
+
+
+def bench_norm():
+    for name in ("mamba2-2.7b", "nemotron-h-8b"):
+        H, P, _, G, _ = MODELS[name]
+        D = H * P
+        for T in (64, 16384):
+            xz = torch.randn(T, 2 * D, device="cuda", dtype=torch.bfloat16)
+            x, z = xz[:, :D], xz[:, D:]
+            w = torch.randn(D, device="cuda", dtype=torch.bfloat16)
+            t = bench(lambda: gated_rmsnorm(x, z, w, 1e-5, D // G))
+            ref_t = bench(lambda: gated_rmsnorm_ref(x, z, w, 1e-5, D // G))
+            record("gated_rmsnorm", f"{name} T={T} G={G} bf16", t, nbytes=3 * T * D * 2, ref_t=ref_t)
+
+
+def print_table():
+    cols = ["kernel", "shape", "us", "GB/s", "of_copy", "TFLOP/s", "x_torch_ref", "x_ext", "note"]
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in ROWS:
+        ext_key = next((k for k in r if k.startswith("x_") and k != "x_torch_ref"), None)
+        vals = []
+        for c in cols:
+            v = r.get(ext_key) if c == "x_ext" else r.get(c)
+            if c == "x_ext" and v is not None:
+                vals.append(f"{v:.2f} ({r['ext']})")
+            elif isinstance(v, float):
+                vals.append(f"{v:.0%}" if c == "of_copy" else f"{v:.3g}" if c != "us" else f"{v:.1f}")
+            else:
+                vals.append("" if v is None else str(v))
+        print("| " + " | ".join(vals) + " |")
+
+
+def main():
+    global COPY_BW
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile configs of the SSU and the scan")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
+    ap.add_argument("--third-party", default=os.path.join(os.path.dirname(__file__), "..", "third_party"))
+    ap.add_argument("--only", default="copy,ssu,scan,conv,state,norm")
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+          f"triton {triton.__version__}", flush=True)
+    COPY_BW = measure_copy_bw()
+    record("device copy (torch)", "2 GiB fp32", 2 * 2 * 1024**3 / COPY_BW, nbytes=2 * 2 * 1024**3)
+    ext = load_third_party(a.third_party)
+    batches = [1, 8, 64, 512] if a.quick else [1, 8, 32, 64, 128, 256, 512]
+    if "ssu" in only:
+        bench_ssu(ext, batches, list(MODELS), a.sweep)
+    if "breakdown" in only:
+        scan_breakdown(ext)
+    if "scan" in only:
+        bench_scan(ext, [(8, 2048), (1, 16384)], a.sweep)
+    if "conv" in only:
+        bench_conv(ext, [1, 64, 512])
+    if "state" in only:
+        bench_state_ops(16 if a.quick else 64, 8)
+    if "norm" in only:
+        bench_norm()
+    print_table()
+    with open(a.json, "w") as f:
+        json.dump(dict(device=props.name, copy_GBps=COPY_BW / 1e9, torch=torch.__version__,
+                       triton=triton.__version__, rows=ROWS), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

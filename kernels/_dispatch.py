@@ -1,0 +1,93 @@
+"""Which implementation a launcher runs: the Triton kernel or the pure-torch reference.
+
+Rules, in order:
+  1. ``force_triton=True`` runs Triton whatever the device; on CPU tensors that needs the Triton
+     interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is first imported), which is how the
+     tests run the kernels without a GPU. ``force_triton=False`` runs the reference.
+  2. ``MAMBASERVE_KERNELS=ref`` in the environment runs the references everywhere (debugging, A/B).
+  3. Otherwise Triton on CUDA tensors, the reference on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is an optional dependency (the ``triton`` extra); CPU-only installs run references.
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def softplus(x):
+        """torch's softplus (threshold 20); exp(x) where log(1 + exp(x)) would round to 0 in fp32."""
+        return tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+
+    @triton.jit
+    def locate_block(pid, cu_ptr, pos_ptr, S, Q, HAS_POS: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Block ``pid`` of packed sequences cut at multiples of ``Q`` of absolute position.
+
+        Sequence ``s`` holds tokens ``cu[s]:cu[s+1]`` at absolute positions ``pos[s] + i``; its blocks
+        are numbered after those of sequences ``< s``. Returns ``(seq, j, tok0, tok1)``: the block is
+        packed tokens ``[tok0, tok1)`` and is block ``j`` of sequence ``seq``. Past the last block,
+        ``seq == S`` and ``tok1 == tok0``, so every masked access is empty. Launch an upper bound of
+        ``T // Q + 2 * S`` programs: no host needs to know the real count.
+        """
+        s_idx = tl.arange(0, BLOCK_S)
+        ms = s_idx < S
+        beg = tl.load(cu_ptr + s_idx, mask=ms, other=0).to(tl.int32)
+        end = tl.load(cu_ptr + s_idx + 1, mask=ms, other=0).to(tl.int32)
+        if HAS_POS:
+            off = (tl.load(pos_ptr + s_idx, mask=ms, other=0) % Q).to(tl.int32)
+        else:
+            off = tl.zeros([BLOCK_S], dtype=tl.int32)
+        L = end - beg
+        nblk = tl.where(L > 0, (off + L + Q - 1) // Q, 0)
+        incl = tl.cumsum(nblk, 0)
+        seq = tl.sum((incl <= pid).to(tl.int32), 0)
+        sel = s_idx == seq
+        first = tl.sum(tl.where(sel, incl - nblk, 0), 0)
+        b0 = tl.sum(tl.where(sel, beg, 0), 0)
+        L0 = tl.sum(tl.where(sel, L, 0), 0)
+        off0 = tl.sum(tl.where(sel, off, 0), 0)
+        j = pid - first
+        tok0 = b0 + tl.maximum(j * Q - off0, 0)
+        tok1 = b0 + tl.minimum((j + 1) * Q - off0, L0)
+        tok1 = tl.where(seq < S, tok1, tok0)
+        return seq, j, tok0, tok1
+
+else:  # pragma: no cover
+    softplus = None
+    locate_block = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor, force_triton: bool | None) -> bool:
+    """True when the launcher should run its Triton kernel for tensors living where ``t`` lives."""
+    if force_triton is not None:
+        if force_triton:
+            if not HAS_TRITON:
+                raise RuntimeError("force_triton=True but triton is not installed")
+            if not t.is_cuda and not interpreting():
+                raise RuntimeError("force_triton=True on CPU tensors needs TRITON_INTERPRET=1 set before "
+                                   "triton is imported")
+        return force_triton
+    if os.environ.get("MAMBASERVE_KERNELS", "").lower() == "ref":
+        return False
+    return HAS_TRITON and t.is_cuda
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()

@@ -1,0 +1,130 @@
+"""Triton SSD scan against its reference (and the fp64 recurrence), tiny shapes (interpreter on CPU)."""
+
+import pytest
+import torch
+
+from mambaserve.kernels.ssd_scan import ssd_scan_varlen, ssd_scan_varlen_ref
+from mambaserve.kernels.selective_state_update import selective_state_update
+from tests.kernels.helpers import TOL, assert_close, gen, randn
+from tests.kernels.oracle import ssm_recurrence
+
+Q = 16  # smallest chunk the Triton tiles take (tl.dot needs 16)
+LENGTHS = [1, 3, Q - 1, Q, Q + 1, 3 * Q + 5]
+
+
+def _inputs(T, H, P, G, N, seed, dev, dtype=torch.float32):
+    g = gen(seed)
+    x, dt = randn(g, T, H, P, dtype=dtype, dev=dev), randn(g, T, H, dev=dev)
+    A = (-torch.rand(H, generator=g) * 2 - 0.1).to(dev)
+    B, C = randn(g, T, G, N, dtype=dtype, dev=dev), randn(g, T, G, N, dtype=dtype, dev=dev)
+    return x, dt, A, B, C, randn(g, H, dev=dev), randn(g, H, dev=dev)
+
+
+def _run(fn, x, dt, A, B, C, lengths, pool, slots, has_init, starts, D, bias, **kw):
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=x.device)
+    return fn(x, dt, A, B, C, chunk_size=Q, cu_seqlens=cu, ssm_state=pool, state_indices=slots,
+              has_initial_state=has_init, seq_start_pos=starts, D=D, dt_bias=bias, **kw)
+
+
+@pytest.mark.parametrize("groups,init", [(1, True), (2, False), (4, True), (8, True)])
+def test_packed_lengths_match_reference_and_recurrence(dev, groups, init):
+    H, P, N, S = 8, 4, 5, len(LENGTHS)
+    T = sum(LENGTHS)
+    x, dt, A, B, C, D, bias = _inputs(T, H, P, groups, N, groups, dev)
+    pool = torch.randn(S + 2, H, P, N, generator=gen(9)).to(dev)
+    before = pool.clone()
+    slots = torch.tensor([3, 1, 6, 2, 7, 4], device=dev)
+    has = torch.tensor([init and i % 2 == 0 for i in range(S)], device=dev)
+    starts = torch.tensor([0, 5, 2 * Q + 3, Q, 1, 7], device=dev)  # mid-chunk and on boundaries
+    y, bnd = _run(ssd_scan_varlen, x, dt, A, B, C, LENGTHS, pool, slots, has, starts, D, bias,
+                  return_boundary_states=True, force_triton=True)
+    ref_pool = before.clone()
+    y_ref, bnd_ref = _run(ssd_scan_varlen_ref, x, dt, A, B, C, LENGTHS, ref_pool, slots, has, starts, D, bias,
+                          return_boundary_states=True)
+    assert_close(y, y_ref, 1e-5)
+    assert_close(pool, ref_pool, 1e-5)
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[5], before[5])  # untouched slots
+    assert torch.equal(bnd.seq_idx, bnd_ref.seq_idx) and torch.equal(bnd.positions, bnd_ref.positions)
+    assert_close(bnd.states, bnd_ref.states, 1e-5)
+    # and against the fp64 recurrence, per sequence, at absolute positions k*Q
+    cu = [0] + torch.tensor(LENGTHS).cumsum(0).tolist()
+    for i in range(S):
+        s, e = cu[i], cu[i + 1]
+        init_state = before[slots[i]].cpu() if has[i] else None
+        ry, rs = ssm_recurrence(x[s:e].cpu(), dt[s:e].cpu(), A.cpu(), B[s:e].cpu(), C[s:e].cpu(), D.cpu(),
+                                init_state, bias.cpu())
+        assert_close(y[s:e].cpu(), ry, 1e-5)
+        assert_close(pool[slots[i]].cpu(), rs[-1], 1e-5)
+        for k in (bnd.seq_idx == i).nonzero().flatten().tolist():
+            assert_close(bnd.states[k].cpu(), rs[bnd.positions[k] - starts[i].item() - 1], 1e-5)
+
+
+@pytest.mark.parametrize("cut", [1, Q - 1, Q, Q + 3, 2 * Q + 5])
+def test_split_and_resume_equals_one_pass(dev, cut):
+    L, H, P, G, N = 3 * Q + 5, 2, 4, 1, 4
+    x, dt, A, B, C, D, bias = _inputs(L, H, P, G, N, 1, dev)
+    one = torch.zeros(2, H, P, N, device=dev)
+    slot, no, yes = torch.tensor([1], device=dev), torch.tensor([False], device=dev), torch.tensor([True], device=dev)
+    y1, b1 = _run(ssd_scan_varlen, x, dt, A, B, C, [L], one, slot, no, None, D, bias,
+                  return_boundary_states=True, force_triton=True)
+    two = torch.zeros(2, H, P, N, device=dev)
+    ya, ba = _run(ssd_scan_varlen, x[:cut], dt[:cut], A, B[:cut], C[:cut], [cut], two, slot, no,
+                  torch.tensor([0], device=dev), D, bias, return_boundary_states=True, force_triton=True)
+    yb, bb = _run(ssd_scan_varlen, x[cut:], dt[cut:], A, B[cut:], C[cut:], [L - cut], two, slot, yes,
+                  torch.tensor([cut], device=dev), D, bias, return_boundary_states=True, force_triton=True)
+    assert_close(torch.cat([ya, yb]), y1, 1e-5)
+    assert_close(two, one, 1e-5)
+    # boundary states at absolute k*Q, also when the prefix is not a multiple of Q
+    assert torch.cat([ba.positions, bb.positions]).tolist() == b1.positions.tolist() == [Q, 2 * Q, 3 * Q]
+    assert_close(torch.cat([ba.states, bb.states]), b1.states, 1e-5)
+
+
+def test_prefill_then_decode_equals_long_prefill(dev):
+    L, H, P, G, N = Q + 3, 4, 4, 2, 4
+    x, dt, A, B, C, D, bias = _inputs(L + 1, H, P, G, N, 2, dev)
+    z = randn(gen(3), L + 1, H, P, dev=dev)
+    slot, no = torch.tensor([1], device=dev), torch.tensor([False], device=dev)
+    long_pool = torch.zeros(2, H, P, N, device=dev)
+    y_long, _ = _run(ssd_scan_varlen, x, dt, A, B, C, [L + 1], long_pool, slot, no, None, D, bias,
+                     force_triton=True)
+    pool = torch.zeros(2, H, P, N, device=dev)
+    _run(ssd_scan_varlen, x[:L], dt[:L], A, B[:L], C[:L], [L], pool, slot, no, None, D, bias, force_triton=True)
+    y_dec = selective_state_update(pool, x[L:], dt[L:], A, B[L:], C[L:], D, None, bias, state_indices=slot,
+                                   force_triton=True)
+    assert_close(y_dec, y_long[L:], 1e-5)
+    assert_close(pool, long_pool, 1e-5)
+    del z
+
+
+def test_extreme_decay_and_dt_range_are_finite(dev):
+    L, H, P, G, N = 2 * Q + 3, 2, 4, 1, 4
+    x, _, _, B, C, D, _ = _inputs(L, H, P, G, N, 4, dev)
+    dt = torch.full((L, H), 10.0, device=dev)
+    dt[::3] = -30.0
+    dt[1::5] = 30.0
+    A = torch.tensor([-16.0, -0.01], device=dev)
+    pool = torch.full((3, H, P, N), float("nan"), device=dev)  # poison: slot 2 must stay untouched
+    pool[1] = 0
+    y, bnd = _run(ssd_scan_varlen, x, dt, A, B, C, [L], pool, torch.tensor([1], device=dev),
+                  torch.tensor([False], device=dev), None, D, None, return_boundary_states=True,
+                  force_triton=True)
+    assert torch.isfinite(y).all() and torch.isfinite(pool[1]).all() and torch.isfinite(bnd.states).all()
+    assert pool[2].isnan().all()
+    ry, rs = ssm_recurrence(x.cpu(), dt.cpu(), A.cpu(), B.cpu(), C.cpu(), D.cpu())
+    assert_close(y.cpu(), ry, 1e-5)
+    assert_close(pool[1].cpu(), rs[-1], 1e-5)
+
+
+def test_bf16_inputs_and_state(dev):
+    lengths = [Q + 1, 5]
+    H, P, G, N = 4, 16, 1, 16
+    x, dt, A, B, C, D, bias = _inputs(sum(lengths), H, P, G, N, 5, dev, dtype=torch.bfloat16)
+    pool = torch.randn(3, H, P, N, generator=gen(6)).to(torch.bfloat16).to(dev)
+    ref_pool = pool.clone()
+    args = (x, dt, A, B, C, lengths)
+    rest = (torch.tensor([2, 0], device=dev), torch.tensor([True, False], device=dev), None, D, bias)
+    y, _ = _run(ssd_scan_varlen, *args, pool, *rest, force_triton=True)
+    y_ref, _ = _run(ssd_scan_varlen_ref, *args, ref_pool, *rest)
+    assert y.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16
+    assert_close(y, y_ref, TOL[torch.bfloat16])
+    assert_close(pool, ref_pool, TOL[torch.bfloat16])

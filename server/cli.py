@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--session-snapshot-dir", default="mambaserve-sessions",
                    help="directory where /sessions/{id}/snapshot writes and /sessions/restore reads session files "
                         "(share it between servers to migrate sessions)")
+    s.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (CUDA only; for debugging)")
+    s.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                   help="largest decode batch replayed from a CUDA graph; larger batches run eagerly")
     s.add_argument("--debug-cache-invariants", action="store_true",
                    help="check slot accounting after every step (slow; for tests and debugging)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")

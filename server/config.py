@@ -27,6 +27,8 @@ class ServerConfig:
     session_timeout: float = 600.0
     session_snapshot_dir: str = "mambaserve-sessions"
     debug_cache_invariants: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
     log_level: str = "info"
     seed: int = 0
     max_queued_requests: int = 4096

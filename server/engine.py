@@ -49,8 +49,11 @@ class Engine:
                                    d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)
         self.metrics = ServerMetrics()
         self.track_interval = self._track_interval()
+        runner = ModelRunner(self.model, self.pool, self.device)
+        if is_cuda and not cfg.disable_cuda_graph:
+            runner.enable_cuda_graphs(min(cfg.running_limit(is_cuda), cfg.cuda_graph_max_bs))
         self.scheduler = Scheduler(
-            ModelRunner(self.model, self.pool, self.device), self.metrics,
+            runner, self.metrics,
             max_running=cfg.running_limit(is_cuda), chunked_prefill_size=cfg.chunked_prefill_size,
             context_length=self.context_length, seed=cfg.seed, debug_invariants=cfg.debug_cache_invariants,
             radix_cache=not cfg.disable_radix_cache, page_size=cfg.page_size, track_interval=self.track_interval,

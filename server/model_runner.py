@@ -23,6 +23,13 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(self, model: Mamba2ForCausalLM, pool: MambaStatePool, device: torch.device):
         self.model, self.pool, self.device = model, pool, device
+        self.graphs = None
+
+    def enable_cuda_graphs(self, max_batch: int) -> None:
+        from mambaserve.server.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.device)
+        self.graphs.capture()
 
     def apply_state_ops(self, ops: StateOps) -> None:
         if ops.copies:
@@ -37,6 +44,8 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         self.apply_state_ops(batch.state_ops)
+        if self.graphs is not None and batch.mode is ForwardMode.DECODE and batch.batch_size <= self.graphs.buckets[-1]:
+            return ForwardOutput(logits=self.graphs.run(batch.token_ids, batch.slots))
         dev = self.device
         lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)

@@ -1,9 +1,10 @@
 """Which requests run in the next step: pure functions over plain numbers.
 
-Prefill first (as SGLang does): a step is an EXTEND batch whenever some prompt still has tokens to
-prefill and the token budget allows; otherwise it is a DECODE batch of every running request. A
-prompt longer than the budget is split across steps (chunked prefill); several short prompts are
-packed into one step.
+A step is an EXTEND batch (prefill chunks, several prompts packed, a long prompt split across steps
+by the token budget) or a DECODE batch of every request that is done prefilling. When both kinds
+have work they alternate: decoders never starve behind a stream of long prompts, and a request whose
+prompt just finished (with a prefix cache its last prompt token runs as a decode step) gets its
+first token one short step later instead of after every queued prefill.
 """
 
 from __future__ import annotations
@@ -40,3 +41,10 @@ def plan_prefill(candidates: list[PrefillCandidate], token_budget: int, free_slo
         plan.append((c.key, n))
         budget -= n
     return plan
+
+
+def next_mode_is_decode(has_prefill_work: bool, has_decode_work: bool, last_was_extend: bool) -> bool:
+    """True: run a DECODE step now; False: try an EXTEND step first."""
+    if not has_decode_work:
+        return False
+    return last_was_extend or not has_prefill_work

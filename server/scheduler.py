@@ -27,7 +27,7 @@ from mambaserve.server.session_manager import SessionManager
 from mambaserve.server.sessions import SessionError, SessionTable
 from mambaserve.server.request import FinishReason, Req, StepOutput
 from mambaserve.server.sampling import sample
-from mambaserve.server.schedule_policy import PrefillCandidate, plan_prefill
+from mambaserve.server.schedule_policy import PrefillCandidate, next_mode_is_decode, plan_prefill
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Scheduler:
         self.generators: dict[str, torch.Generator] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.steps = 0
+        self.last_was_extend = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         metrics.slots_total.set(self.slots.capacity)
@@ -109,6 +110,7 @@ class Scheduler:
             self._next_reap = now + 0.5
         batch, plan = self.schedule()
         if batch is not None:
+            self.last_was_extend = batch.mode is ForwardMode.EXTEND
             out = self.runner.forward(batch)
             self.process_results(batch, plan, out.logits)
             self.steps += 1
@@ -169,6 +171,10 @@ class Scheduler:
     def schedule(self) -> tuple[ForwardBatch | None, list[tuple[Req, int]]]:
         """An EXTEND batch if any prompt has tokens to prefill, else a DECODE batch of every running
         request; the deferred state ops recorded since the last forward ride on whichever runs."""
+        decode = [r for r in self.running if r.prefill_done]
+        has_prefill = bool(self.waiting) or len(decode) < len(self.running)
+        if next_mode_is_decode(has_prefill, bool(decode), self.last_was_extend):
+            return self._decode_batch(decode)
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in self.running if not r.prefill_done]
         cands += [PrefillCandidate(r, r.prefill_len, not self._has_live_slot(r)) for r in self.waiting
                   if r.session is None or not r.session.awaiting_fold]  # the live state arrives next step
@@ -183,7 +189,9 @@ class Scheduler:
                 chunks.append((req, n))
         if chunks:
             return self._extend_batch(chunks), chunks
-        decode = [r for r in self.running if r.prefill_done]
+        return self._decode_batch([r for r in self.running if r.prefill_done])
+
+    def _decode_batch(self, decode: list[Req]) -> tuple[ForwardBatch | None, list[tuple[Req, int]]]:
         if not decode:
             return None, []
         batch = ForwardBatch(ForwardMode.DECODE, [r.token_at(r.in_state) for r in decode], [1] * len(decode),

@@ -10,7 +10,7 @@ from mambaserve.server.model_config import ModelLoadError
 from mambaserve.server.model_loader import load_model, resolve_device
 from mambaserve.server.request import BadRequest, SamplingParams
 from mambaserve.server.sampling import _filter, sample
-from mambaserve.server.schedule_policy import PrefillCandidate, plan_prefill
+from mambaserve.server.schedule_policy import PrefillCandidate, next_mode_is_decode, plan_prefill
 from mambaserve.server.state_pool import SlotAllocator
 from tests.server.tiny_models import byte_tokenizer, make_checkpoint
 
@@ -23,6 +23,13 @@ def test_prefill_plan_packs_chunks_and_keeps_arrival_order():
     assert plan_prefill(c, 64, free_slots=0, running=1, max_running=8) == [("a", 5)]
     assert plan_prefill(c, 64, free_slots=4, running=2, max_running=2) == [("a", 5)]
     assert plan_prefill([], 64, 4, 0, 8) == []
+
+
+def test_prefill_and_decode_alternate_when_both_have_work():
+    assert next_mode_is_decode(has_prefill_work=True, has_decode_work=True, last_was_extend=True)
+    assert not next_mode_is_decode(has_prefill_work=True, has_decode_work=True, last_was_extend=False)
+    assert next_mode_is_decode(has_prefill_work=False, has_decode_work=True, last_was_extend=False)
+    assert not next_mode_is_decode(has_prefill_work=True, has_decode_work=False, last_was_extend=True)
 
 
 def test_sampling_filters():

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One GPU-machine session: GPU tests, end-to-end benchmark, multi-turn cache benchmark.
+# Usage (on the GPU machine, repo root, wheels for fastapi/uvicorn/pydantic in .whl/):
+#   bash benchmarks/gpu_session.sh 130m      # or 2.7b (e2e only)
+set -uo pipefail
+SIZE=${1:-130m}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+cd /tmp  # the repo's top-level kernels/ must not shadow anything when run from the root
+python3 -c "import mambaserve.server.engine, fastapi, triton, torch; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+cd - >/dev/null
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+if [ "$SIZE" = "130m" ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/server/test_gpu_engine.py tests/kernels/test_gpu_kernels.py 2>&1 | tail -5
+  python3 benchmarks/e2e.py --size 130m --json "$OUT/e2e_130m.json" --keep-checkpoint /tmp/m130
+  (cd benchmarks && python3 multiturn.py --model /tmp/m130 --compare --clients 16 --rounds 5 \
+     --request-length 1024 --question-length 128 --output-length 64 \
+     --server-args "--tokenizer ../models/mamba2-tiny-pystdlib" --out "$OUT/multiturn_130m.json")
+else
+  python3 benchmarks/e2e.py --size "$SIZE" --json "$OUT/e2e_$SIZE.json" --hf-batches 1 --hf-tokens 16
+fi

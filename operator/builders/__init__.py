@@ -1,0 +1,49 @@
+"""Pure builders: typed specs in, Kubernetes manifests (plain dicts) out. No I/O here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mambaserve.operator.builders.autoscaling import adapter_rules, build_hpa, build_scaled_object
+from mambaserve.operator.builders.config import build_config_map
+from mambaserve.operator.builders.disruption import build_pdb
+from mambaserve.operator.builders.monitoring import build_service_monitor
+from mambaserve.operator.builders.router import (build_router_deployment, build_router_role,
+                                                 build_router_role_binding, build_router_service_account)
+from mambaserve.operator.builders.server import build_workload, server_args
+from mambaserve.operator.builders.services import build_client_service, build_headless_service, service_url
+from mambaserve.operator.builders.storage import build_tier_claim
+from mambaserve.operator.settings import OperatorSettings
+from mambaserve.operator.spec import CacheTier, InferenceSession
+
+__all__ = ["adapter_rules", "build_session_children", "build_tier_claim", "server_args", "service_url"]
+
+
+def build_session_children(session: InferenceSession, tier: CacheTier | None,
+                           settings: OperatorSettings) -> list[dict[str, Any]]:
+    """Every object the session should own right now, in the order they are applied.
+
+    Anything the session owns that is not in this list is stale and gets deleted.
+    """
+    children = [
+        build_config_map(session, tier),
+        build_headless_service(session),
+        build_workload(session, tier, settings),
+        build_client_service(session),
+        build_pdb(session),
+    ]
+    if session.router.enabled:
+        children += [
+            build_router_service_account(session),
+            build_router_role(session),
+            build_router_role_binding(session),
+            build_router_deployment(session, settings),
+        ]
+    if session.autoscaling.enabled:
+        if session.autoscaling.engine == "keda":
+            children.append(build_scaled_object(session, settings))
+        else:
+            children.append(build_hpa(session))
+    if settings.service_monitors and session.monitoring.enabled:
+        children.append(build_service_monitor(session))
+    return children

@@ -1,0 +1,252 @@
+"""The server workload: flags, pod template, and a Deployment or a StatefulSet.
+
+A StatefulSet is used only when each pod needs its own storage-tier claim (a single-writer access
+mode that the operator provisions); everything else runs as a Deployment.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mambaserve.operator import names
+from mambaserve.operator.builders.common import session_metadata
+from mambaserve.operator.settings import SERVER_PORT, OperatorSettings
+from mambaserve.operator.spec import CacheTier, InferenceSession, quantity_bytes
+
+MODEL_DIR = "/models"
+CACHE_VOLUME = "cache"
+# The server fills the storage tier up to the size it is given; leave the filesystem 10% for its
+# own metadata and for states being written, so a full tier evicts instead of failing writes.
+STORAGE_FILL = 0.9
+
+
+def model_path(session: InferenceSession) -> str:
+    model = session.model
+    if model.scheme == "hf":
+        return f"{MODEL_DIR}/{model.hf_repo.split('/')[-1]}"
+    if model.scheme == "pvc":
+        return f"{MODEL_DIR}/{model.pvc_path}".rstrip("/") if model.pvc_path else MODEL_DIR
+    return model.source
+
+
+def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
+    """The server's command line, flag names exactly as in docs/server-interface.md."""
+    srv, sess = session.server, session.sessions
+    args = [
+        "--model", model_path(session),
+        "--host", "0.0.0.0",
+        "--port", str(SERVER_PORT),
+        "--device", "cuda" if session.resources.gpus > 0 else "cpu",
+        "--dtype", srv.dtype,
+        "--state-dtype", srv.state_dtype,
+        "--chunked-prefill-size", str(srv.chunked_prefill_size),
+        "--page-size", str(srv.page_size),
+        "--mamba-cache-strategy", srv.cache_strategy,
+        "--max-sessions", str(sess.max_sessions),
+        "--session-timeout", str(sess.timeout_seconds),
+        "--log-level", srv.log_level,
+    ]
+    if session.model.served_name:
+        args += ["--served-model-name", session.model.served_name]
+    if srv.max_running_requests is not None:
+        args += ["--max-running-requests", str(srv.max_running_requests)]
+    if srv.context_length is not None:
+        args += ["--context-length", str(srv.context_length)]
+    if srv.track_interval:
+        args += ["--mamba-track-interval", str(srv.track_interval)]
+    if srv.disable_radix_cache:
+        args += ["--disable-radix-cache"]
+    if tier is not None:
+        if tier.gpu_state_slots is not None:
+            args += ["--mamba-cache-size", str(tier.gpu_state_slots)]
+        if tier.host_size_gb > 0:
+            args += ["--host-cache-size-gb", _number(tier.host_size_gb)]
+        if tier.storage.enabled:
+            args += ["--storage-dir", tier.storage.path]
+            if tier.storage.size:
+                gb = quantity_bytes(tier.storage.size) * STORAGE_FILL / 1e9
+                args += ["--storage-size-gb", _number(round(gb, 3))]
+        args += ["--cache-write-policy", tier.write_policy]
+    return args + list(srv.extra_args)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _resources(session: InferenceSession, tier: CacheTier | None) -> dict[str, Any]:
+    requests = {k: v for k, v in session.resources.requests.items()}
+    limits = {k: v for k, v in session.resources.limits.items()}
+    if session.resources.gpus > 0:
+        # Extended resources must be requested and limited with the same value.
+        requests[session.resources.gpu_resource_name] = session.resources.gpus
+        limits[session.resources.gpu_resource_name] = session.resources.gpus
+    if tier is not None and tier.host_size_gb > 0:
+        # The host tier is pinned memory inside the server process: account for it in the pod.
+        extra = tier.host_size_gb * 1e9
+        for bucket in (requests, limits):
+            if bucket is requests or "memory" in bucket:
+                base = quantity_bytes(bucket["memory"]) if "memory" in bucket else 0.0
+                bucket["memory"] = f"{math.ceil((base + extra) / 2**20)}Mi"
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = {k: _quantity(v) for k, v in sorted(requests.items())}
+    if limits:
+        out["limits"] = {k: _quantity(v) for k, v in sorted(limits.items())}
+    return out
+
+
+def _quantity(value: Any) -> Any:
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def _model_volume_and_init(session: InferenceSession, image: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """Volumes, mounts and init containers that make the model available at model_path()."""
+    model = session.model
+    if model.scheme == "pvc":
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": model.pvc_claim, "readOnly": True}}
+        return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], []
+    if model.scheme == "hf":
+        volume = {"name": "model", "emptyDir": {"sizeLimit": model.download_size_limit}}
+        env: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+        if model.token_secret:
+            env.append({"name": "HF_TOKEN", "valueFrom": {
+                "secretKeyRef": {"name": model.token_secret, "key": model.token_key}}})
+        # huggingface_hub ships with the server image (transformers depends on it); calling its
+        # Python API avoids depending on which CLI name (huggingface-cli / hf) the image has.
+        download = {
+            "name": "model-download",
+            "image": image,
+            "imagePullPolicy": session.image_pull_policy,
+            "command": ["python", "-c",
+                        "import sys; from huggingface_hub import snapshot_download; "
+                        "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])",
+                        model.hf_repo, model.hf_revision, model_path(session)],
+            "env": env,
+            "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+        }
+        return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], [download]
+    return [], [], []
+
+
+def pod_template(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings) -> dict[str, Any]:
+    image = session.image or settings.server_image
+    volumes, mounts, init = _model_volume_and_init(session, image)
+    # /dev/shm defaults to 64 MiB in a container; PyTorch's pinned host buffers and IPC need more.
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}})
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if tier is not None and tier.storage.enabled:
+        if not tier.storage.per_pod:
+            volumes.append({"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": tier.claim_name}})
+        mounts.append({"name": CACHE_VOLUME, "mountPath": tier.storage.path})
+
+    # Streaming sessions hold live state: keep routing away from a stopping pod for drainSeconds
+    # (endpoints and the router see it NotReady) before the server gets SIGTERM.
+    drain = session.sessions.drain_seconds if session.sessions.streaming else 0
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": image,
+        "imagePullPolicy": session.image_pull_policy,
+        "command": ["mambaserve", "serve"],
+        "args": server_args(session, tier),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        ],
+        "resources": _resources(session, tier),
+        "volumeMounts": mounts,
+        # Loading weights can take minutes; the startup probe holds liveness off until /health is 200.
+        "startupProbe": _probe("/health", period=10, failures=90),
+        "readinessProbe": _probe("/health", period=5, failures=3),
+        "livenessProbe": _probe("/health", period=15, failures=4),
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if drain > 0:
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": drain}}}
+
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": session.termination_grace_period_seconds + drain,
+        "enableServiceLinks": False,
+    }
+    if init:
+        spec["initContainers"] = init
+    if session.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in session.image_pull_secrets]
+    placement = session.placement
+    if placement.node_selector:
+        spec["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        spec["tolerations"] = [dict(t) for t in placement.tolerations]
+    if placement.affinity:
+        spec["affinity"] = dict(placement.affinity)
+    if placement.priority_class_name:
+        spec["priorityClassName"] = placement.priority_class_name
+    return {"metadata": {"labels": names.session_labels(session.name, "server")}, "spec": spec}
+
+
+def build_workload(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings) -> dict[str, Any]:
+    """Deployment, or StatefulSet when the cache tier gives each pod its own claim.
+
+    ``spec.replicas`` mirrors ``InferenceSession.spec.replicas``: with autoscaling enabled the HPA or
+    KEDA writes that field through the scale subresource and the operator only carries it over.
+    """
+    template = pod_template(session, tier, settings)
+    selector = {"matchLabels": names.server_selector(session.name)}
+    name = names.workload(session.name)
+    if tier is not None and tier.storage.per_pod:
+        claim_template = {
+            "metadata": {"name": CACHE_VOLUME, "labels": {names.TIER_LABEL: tier.name}},
+            "spec": {
+                "accessModes": [tier.storage.access_mode],
+                "resources": {"requests": {"storage": tier.storage.size}},
+                **({"storageClassName": tier.storage.storage_class_name} if tier.storage.storage_class_name else {}),
+            },
+        }
+        immutable = {
+            "selector": selector,
+            "serviceName": names.headless_service(session.name),
+            "podManagementPolicy": "Parallel",
+            "volumeClaimTemplates": [claim_template],
+        }
+        obj = {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": session_metadata(session, name, "server"),
+            "spec": {
+                "replicas": session.replicas,
+                **immutable,
+                "template": template,
+                "updateStrategy": {"type": "RollingUpdate"},
+                # Deleting the session frees the disks; scaling down keeps them, so a later
+                # scale-up finds its stored states again.
+                "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
+            },
+        }
+        return names.stamp(obj, immutable=immutable)
+    obj = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": session_metadata(session, name, "server"),
+        "spec": {
+            "replicas": session.replicas,
+            "selector": selector,
+            "template": template,
+            # GPUs are scarce: never take a serving pod down before its replacement is ready.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 5,
+        },
+    }
+    return names.stamp(obj)

@@ -1,0 +1,37 @@
+"""The CacheTier's shared storage claim (ReadWriteMany tiers only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mambaserve.operator import names
+from mambaserve.operator.spec import CacheTier
+
+
+def build_tier_claim(tier: CacheTier) -> dict[str, Any] | None:
+    """The claim all pods of all bound sessions share, or None when the tier needs none."""
+    if not tier.storage.shared_claim_created:
+        return None
+    spec: dict[str, Any] = {
+        "accessModes": [tier.storage.access_mode],
+        "resources": {"requests": {"storage": tier.storage.size}},
+    }
+    if tier.storage.storage_class_name:
+        spec["storageClassName"] = tier.storage.storage_class_name
+    obj = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": names.tier_claim(tier.name),
+            "namespace": tier.namespace,
+            "labels": {
+                "app.kubernetes.io/name": "mambaserve",
+                "app.kubernetes.io/component": "cache-storage",
+                "app.kubernetes.io/managed-by": "mambaserve-operator",
+                names.TIER_LABEL: tier.name,
+            },
+            "ownerReferences": [names.owner_reference("CacheTier", tier.name, tier.uid)],
+        },
+        "spec": spec,
+    }
+    return names.stamp(obj, immutable=spec)

@@ -1,0 +1,306 @@
+"""Level-based reconciliation: desired children from the builders, applied through ``kube``, then status.
+
+Every function here takes the whole current object and returns the whole status it should have;
+Kopf handlers and timers call them the same way, so a missed event is repaired at the next tick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from mambaserve.operator import builders, conditions, names
+from mambaserve.operator.conditions import Condition, Event
+from mambaserve.operator.kube import SESSION_CHILD_KINDS, ApiError, Kube, ResourceNotInstalled, owned_by
+from mambaserve.operator.settings import OperatorSettings
+from mambaserve.operator.spec import (CacheTier, InferenceSession, Problem, incompatibilities, parse_cache_tier,
+                                      parse_session, session_problems, tier_problems)
+from mambaserve.operator.status import Observed, observe, scrape
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: dict[str, Any]
+    events: list[Event] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    tier: CacheTier | None
+    condition: Condition
+
+    @property
+    def hold(self) -> bool:
+        """Leave the children as they are: the tier they should use is not usable now."""
+        return self.condition.status != "True" and self.condition.reason != "NotRequested"
+
+
+async def bind(kube: Kube, session: InferenceSession) -> Binding:
+    if session.cache_tier is None:
+        return Binding(None, Condition("CacheTierBound", "False", "NotRequested",
+                                       "no cacheTierRef: GPU state cache only"))
+    body = await kube.get("CacheTier", session.namespace, session.cache_tier)
+    if body is None:
+        return Binding(None, Condition("CacheTierBound", "False", "NotFound",
+                                       f"CacheTier {session.cache_tier} does not exist in {session.namespace}; "
+                                       "waiting for it"))
+    tier = parse_cache_tier(body)
+    if tier.terminating:
+        return Binding(None, Condition("CacheTierBound", "False", "CacheTierTerminating",
+                                       f"CacheTier {tier.name} is being deleted; point cacheTierRef elsewhere"))
+    bad = incompatibilities(session, tier)
+    if bad:
+        return Binding(None, Condition("CacheTierBound", "False", "Incompatible", "; ".join(p.message for p in bad)))
+    return Binding(tier, Condition("CacheTierBound", "True", "Bound", f"using CacheTier {tier.name}"))
+
+
+def _workload_kind(session: InferenceSession, tier: CacheTier | None) -> str:
+    return "StatefulSet" if tier is not None and tier.storage.per_pod else "Deployment"
+
+
+async def _apply_children(kube: Kube, session: InferenceSession, tier: CacheTier | None,
+                          settings: OperatorSettings) -> tuple[list[Problem], list[Event], set[str]]:
+    """Apply every desired child; returns problems, events and the kinds the cluster does not serve."""
+    problems: list[Problem] = []
+    events: list[Event] = []
+    missing_kinds: set[str] = set()
+    desired = builders.build_session_children(session, tier, settings)
+    for child in desired:
+        kind, name = child["kind"], child["metadata"]["name"]
+        try:
+            applied = await kube.apply(child)
+        except ResourceNotInstalled:
+            missing_kinds.add(kind)
+            continue
+        except ApiError as e:
+            if not e.invalid:
+                raise  # transient (5xx, timeouts, 409 on update): Kopf retries the handler
+            problems.append(Problem("InvalidChild", f"{kind} {name} was refused by the API server: {e.message}"))
+            continue
+        if applied.action in ("created", "recreated"):
+            events.append(Event("Normal", applied.action.capitalize(), f"{applied.action} {kind} {name}"))
+    keep = {(c["kind"], c["metadata"]["name"]) for c in desired}
+    deleted = await kube.prune(SESSION_CHILD_KINDS, session.namespace, {names.SESSION_LABEL: session.name},
+                               session.uid, keep)
+    events += [Event("Normal", "Deleted", f"deleted stale {kind} {name}") for kind, name in deleted]
+    return problems, events, missing_kinds
+
+
+async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: OperatorSettings) -> Outcome:
+    session = parse_session(body)
+    previous = (body.get("status") or {}).get("conditions") or []
+    binding = await bind(kube, session)
+    problems = session_problems(session, binding.tier)
+    events: list[Event] = []
+    missing_kinds: set[str] = set()
+    if not binding.hold:
+        apply_problems, events, missing_kinds = await _apply_children(kube, session, binding.tier, settings)
+        problems += apply_problems
+
+    kind = _workload_kind(session, binding.tier)
+    workload = await kube.get(kind, session.namespace, names.workload(session.name))
+    router = await kube.get("Deployment", session.namespace, names.router(session.name)) \
+        if session.router.enabled else None
+    pods = await kube.list("Pod", session.namespace, names.server_selector(session.name))
+    observed = observe(workload, await scrape(pods, settings.metrics_timeout))
+
+    conds = [
+        *_readiness(session, observed, workload is not None, binding),
+        _degraded(problems),
+        binding.condition,
+        _router_condition(session, router),
+        _autoscaling_condition(session, missing_kinds),
+    ]
+    merged = conditions.merge(previous, conds, session.generation)
+    status = _session_status(session, binding, kind, observed, merged)
+    return Outcome(status, events + conditions.transitions(previous, merged))
+
+
+def _readiness(session: InferenceSession, observed: Observed, exists: bool, binding: Binding) -> list[Condition]:
+    want = session.replicas
+    if not exists:
+        reason = "WaitingForCacheTier" if binding.hold else "WorkloadMissing"
+        return [Condition("Ready", "False", reason, "the server workload does not exist yet"),
+                Condition("Progressing", "True" if not binding.hold else "False", reason, "")]
+    if want == 0:
+        return [Condition("Ready", "True", "ScaledToZero", "0 replicas requested"),
+                Condition("Progressing", "False", "ScaledToZero", "")]
+    ready = observed.ready_replicas >= want
+    rolled = observed.updated_replicas >= want and observed.replicas == want
+    msg = f"{observed.ready_replicas}/{want} server pods ready"
+    return [
+        Condition("Ready", "True" if ready else "False", "ReplicasReady" if ready else "ReplicasNotReady", msg),
+        Condition("Progressing", "False" if ready and rolled else "True",
+                  "Stable" if ready and rolled else "RollingOut", msg),
+    ]
+
+
+def _degraded(problems: list[Problem]) -> Condition:
+    if not problems:
+        return Condition("Degraded", "False", "AsExpected", "")
+    return Condition("Degraded", "True", problems[0].reason, "; ".join(p.message for p in problems))
+
+
+def _router_condition(session: InferenceSession, router: Mapping[str, Any] | None) -> Condition:
+    if not session.router.enabled:
+        return Condition("RouterReady", "False", "Disabled", "router.enabled is false")
+    if router is None:
+        return Condition("RouterReady", "False", "RouterMissing", "the router Deployment does not exist yet")
+    ready = int((router.get("status") or {}).get("readyReplicas") or 0)
+    ok = ready >= 1
+    return Condition("RouterReady", "True" if ok else "False", "RouterAvailable" if ok else "RouterNotReady",
+                     f"{ready}/{session.router.replicas} router pods ready")
+
+
+def _autoscaling_condition(session: InferenceSession, missing_kinds: set[str]) -> Condition:
+    scaling = session.autoscaling
+    if not scaling.enabled:
+        return Condition("Autoscaling", "False", "Disabled", "autoscaling.enabled is false")
+    if scaling.engine == "keda" and "ScaledObject" in missing_kinds:
+        return Condition("Autoscaling", "False", "KedaNotInstalled",
+                         "the keda.sh/v1alpha1 ScaledObject kind is not served by this cluster")
+    if scaling.engine == "hpa" and "HorizontalPodAutoscaler" in missing_kinds:
+        return Condition("Autoscaling", "False", "HPANotServed", "autoscaling/v2 is not served by this cluster")
+    engine = "KEDA ScaledObject" if scaling.engine == "keda" else "HorizontalPodAutoscaler"
+    return Condition("Autoscaling", "True", "Configured",
+                     f"{engine} owns spec.replicas between {scaling.min_replicas} and {scaling.max_replicas}")
+
+
+def _session_status(session: InferenceSession, binding: Binding, kind: str, observed: Observed,
+                    conds: list[dict[str, Any]]) -> dict[str, Any]:
+    def is_true(type_: str) -> bool:
+        cond = conditions.find(conds, type_)
+        return cond is not None and cond["status"] == "True"
+
+    if is_true("Degraded"):
+        phase = "Degraded"
+    elif is_true("Ready"):
+        phase = "Ready"
+    elif observed.replicas > 0:
+        phase = "Progressing"
+    else:
+        phase = "Pending"
+    status: dict[str, Any] = {
+        "phase": phase,
+        "replicas": observed.replicas,
+        "readyReplicas": observed.ready_replicas,
+        "selector": names.selector_string(names.server_selector(session.name)),
+        "url": builders.service_url(session),
+        "workload": f"{kind}/{names.workload(session.name)}",
+        "cacheTier": binding.tier.name if binding.tier else (session.cache_tier or ""),
+        "metricsSource": observed.source,
+        "lastScrapeTime": conditions.now(),
+        "conditions": conds,
+    }
+    if session.generation is not None:
+        status["observedGeneration"] = session.generation
+    if observed.cache_hit_rate is not None:
+        status["cacheHitRate"] = observed.cache_hit_rate
+    if observed.open_sessions is not None:
+        status["openSessions"] = observed.open_sessions
+    return status
+
+
+async def finalize_session(kube: Kube, body: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Delete everything the session owns (owner references let a real cluster do it too,
+    but deleting here makes teardown immediate and independent of the garbage collector)."""
+    session = parse_session(body)
+    deleted = await kube.prune(SESSION_CHILD_KINDS, session.namespace, {names.SESSION_LABEL: session.name},
+                               session.uid, keep=())
+    if session.cache_tier:
+        await sync_tier_bindings(kube, session.namespace, session.cache_tier, leaving=session.name)
+    return deleted
+
+
+async def sessions_using(kube: Kube, namespace: str, tier_name: str, leaving: str | None = None) -> list[str]:
+    items = await kube.list("InferenceSession", namespace)
+    return sorted(
+        item["metadata"]["name"] for item in items
+        if ((item.get("spec") or {}).get("cacheTierRef") or {}).get("name") == tier_name
+        and item["metadata"]["name"] != leaving
+        and not item["metadata"].get("deletionTimestamp")
+    )
+
+
+async def sync_tier_bindings(kube: Kube, namespace: str, tier_name: str, leaving: str | None = None) -> None:
+    """Refresh a tier's boundSessions right away rather than at its next status tick."""
+    if await kube.get("CacheTier", namespace, tier_name) is None:
+        return
+    bound = await sessions_using(kube, namespace, tier_name, leaving)
+    await kube.patch_status("CacheTier", namespace, tier_name,
+                            {"boundSessions": bound, "boundSessionCount": len(bound)})
+
+
+async def reconcile_tier(kube: Kube, body: Mapping[str, Any]) -> Outcome:
+    tier = parse_cache_tier(body)
+    previous = (body.get("status") or {}).get("conditions") or []
+    events: list[Event] = []
+    problems = tier_problems(tier)
+    storage: Condition
+    claim = builders.build_tier_claim(tier)
+    if claim is not None and not tier.terminating:
+        try:
+            applied = await kube.apply(claim)
+            if applied.action == "created":
+                events.append(Event("Normal", "Created", f"created PersistentVolumeClaim {claim['metadata']['name']}"))
+        except ApiError as e:
+            if not e.invalid:
+                raise
+            problems.append(Problem("InvalidClaim", f"claim {claim['metadata']['name']}: {e.message}"))
+    if not tier.storage.enabled:
+        storage = Condition("StorageBound", "False", "Disabled", "no storage tier")
+    elif tier.storage.per_pod:
+        storage = Condition("StorageBound", "True", "PerPodClaims",
+                            "each server pod gets its own claim from the StatefulSet's volume claim template")
+    else:
+        live = await kube.get("PersistentVolumeClaim", tier.namespace, tier.claim_name or "")
+        phase = ((live or {}).get("status") or {}).get("phase")
+        if live is None:
+            storage = Condition("StorageBound", "False", "ClaimMissing", f"claim {tier.claim_name} does not exist")
+        elif phase == "Bound":
+            storage = Condition("StorageBound", "True", "ClaimBound", f"claim {tier.claim_name} is bound")
+        else:
+            storage = Condition("StorageBound", "False", "ClaimPending",
+                                f"claim {tier.claim_name} is {phase or 'not bound yet'}")
+
+    bound = await sessions_using(kube, tier.namespace, tier.name)
+    in_use = Condition("InUse", "True" if bound else "False", "BoundSessions" if bound else "Unused",
+                       ", ".join(bound))
+    if tier.terminating and bound:
+        in_use = Condition("InUse", "True", "DeletionBlocked",
+                           f"deletion waits until no InferenceSession references this tier: {', '.join(bound)}")
+    degraded = _degraded(problems)
+    ready = Condition("Ready", "True" if degraded.status == "False" else "False",
+                      "Ready" if degraded.status == "False" else degraded.reason, degraded.message)
+    merged = conditions.merge(previous, [ready, degraded, storage, in_use], tier.generation)
+    phase = "Terminating" if tier.terminating else ("Degraded" if degraded.status == "True" else "Ready")
+    status: dict[str, Any] = {
+        "phase": phase,
+        "claimName": tier.claim_name or "",
+        "boundSessions": bound,
+        "boundSessionCount": len(bound),
+        "conditions": merged,
+    }
+    if tier.generation is not None:
+        status["observedGeneration"] = tier.generation
+    return Outcome(status, events + conditions.transitions(previous, merged))
+
+
+async def finalize_tier(kube: Kube, body: Mapping[str, Any]) -> list[str]:
+    """Sessions that still reference the tier (deletion must wait), or [] after cleaning up."""
+    tier = parse_cache_tier(body)
+    bound = await sessions_using(kube, tier.namespace, tier.name)
+    if bound:
+        return bound
+    if tier.storage.shared_claim_created:
+        claim = await kube.get("PersistentVolumeClaim", tier.namespace, names.tier_claim(tier.name))
+        if claim is not None and owned_by(claim, tier.uid):
+            await kube.delete("PersistentVolumeClaim", tier.namespace, names.tier_claim(tier.name))
+    return []
+
+
+async def sessions_for_tier(kube: Kube, namespace: str, tier_name: str) -> list[dict[str, Any]]:
+    items = await kube.list("InferenceSession", namespace)
+    return [i for i in items if ((i.get("spec") or {}).get("cacheTierRef") or {}).get("name") == tier_name
+            and not i["metadata"].get("deletionTimestamp")]

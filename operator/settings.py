@@ -1,0 +1,129 @@
+"""Operator configuration: built once at the edge (flags, then environment) and passed down.
+
+Nothing else in the operator reads the environment. Every flag has an environment variable of the
+same name (``--server-image`` <-> ``MAMBASERVE_OPERATOR_SERVER_IMAGE``) so the Helm chart can set
+either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import kopf
+
+GROUP = "mambaserve.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+FIELD_MANAGER = "mambaserve-operator"
+# The server's single HTTP port (docs/server-interface.md): API, /health and /metrics.
+SERVER_PORT = 30000
+ROUTER_PORT = 30000
+ROUTER_METRICS_PORT = 29000
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorSettings:
+    namespaces: tuple[str, ...] = ()  # empty: all namespaces
+    server_image: str = "mambaserve:0.1.0"
+    router_image: str = "lmsysorg/sglang:latest"
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    service_monitors: bool = False  # only when prometheus-operator's CRDs are installed
+    status_interval: float = 15.0
+    metrics_timeout: float = 2.0
+    tier_retry_delay: float = 15.0
+    metrics_port: int = 8080  # 0 disables the operator's own /metrics
+    health_port: int = 8081  # 0 disables the liveness endpoint
+    # Kopf watches can stall silently on half-open connections; bounded timeouts force a re-list.
+    watch_server_timeout: float = 300.0
+    watch_client_timeout: float = 330.0
+    watch_connect_timeout: float = 30.0
+    request_timeout: float = 60.0
+    api_server: str | None = None  # development/tests: talk to this URL without credentials
+    log_level: str = "info"
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.namespaces
+
+
+_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("server-image", str, "default server image of InferenceSessions"),
+    ("router-image", str, "default SGLang Model Gateway image"),
+    ("prometheus-url", str, "Prometheus that KEDA triggers query"),
+    ("status-interval", float, "seconds between status refreshes"),
+    ("metrics-timeout", float, "seconds to wait for a pod's /metrics"),
+    ("tier-retry-delay", float, "seconds between retries of a blocked CacheTier deletion"),
+    ("metrics-port", int, "port of the operator's /metrics (0: off)"),
+    ("health-port", int, "port of the operator's /healthz (0: off)"),
+    ("watch-server-timeout", float, "server-side watch timeout"),
+    ("watch-client-timeout", float, "client-side watch timeout"),
+    ("watch-connect-timeout", float, "watch connection timeout"),
+    ("request-timeout", float, "API request timeout"),
+    ("api-server", str, "API server URL without credentials (development only)"),
+    ("log-level", str, "debug, info, warning or error"),
+)
+
+
+def _env_name(flag: str) -> str:
+    return "MAMBASERVE_OPERATOR_" + flag.upper().replace("-", "_")
+
+
+def parse_settings(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> OperatorSettings:
+    env = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="mambaserve-operator", description="Run the mambaserve operator.")
+    parser.add_argument("--namespace", action="append", dest="namespaces", default=None,
+                        help="watch only this namespace (repeatable); default: all namespaces")
+    parser.add_argument("--service-monitors", action=argparse.BooleanOptionalAction, default=None,
+                        help="create ServiceMonitors (needs prometheus-operator CRDs)")
+    for flag, kind, help_text in _FLAGS:
+        parser.add_argument(f"--{flag}", type=kind, default=None, help=help_text)
+    args = parser.parse_args(list(argv))
+
+    defaults = OperatorSettings()
+    values: dict[str, Any] = {}
+    for flag, kind, _ in _FLAGS:
+        field = flag.replace("-", "_")
+        value = getattr(args, field)
+        if value is None and _env_name(flag) in env:
+            value = kind(env[_env_name(flag)])
+        if value is not None:
+            values[field] = value
+
+    namespaces = args.namespaces
+    if namespaces is None and env.get(_env_name("namespaces")):
+        namespaces = [ns.strip() for ns in env[_env_name("namespaces")].split(",") if ns.strip()]
+    if namespaces:
+        values["namespaces"] = tuple(namespaces)
+
+    monitors = args.service_monitors
+    if monitors is None and _env_name("service-monitors") in env:
+        monitors = env[_env_name("service-monitors")].lower() in ("1", "true", "yes", "on")
+    if monitors is not None:
+        values["service_monitors"] = monitors
+
+    settings = dataclasses.replace(defaults, **values)
+    if settings.log_level not in ("debug", "info", "warning", "error"):
+        parser.error(f"--log-level must be debug, info, warning or error, not {settings.log_level!r}")
+    return settings
+
+
+def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSettings) -> None:
+    """Production settings for Kopf itself."""
+    kopf_settings.watching.server_timeout = settings.watch_server_timeout
+    kopf_settings.watching.client_timeout = settings.watch_client_timeout
+    kopf_settings.watching.connect_timeout = settings.watch_connect_timeout
+    kopf_settings.networking.request_timeout = settings.request_timeout
+    # All of Kopf's bookkeeping lives in annotations under our group: the CRD schemas are
+    # structural, so anything Kopf wrote into status would be pruned by the API server.
+    kopf_settings.persistence.finalizer = f"{GROUP}/finalizer"
+    kopf_settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    kopf_settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    kopf_settings.posting.level = logging.INFO
+    # Kopf's own API calls retry transient failures with growing delays rather than a hot loop.
+    kopf_settings.networking.error_backoffs = [1, 2, 5, 10, 20]

@@ -1,0 +1,245 @@
+"""Fixtures: the real Kopf operator against kmock's in-memory Kubernetes API emulator.
+
+The emulator serves discovery, list, watch, create, patch (merge and JSON patch) and delete with
+finalizers. It has no garbage collector, admission, defaulting, metadata.generation or scale
+subresource logic; the tests do what those parts of a real API server would do where it matters
+(they set uid/generation on the objects they create and bump generation on spec changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jsonpatch
+import kmock
+import pytest
+import pytest_asyncio
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+SAMPLES = CRDS / "samples"
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+
+class VersionedEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus one API-server guarantee Kopf depends on: every write moves
+    ``metadata.resourceVersion``. Kopf compares it to skip watch events older than its own
+    last patch; with a constant version it would re-run creation handlers on stale events."""
+
+    _versions = itertools.count(2)
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is not None and request.method in ("POST", "PATCH"):
+            version = str(next(self._versions))
+            if isinstance(request.data, dict):
+                request.data.setdefault("metadata", {})["resourceVersion"] = version
+            elif isinstance(request.data, list):
+                request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+        return await super()._handle(request)
+
+    async def _render_error(self, exc: Exception) -> Any:
+        # A failed JSON-patch "test" (Kopf's optimistic-concurrency guard) is a 422 on a real
+        # API server, which Kopf answers by retrying on the next event; a 500 would be retried blindly.
+        if isinstance(exc, jsonpatch.JsonPatchTestFailed):
+            exc = kmock.KubernetesError(status=422, reason="Invalid", message=str(exc))
+        return await super()._render_error(exc)
+
+
+@pytest.fixture
+def kmock_options() -> dict[str, Any]:
+    return {"cls": VersionedEmulator}
+
+
+_ALL_VERBS = ["get", "list", "watch", "create", "patch", "delete"]
+# (resource key, kind, namespaced, subresources)
+EMULATED = [
+    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, []),
+    ("v1/namespaces", "Namespace", False, []),
+    ("v1/events", "Event", True, []),
+    ("v1/pods", "Pod", True, []),
+    ("v1/configmaps", "ConfigMap", True, []),
+    ("v1/services", "Service", True, []),
+    ("v1/serviceaccounts", "ServiceAccount", True, []),
+    ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True, ["status"]),
+    ("apps/v1/deployments", "Deployment", True, ["status", "scale"]),
+    ("apps/v1/statefulsets", "StatefulSet", True, ["status", "scale"]),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, ["status"]),
+    ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, ["status"]),
+    ("rbac.authorization.k8s.io/v1/roles", "Role", True, []),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True, []),
+    ("mambaserve.io/v1alpha1/inferencesessions", "InferenceSession", True, ["status", "scale"]),
+    ("mambaserve.io/v1alpha1/cachetiers", "CacheTier", True, ["status"]),
+]
+OPTIONAL = {
+    "keda": ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True, ["status"]),
+    "monitoring": ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True, []),
+}
+
+RESOURCE_OF = {kind: key for key, kind, _, _ in EMULATED + list(OPTIONAL.values())}
+
+
+def load_yaml(path: pathlib.Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def load_crd(name: str) -> dict[str, Any]:
+    return load_yaml(CRDS / f"mambaserve.io_{name}.yaml")
+
+
+def sample(name: str) -> dict[str, Any]:
+    return load_yaml(SAMPLES / f"{name}.yaml")
+
+
+_uids = itertools.count(1)
+
+
+class Cluster:
+    """Test-side view of the emulator: write objects like kubectl would, read what the operator did."""
+
+    def __init__(self, kmock: Any) -> None:
+        self.kmock = kmock
+        self.url = str(kmock.url).rstrip("/")
+
+    def key(self, kind: str) -> str:
+        return RESOURCE_OF[kind]
+
+    def path(self, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+        key = self.key(kind)
+        group_version, plural = key.rsplit("/", 1)
+        base = f"/api/{group_version}" if group_version == "v1" else f"/apis/{group_version}"
+        p = f"{base}/namespaces/{namespace}/{plural}"
+        return p + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("namespace", "llm")
+        meta.setdefault("uid", f"uid-{next(_uids)}")
+        meta.setdefault("generation", 1)
+        meta.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
+        async with self.kmock.post(self.path(obj["kind"], meta["namespace"]), json=obj) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    async def patch(self, kind: str, name: str, patch: dict[str, Any], namespace: str = "llm",
+                    sub: str | None = None) -> None:
+        async with self.kmock.patch(self.path(kind, namespace, name, sub), json=patch,
+                                    headers={"Content-Type": "application/merge-patch+json"}) as resp:
+            assert resp.status == 200, await resp.text()
+
+    async def update_spec(self, kind: str, name: str, spec_patch: dict[str, Any], namespace: str = "llm") -> None:
+        """A spec change as the API server records it: the patch plus a generation bump."""
+        generation = (self.get(kind, name, namespace) or {})["metadata"].get("generation", 1)
+        await self.patch(kind, name, {"spec": spec_patch, "metadata": {"generation": generation + 1}}, namespace)
+
+    async def delete(self, kind: str, name: str, namespace: str = "llm") -> None:
+        async with self.kmock.delete(self.path(kind, namespace, name)) as resp:
+            assert resp.status == 200, await resp.text()
+
+    def _object(self, kind: str, name: str, namespace: str) -> Any:
+        for (resource, ns, n), obj in self.kmock.objects.items():
+            if n == name and ns == namespace and _same(resource, self.key(kind)):
+                return obj
+        return None
+
+    def get(self, kind: str, name: str, namespace: str = "llm") -> dict[str, Any] | None:
+        obj = self._object(kind, name, namespace)
+        return None if obj is None or obj.deleted else copy.deepcopy(obj.raw)
+
+    def names(self, kind: str, namespace: str = "llm") -> set[str]:
+        return {name for (resource, ns, name), obj in self.kmock.objects.items()
+                if ns == namespace and not obj.deleted and _same(resource, self.key(kind))}
+
+    def versions(self, kind: str, name: str, namespace: str = "llm") -> int:
+        """How many versions the emulator stored: every create and patch adds one."""
+        obj = self._object(kind, name, namespace)
+        return 0 if obj is None else len(obj.history)
+
+    def writes(self) -> list[tuple[str, str]]:
+        """Every object-changing request the emulator has seen (method, path)."""
+        return [(r.method, r.url.path) for r in self.kmock if r.method in ("POST", "PATCH", "DELETE")]
+
+    def condition(self, kind: str, name: str, type_: str) -> dict[str, Any] | None:
+        obj = self.get(kind, name) or {}
+        for cond in (obj.get("status") or {}).get("conditions") or ():
+            if cond["type"] == type_:
+                return cond
+        return None
+
+
+def _same(resource: Any, key: str) -> bool:
+    group_version, plural = key.rsplit("/", 1)
+    group, _, version = group_version.rpartition("/")
+    return resource.group == group and resource.version == version and resource.plural == plural
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05) -> Any:
+    """Poll until ``check()`` returns a truthy value (returned) or fail with the last result."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (KeyError, TypeError, AttributeError) as e:
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not reached within {timeout}s; last result: {last!r}")
+
+
+def register_resources(kmock: Any, optional: tuple[str, ...] = ("keda", "monitoring")) -> None:
+    for key, kind, namespaced, subresources in EMULATED + [OPTIONAL[o] for o in optional]:
+        kmock.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=_ALL_VERBS,
+                                                  subresources=subresources)
+
+
+@pytest.fixture
+def cluster(kmock: Any) -> Cluster:
+    register_resources(kmock)
+    return Cluster(kmock)
+
+
+class RunningOperator:
+    def __init__(self, task: asyncio.Task[None], stop: asyncio.Event, metrics: Any) -> None:
+        self.task, self.stop_flag, self.metrics = task, stop, metrics
+
+    async def stop(self) -> None:
+        # Cancelling (rather than the stop flag) skips Kopf's 5-second grace for "hung" tasks,
+        # which here are only the emulator's open watch streams.
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+@pytest_asyncio.fixture
+async def start_operator(cluster: Cluster) -> Any:
+    """Start the real operator (Kopf + handlers) in-process against the emulator."""
+    from mambaserve.operator.__main__ import run
+    from mambaserve.operator.metrics import OperatorMetrics
+    from mambaserve.operator.settings import OperatorSettings
+
+    running: list[RunningOperator] = []
+
+    async def start(**overrides: Any) -> RunningOperator:
+        settings = OperatorSettings(api_server=cluster.url, status_interval=0.3, metrics_timeout=0.5,
+                                    tier_retry_delay=0.3, metrics_port=0, health_port=0,
+                                    **overrides)
+        stop = asyncio.Event()
+        metrics = OperatorMetrics()
+        task = asyncio.create_task(run(settings, stop_flag=stop, metrics=metrics))
+        op = RunningOperator(task, stop, metrics)
+        running.append(op)
+        return op
+
+    yield start
+    for op in running:
+        if not op.task.done():
+            await op.stop()

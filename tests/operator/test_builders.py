@@ -1,0 +1,269 @@
+"""Pure builders: expected objects for representative specs, every object valid for its API server."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from mambaserve.operator import names
+from mambaserve.operator.builders import adapter_rules, build_session_children, build_tier_claim, server_args
+from mambaserve.operator.builders.autoscaling import MISS_RATIO_METRIC, QUEUE_METRIC
+from mambaserve.operator.settings import OperatorSettings
+from mambaserve.operator.spec import parse_cache_tier, parse_session
+from tests.operator.conftest import DATA, ROOT, load_yaml, sample
+from tests.operator.crd_validation import admit
+
+# Oldest supported and newest schema in kubernetes-validate 1.37: objects must be valid on both.
+K8S_VERSIONS = ["1.31.0", "1.34.0"]
+THIRD_PARTY_CRDS = {
+    "ScaledObject": load_yaml(DATA / "keda.sh_scaledobjects.yaml"),
+    "ServiceMonitor": load_yaml(DATA / "monitoring.coreos.com_servicemonitors.yaml"),
+}
+SETTINGS = OperatorSettings(service_monitors=True, server_image="registry.local/mambaserve:1")
+INTERFACE = (ROOT / "docs" / "server-interface.md").read_text()
+
+
+def session(name: str, **meta: Any) -> Any:
+    body = sample(name)
+    body["metadata"].update({"uid": "uid-s", "generation": 1, **meta})
+    return parse_session(body)
+
+
+def tier(name: str) -> Any:
+    body = sample(name)
+    body["metadata"].update({"uid": "uid-t", "generation": 1})
+    return parse_cache_tier(body)
+
+
+def by_kind(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+SCENARIOS = {
+    "minimal": lambda: build_session_children(session("inferencesession-minimal"), None, SETTINGS),
+    "autoscaled+shared": lambda: build_session_children(session("inferencesession-autoscaled"),
+                                                        tier("cachetier-shared"), SETTINGS),
+    "keda+per-pod": lambda: build_session_children(session("inferencesession-keda"),
+                                                   tier("cachetier-per-pod"), SETTINGS),
+}
+
+
+def assert_valid(obj: dict[str, Any]) -> None:
+    if obj["kind"] in THIRD_PARTY_CRDS:
+        _, errors = admit(THIRD_PARTY_CRDS[obj["kind"]], obj)
+        assert errors == [], errors
+        return
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_object_validates_against_official_schemas(scenario: str) -> None:
+    children = SCENARIOS[scenario]()
+    for obj in children:
+        assert_valid(obj)
+
+
+def test_tier_claim_validates() -> None:
+    claim = build_tier_claim(tier("cachetier-shared"))
+    assert claim is not None
+    assert_valid(claim)
+    assert claim["metadata"]["name"] == "shared-tier-storage"
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "500Gi"}},
+                             "storageClassName": "nfs-client"}
+    assert claim["metadata"]["ownerReferences"][0]["kind"] == "CacheTier"
+    assert build_tier_claim(tier("cachetier-per-pod")) is None  # per-pod claims come from the StatefulSet
+
+
+def test_minimal_session_objects() -> None:
+    children = by_kind(SCENARIOS["minimal"]())
+    assert sorted(children) == [("ConfigMap", "tiny-config"), ("Deployment", "tiny"),
+                                ("PodDisruptionBudget", "tiny"), ("Service", "tiny"), ("Service", "tiny-headless"),
+                                ("ServiceMonitor", "tiny")]
+    dep = children["Deployment", "tiny"]
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["selector"] == {"matchLabels": {"mambaserve.io/session": "tiny",
+                                                       "app.kubernetes.io/component": "server"}}
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == "registry.local/mambaserve:1"
+    assert container["command"] == ["mambaserve", "serve"]
+    assert container["args"] == [
+        "--model", "/models/mamba2-130m", "--host", "0.0.0.0", "--port", "30000", "--device", "cuda",
+        "--dtype", "auto", "--state-dtype", "float32", "--chunked-prefill-size", "2048", "--page-size", "1",
+        "--mamba-cache-strategy", "no_buffer", "--max-sessions", "1024", "--session-timeout", "600",
+        "--log-level", "info", "--served-model-name", "mamba2-130m",
+    ]
+    assert container["resources"] == {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["ports"] == [{"name": "http", "containerPort": 30000, "protocol": "TCP"}]
+    # Streaming sessions drain: preStop sleep, and the grace period covers it.
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": 30}}}
+    assert pod["terminationGracePeriodSeconds"] == 90
+    assert "initContainers" not in pod
+    svc = children["Service", "tiny"]
+    assert svc["spec"]["selector"] == names.server_selector("tiny")
+    assert svc["spec"]["sessionAffinity"] == "ClientIP"  # no router: keep a client's turns on one pod
+    headless = children["Service", "tiny-headless"]
+    assert headless["spec"]["clusterIP"] == "None"
+    for obj in children.values():
+        ref = obj["metadata"]["ownerReferences"]
+        assert ref == [{"apiVersion": "mambaserve.io/v1alpha1", "kind": "InferenceSession", "name": "tiny",
+                        "uid": "uid-s", "controller": True, "blockOwnerDeletion": True}]
+        assert obj["metadata"]["labels"]["mambaserve.io/session"] == "tiny"
+        assert re.fullmatch(r"[0-9a-f]{20}", obj["metadata"]["annotations"][names.SPEC_HASH])
+
+
+def test_autoscaled_session_with_shared_tier() -> None:
+    s, t = session("inferencesession-autoscaled"), tier("cachetier-shared")
+    children = by_kind(build_session_children(s, t, SETTINGS))
+    dep = children["Deployment", "chat"]
+    pod = dep["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    flags = dict(zip(args[::2], args[1::2]))
+    assert flags["--mamba-cache-size"] == "4096"
+    assert flags["--host-cache-size-gb"] == "32"
+    assert flags["--storage-dir"] == "/var/cache/mambaserve"
+    assert flags["--cache-write-policy"] == "write_through_selective"
+    assert flags["--storage-size-gb"] == str(round(500 * 2**30 * 0.9 / 1e9, 3))
+    assert flags["--mamba-track-interval"] == "1024" and flags["--max-running-requests"] == "256"
+    cache = [v for v in pod["volumes"] if v["name"] == "cache"]
+    assert cache == [{"name": "cache", "persistentVolumeClaim": {"claimName": "shared-tier-storage"}}]
+    # The host tier is pinned memory inside the server: it is added to the memory request.
+    assert pod["containers"][0]["resources"]["requests"]["memory"] == f"{-(-(32 * 2**30 + 32 * 10**9) // 2**20)}Mi"
+    # hf:// model: downloaded by an init container with the token from the secret.
+    init = pod["initContainers"][0]
+    assert init["command"][-3:] == ["state-spaces/mamba2-2.7b", "main", "/models/mamba2-2.7b"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in init["env"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["priorityClassName"] == "inference-high"
+
+    hpa = children["HorizontalPodAutoscaler", "chat"]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "mambaserve.io/v1alpha1", "kind": "InferenceSession",
+                                     "name": "chat"}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 8)
+    assert hpa["metrics"][0]["pods"] == {"metric": {"name": MISS_RATIO_METRIC},
+                                         "target": {"type": "AverageValue", "averageValue": "400m"}}
+    assert hpa["metrics"][1]["pods"]["metric"]["name"] == QUEUE_METRIC
+    assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 900
+
+    router = children["Deployment", "chat-router"]["spec"]
+    rc = router["template"]["spec"]["containers"][0]
+    assert rc["command"] == ["python", "-m", "sglang_router.launch_router"]
+    assert rc["args"][rc["args"].index("--selector") + 1:rc["args"].index("--service-discovery-namespace")] == [
+        "app.kubernetes.io/component=server", "mambaserve.io/session=chat"]
+    assert "--service-discovery" in rc["args"] and rc["args"][rc["args"].index("--policy") + 1] == "cache_aware"
+    assert router["replicas"] == 2
+    assert router["template"]["spec"]["serviceAccountName"] == "chat-router"
+    role = children["Role", "chat-router"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = children["RoleBinding", "chat-router"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "llm"}]
+    # With a router, the client service points at the router, not at the server pods.
+    assert children["Service", "chat"]["spec"]["selector"] == names.router_selector("chat")
+    assert "sessionAffinity" not in children["Service", "chat"]["spec"]
+    monitor = children["ServiceMonitor", "chat"]["spec"]
+    assert monitor["selector"]["matchLabels"] == {"mambaserve.io/session": "chat", "mambaserve.io/metrics": "true"}
+    assert children["Service", "chat-headless"]["metadata"]["labels"]["mambaserve.io/metrics"] == "true"
+    assert "mambaserve.io/metrics" not in children["Service", "chat"]["metadata"]["labels"]
+
+
+def test_keda_session_with_per_pod_tier_runs_as_statefulset() -> None:
+    children = by_kind(SCENARIOS["keda+per-pod"]())
+    assert ("Deployment", "agents") not in children
+    sts = children["StatefulSet", "agents"]["spec"]
+    assert sts["serviceName"] == "agents-headless"
+    assert sts["volumeClaimTemplates"][0]["spec"] == {
+        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "200Gi"}},
+        "storageClassName": "local-nvme"}
+    assert sts["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    pod = sts["template"]["spec"]
+    assert {"name": "cache", "mountPath": "/var/cache/mambaserve"} in pod["containers"][0]["volumeMounts"]
+    assert not [v for v in pod["volumes"] if v["name"] == "cache"]  # from the claim template instead
+    model = [v for v in pod["volumes"] if v["name"] == "model"][0]
+    assert model["persistentVolumeClaim"] == {"claimName": "model-weights", "readOnly": True}
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/mamba2-1.3b"
+
+    so = children["ScaledObject", "agents"]["spec"]
+    assert so["scaleTargetRef"]["kind"] == "InferenceSession"
+    assert (so["minReplicaCount"], so["maxReplicaCount"]) == (0, 4)
+    trigger = so["triggers"][0]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
+    assert trigger["metadata"]["threshold"] == "0.5"
+    assert "mambaserve_prefix_cache_hit_tokens_total" in trigger["metadata"]["query"]
+    assert 'mambaserve_io_session="agents"' in trigger["metadata"]["query"]
+    assert ("HorizontalPodAutoscaler", "agents") not in children
+    router = children["Deployment", "agents-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router[router.index("--policy") + 1] == "manual"
+
+
+def test_builders_are_deterministic_and_hash_follows_the_spec() -> None:
+    first = SCENARIOS["autoscaled+shared"]()
+    assert first == SCENARIOS["autoscaled+shared"]()
+    body = sample("inferencesession-autoscaled")
+    body["metadata"].update({"uid": "uid-s"})
+    body["spec"]["server"]["chunkedPrefillSize"] = 8192
+    changed = by_kind(build_session_children(parse_session(body), tier("cachetier-shared"), SETTINGS))
+    before = by_kind(first)
+    h = names.SPEC_HASH
+    assert changed["Deployment", "chat"]["metadata"]["annotations"][h] != \
+        before["Deployment", "chat"]["metadata"]["annotations"][h]
+    assert changed["Service", "chat"]["metadata"]["annotations"][h] == \
+        before["Service", "chat"]["metadata"]["annotations"][h]
+
+
+def test_cpu_session_and_disabled_features() -> None:
+    body = sample("inferencesession-minimal")
+    body["metadata"]["uid"] = "u"
+    body["spec"].update({"resources": {"gpus": 0, "requests": {"cpu": 4}}, "sessions": {"streaming": False},
+                         "monitoring": {"enabled": False}})
+    children = by_kind(build_session_children(parse_session(body), None, SETTINGS))
+    container = children["Deployment", "tiny"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--device") + 1] == "cpu"
+    assert container["resources"] == {"requests": {"cpu": "4"}}
+    assert "lifecycle" not in container  # nothing to drain without streaming sessions
+    assert ("ServiceMonitor", "tiny") not in children
+    for obj in children.values():
+        assert_valid(obj)
+
+
+def _documented_flags() -> set[str]:
+    return set(re.findall(r"`(--[a-z-]+)", INTERFACE))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_server_flags_are_the_documented_ones(scenario: str) -> None:
+    documented = _documented_flags()
+    for obj in SCENARIOS[scenario]():
+        if obj["kind"] in ("Deployment", "StatefulSet") and obj["metadata"]["labels"][names.COMPONENT_LABEL] == "server":
+            args = obj["spec"]["template"]["spec"]["containers"][0]["args"]
+            used = {a for a in args if a.startswith("--")}
+            assert used <= documented, used - documented
+
+
+def test_metric_names_are_the_documented_ones() -> None:
+    from mambaserve.operator import status
+    from mambaserve.operator.builders import autoscaling
+    for metric in (status.HIT_RATE, status.SESSIONS_OPEN, QUEUE_METRIC, autoscaling._HITS, autoscaling._QUERIED,
+                   "mambaserve_operator_reconciles_total", "mambaserve_operator_reconcile_errors_total",
+                   "mambaserve_operator_reconcile_duration_seconds"):
+        assert f"`{metric}`" in INTERFACE, metric
+
+
+def test_adapter_rules_serve_the_metrics_the_hpa_asks_for() -> None:
+    rules = adapter_rules()["rules"]
+    served = {r["name"]["as"] for r in rules}
+    assert served == {MISS_RATIO_METRIC, QUEUE_METRIC}
+    for rule in rules:
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+        assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
+
+
+def test_server_args_without_tier_have_no_tier_flags() -> None:
+    args = server_args(session("inferencesession-minimal"), None)
+    assert not {"--storage-dir", "--host-cache-size-gb", "--mamba-cache-size", "--cache-write-policy"} & set(args)

@@ -1,0 +1,262 @@
+"""The real operator (Kopf + handlers + kube client) against kmock's Kubernetes API emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import re
+from typing import Any
+
+import aiohttp.web
+import kmock as kmock_lib
+import pytest
+
+from mambaserve.operator import names
+from tests.operator.conftest import Cluster, eventually, load_crd, register_resources, sample
+from tests.operator.crd_validation import admit
+
+pytestmark = pytest.mark.asyncio
+
+SESSION_KINDS = ["ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget",
+                 "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor", "ServiceAccount", "Role", "RoleBinding"]
+
+
+def chat_session() -> dict[str, Any]:
+    body = sample("inferencesession-autoscaled")
+    body["spec"]["model"].pop("tokenSecretRef")
+    return body
+
+
+def owned(cluster: Cluster, owner_uid: str) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    for kind in SESSION_KINDS + ["PersistentVolumeClaim"]:
+        for name in cluster.names(kind):
+            obj = cluster.get(kind, name)
+            if any(r["uid"] == owner_uid for r in obj["metadata"].get("ownerReferences", [])):
+                out[kind, name] = obj
+    return out
+
+
+def status(cluster: Cluster, kind: str, name: str) -> dict[str, Any]:
+    return (cluster.get(kind, name) or {}).get("status") or {}
+
+
+def events(cluster: Cluster) -> list[dict[str, Any]]:
+    """Events the operator posted (the emulator keeps only the first, so read the requests)."""
+    return [r.data for r in cluster.kmock if r.method == "POST" and r.url.path.endswith("/events")]
+
+
+async def test_session_lifecycle_create_update_scale_status_delete(cluster: Cluster, start_operator: Any) -> None:
+    await start_operator(service_monitors=True)
+    tier = await cluster.create(sample("cachetier-shared"))
+    session = await cluster.create(chat_session())
+    uid = session["metadata"]["uid"]
+
+    expected = {("ConfigMap", "chat-config"), ("Service", "chat"), ("Service", "chat-headless"),
+                ("Deployment", "chat"), ("PodDisruptionBudget", "chat"), ("HorizontalPodAutoscaler", "chat"),
+                ("ServiceAccount", "chat-router"), ("Role", "chat-router"), ("RoleBinding", "chat-router"),
+                ("Deployment", "chat-router"), ("ServiceMonitor", "chat")}
+    children = await eventually(lambda: (c := owned(cluster, uid)) and set(c) == expected and c)
+    for obj in children.values():
+        ref = obj["metadata"]["ownerReferences"][0]
+        assert (ref["kind"], ref["name"], ref["controller"]) == ("InferenceSession", "chat", True)
+    claim = await eventually(lambda: cluster.get("PersistentVolumeClaim", "shared-tier-storage"))
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == tier["metadata"]["uid"]
+
+    st = await eventually(lambda: (s := status(cluster, "InferenceSession", "chat")).get("conditions") and s)
+    assert st["observedGeneration"] == 1
+    assert st["selector"] == "app.kubernetes.io/component=server,mambaserve.io/session=chat"
+    assert st["url"] == "http://chat.llm.svc:30000"
+    assert cluster.condition("InferenceSession", "chat", "CacheTierBound")["status"] == "True"
+    assert cluster.condition("InferenceSession", "chat", "Autoscaling")["status"] == "True"
+    await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == ["chat"])
+
+    # A spec change: the workload is patched in place (same object, new args), generation observed.
+    await cluster.update_spec("InferenceSession", "chat", {"server": {"chunkedPrefillSize": 8192}})
+    args = lambda: cluster.get("Deployment", "chat")["spec"]["template"]["spec"]["containers"][0]["args"]  # noqa: E731
+    await eventually(lambda: args()[args().index("--chunked-prefill-size") + 1] == "8192")
+    await eventually(lambda: status(cluster, "InferenceSession", "chat").get("observedGeneration") == 2)
+
+    # The HPA (or kubectl scale) writes spec.replicas through the scale subresource; the workload follows.
+    await cluster.patch("InferenceSession", "chat", {"spec": {"replicas": 5}}, sub="scale")
+    await eventually(lambda: cluster.get("Deployment", "chat")["spec"]["replicas"] == 5)
+
+    # The Deployment controller reports ready pods: the session becomes Ready.
+    await cluster.patch("Deployment", "chat", {"status": {"replicas": 5, "readyReplicas": 5, "updatedReplicas": 5}},
+                        sub="status")
+    await cluster.patch("Deployment", "chat-router", {"status": {"replicas": 2, "readyReplicas": 2}}, sub="status")
+    await eventually(lambda: status(cluster, "InferenceSession", "chat").get("phase") == "Ready")
+    st = status(cluster, "InferenceSession", "chat")
+    assert (st["replicas"], st["readyReplicas"], st["metricsSource"]) == (5, 5, "workload")
+    assert cluster.condition("InferenceSession", "chat", "RouterReady")["status"] == "True"
+    # What the operator wrote is valid for the CRDs' status schemas (nothing would be pruned or refused).
+    assert admit(load_crd("inferencesessions"), cluster.get("InferenceSession", "chat"))[1] == []
+    assert admit(load_crd("cachetiers"), cluster.get("CacheTier", "shared-tier"))[1] == []
+    await eventually(lambda: any(e["reason"] == "ReadyTrue" for e in events(cluster)))
+
+    # Delete: every child goes, the tier lets go of the session.
+    await cluster.delete("InferenceSession", "chat")
+    await eventually(lambda: cluster.get("InferenceSession", "chat") is None)
+    await eventually(lambda: owned(cluster, uid) == {})
+    await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == [])
+
+
+async def test_status_from_pod_metrics(cluster: Cluster, start_operator: Any) -> None:
+    # A stand-in for a server pod's /metrics (documented metric names; the real server is not built here).
+    async def metrics(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        pod = request.query.get("pod", "")
+        return aiohttp.web.Response(text=(
+            "# TYPE mambaserve_cache_hit_rate gauge\nmambaserve_cache_hit_rate 0.8\n"
+            "# TYPE mambaserve_sessions_open gauge\nmambaserve_sessions_open 3\n" + pod))
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        await start_operator()
+        await cluster.create(sample("inferencesession-minimal"))
+        await eventually(lambda: cluster.get("Deployment", "tiny"))
+        for i in range(2):
+            await cluster.create({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"tiny-{i}", "labels": names.server_selector("tiny")},
+                "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
+                "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+            })
+        # A pod that is not ready is not scraped (and does not count).
+        await cluster.create({"apiVersion": "v1", "kind": "Pod",
+                              "metadata": {"name": "tiny-x", "labels": names.server_selector("tiny")},
+                              "status": {"podIP": "127.0.0.9", "conditions": [{"type": "Ready", "status": "False"}]}})
+        # Both ready pods are scraped (3 sessions each); the unready one is not.
+        st = await eventually(lambda: (s := status(cluster, "InferenceSession", "tiny")).get("openSessions")
+                              == 6 and s)
+        assert st["metricsSource"] == "metrics"
+        assert st["cacheHitRate"] == 0.8
+        await asyncio.sleep(0.7)  # two more ticks: the unready pod still does not count
+        assert status(cluster, "InferenceSession", "tiny")["openSessions"] == 6
+    finally:
+        await runner.cleanup()
+
+
+async def test_missing_cache_tier_is_a_condition_and_is_retried(cluster: Cluster, start_operator: Any) -> None:
+    await start_operator()
+    body = sample("inferencesession-minimal")
+    body["spec"]["cacheTierRef"] = {"name": "later"}
+    await cluster.create(body)
+    cond = await eventually(lambda: cluster.condition("InferenceSession", "tiny", "CacheTierBound"))
+    assert (cond["status"], cond["reason"]) == ("False", "NotFound")
+    assert cluster.get("Deployment", "tiny") is None  # nothing is deployed against a tier that is not there
+    assert status(cluster, "InferenceSession", "tiny")["phase"] == "Pending"
+
+    tier = sample("cachetier-per-pod")
+    tier["metadata"]["name"] = "later"
+    await cluster.create(tier)
+    await eventually(lambda: cluster.get("StatefulSet", "tiny"))  # per-pod claims: a StatefulSet
+    await eventually(lambda: cluster.condition("InferenceSession", "tiny", "CacheTierBound")["status"] == "True")
+    assert cluster.get("Deployment", "tiny") is None
+
+
+async def test_cache_tier_deletion_waits_for_its_sessions(cluster: Cluster, start_operator: Any) -> None:
+    await start_operator()
+    await cluster.create(sample("cachetier-shared"))
+    body = sample("inferencesession-minimal")
+    body["spec"]["cacheTierRef"] = {"name": "shared-tier"}
+    await cluster.create(body)
+    await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == ["tiny"])
+
+    await cluster.delete("CacheTier", "shared-tier")
+    await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("phase") == "Terminating")
+    in_use = await eventually(lambda: (c := cluster.condition("CacheTier", "shared-tier", "InUse"))
+                              and c["reason"] == "DeletionBlocked" and c)
+    assert "tiny" in in_use["message"]
+    await eventually(lambda: any(e["reason"] == "DeletionBlocked" for e in events(cluster)))
+    await eventually(lambda: cluster.condition("InferenceSession", "tiny", "CacheTierBound")["reason"]
+                     == "CacheTierTerminating")
+    assert cluster.get("CacheTier", "shared-tier") is not None  # held by its finalizer, not gone
+
+    await cluster.delete("InferenceSession", "tiny")
+    await eventually(lambda: cluster.get("CacheTier", "shared-tier") is None)
+    await eventually(lambda: cluster.get("PersistentVolumeClaim", "shared-tier-storage") is None)
+
+
+async def test_restart_makes_no_changes(cluster: Cluster, start_operator: Any) -> None:
+    first = await start_operator(service_monitors=True)
+    await cluster.create(sample("cachetier-shared"))
+    session = await cluster.create(chat_session())
+    uid = session["metadata"]["uid"]
+    await eventually(lambda: len(owned(cluster, uid)) == 11)
+    await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == ["chat"])
+    await eventually(lambda: status(cluster, "InferenceSession", "chat").get("conditions"))
+    await first.stop()
+
+    snapshot = {key: copy.deepcopy(obj) for key, obj in owned(cluster, uid).items()}
+    writes_before = len(cluster.writes())
+    second = await start_operator(service_monitors=True)
+    # Let the new operator resume both objects and run a few status ticks.
+    await eventually(lambda: any(r.method == "GET" and r.url.path.endswith("/deployments/chat")
+                                 for r in list(cluster.kmock)[writes_before:]), timeout=5)
+    await asyncio.sleep(1.5)
+    await second.stop()
+    after = owned(cluster, uid)
+    assert after == snapshot  # same objects, same content: no duplicates, no changes
+    child_writes = [(m, p) for m, p in cluster.writes()[writes_before:]
+                    if not p.endswith(("/events", "/status")) and "/inferencesessions/" not in p
+                    and "/cachetiers/" not in p]
+    assert child_writes == []
+
+
+async def test_unsupported_and_invalid_settings_degrade_without_crashing(kmock: Any, start_operator: Any) -> None:
+    # KEDA is not installed in this cluster (answered as a real API server answers an unknown
+    # resource: 404 without object details), and the API server refuses one session's Deployment.
+    register_resources(kmock, optional=())
+    cluster = Cluster(kmock)
+    kmock[re.compile(r"/apis/keda\.sh/.*")] << kmock_lib.Response(status=404, payload={
+        "kind": "Status", "reason": "NotFound", "message": "the server could not find the requested resource",
+        "details": {}})
+    kmock["post /apis/apps/v1/namespaces/llm/deployments", kmock_lib.body(re.compile(rb'.*"name": "broken".*', re.S))] \
+        << kmock_lib.Response(status=422, payload={"kind": "Status", "reason": "Invalid",
+                                                   "message": "spec.template.spec.affinity: Invalid value"})
+    await start_operator()
+    keda = sample("inferencesession-keda")
+    keda["spec"].pop("cacheTierRef")
+    await cluster.create(keda)
+    broken = sample("inferencesession-minimal")
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["placement"] = {"affinity": {"nodeAffinity": {"bogus": True}}}
+    await cluster.create(broken)
+
+    cond = await eventually(lambda: (c := cluster.condition("InferenceSession", "agents", "Autoscaling"))
+                            and c["reason"] == "KedaNotInstalled" and c)
+    assert cond["status"] == "False"
+    assert cluster.get("Deployment", "agents") is not None  # the session itself still runs
+    degraded = await eventually(lambda: (c := cluster.condition("InferenceSession", "broken", "Degraded"))
+                                and c["status"] == "True" and c)
+    assert degraded["reason"] == "InvalidChild" and "affinity" in degraded["message"]
+    assert status(cluster, "InferenceSession", "broken")["phase"] == "Degraded"
+    # The other children of the broken session were still applied.
+    assert cluster.get("Service", "broken") is not None
+
+
+async def test_spec_changes_replace_and_prune_children(cluster: Cluster, start_operator: Any) -> None:
+    await start_operator()
+    await cluster.create(sample("cachetier-shared"))
+    await cluster.create(sample("cachetier-per-pod"))
+    session = await cluster.create(chat_session())
+    uid = session["metadata"]["uid"]
+    await eventually(lambda: cluster.get("Deployment", "chat-router") and cluster.get("Deployment", "chat"))
+
+    # Per-pod storage needs a StatefulSet; the router and the HPA are switched off.
+    await cluster.update_spec("InferenceSession", "chat", {"cacheTierRef": {"name": "local-nvme"},
+                                                           "router": {"enabled": False},
+                                                           "autoscaling": {"enabled": False}})
+    await eventually(lambda: cluster.get("StatefulSet", "chat"))
+    await eventually(lambda: set(owned(cluster, uid)) == {
+        ("ConfigMap", "chat-config"), ("Service", "chat"), ("Service", "chat-headless"),
+        ("StatefulSet", "chat"), ("PodDisruptionBudget", "chat")})
+    assert cluster.get("Service", "chat")["spec"]["selector"] == names.server_selector("chat")
+    await eventually(lambda: status(cluster, "InferenceSession", "chat").get("workload") == "StatefulSet/chat")
+    await eventually(lambda: status(cluster, "CacheTier", "local-nvme").get("boundSessions") == ["chat"])
+    await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == [])

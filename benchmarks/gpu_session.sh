@@ -14,11 +14,13 @@ python3 -c "import mambaserve.server.engine, fastapi, triton, torch; print('torc
 cd - >/dev/null
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 if [ "$SIZE" = "130m" ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/server/test_gpu_engine.py tests/kernels/test_gpu_kernels.py 2>&1 | tail -5
+  python3 -m pytest -q -p no:cacheprovider tests/server/test_gpu_engine.py tests/kernels/test_gpu_kernels.py \
+    2>&1 | grep -v -i "falling back" | tail -30
   python3 benchmarks/e2e.py --size 130m --json "$OUT/e2e_130m.json" --keep-checkpoint /tmp/m130
   (cd benchmarks && python3 multiturn.py --model /tmp/m130 --compare --clients 16 --rounds 5 \
      --request-length 1024 --question-length 128 --output-length 64 \
      --server-args "--tokenizer ../models/mamba2-tiny-pystdlib" --out "$OUT/multiturn_130m.json")
-else
-  python3 benchmarks/e2e.py --size "$SIZE" --json "$OUT/e2e_$SIZE.json" --hf-batches 1 --hf-tokens 16
+fi
+if [ "$SIZE" = "2.7b" ] || [ "${BOTH:-0}" = 1 ]; then
+  python3 benchmarks/e2e.py --size 2.7b --json "$OUT/e2e_2.7b.json" --hf-batches 1 --hf-tokens 16 --decode-tokens 64
 fi

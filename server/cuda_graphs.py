@@ -66,4 +66,4 @@ class DecodeGraphs:
         if b > n:
             self.slots[n:b].fill_(-1)
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self.outputs[b][:n].clone()  # the static buffer is overwritten by the next replay

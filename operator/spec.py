@@ -381,6 +381,13 @@ def tier_problems(tier: CacheTier) -> list[Problem]:
     if tier.prefetch_policy != "best_effort":
         problems.append(Problem("UnsupportedByServer", f"prefetchPolicy {tier.prefetch_policy} has no server flag "
                                                        "yet; the server prefetches best_effort"))
+    if tier.host_size_gb > 0:
+        problems.append(Problem("UnsupportedByServer", "the host-memory tier is not implemented by the server yet; "
+                                                       "states stay on the GPU"))
+    if tier.storage.enabled:
+        problems.append(Problem("UnsupportedByServer", "the storage tier holds session snapshots only "
+                                                       "(--session-snapshot-dir); spilling cached states to it is "
+                                                       "not implemented by the server yet"))
     return problems
 
 

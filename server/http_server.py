@@ -136,7 +136,8 @@ def create_app(engine: Engine) -> FastAPI:
         params = SamplingParams(max_new_tokens=1, temperature=0)
         try:
             async with asyncio.timeout(30):
-                async for out in engine.generate([engine.eos_token_ids and min(engine.eos_token_ids) or 0], params):
+                # one token from a one-token prompt exercises the whole path: scheduler, model, sampler
+                async for out in engine.generate([min(engine.eos_token_ids, default=0)], params):
                     if out.error:
                         return error_response(503, out.error, "unhealthy", "server_error")
         except TimeoutError:

@@ -81,11 +81,14 @@ async def test_session_lifecycle_create_update_scale_status_delete(cluster: Clus
     await cluster.patch("InferenceSession", "chat", {"spec": {"replicas": 5}}, sub="scale")
     await eventually(lambda: cluster.get("Deployment", "chat")["spec"]["replicas"] == 5)
 
-    # The Deployment controller reports ready pods: the session becomes Ready.
+    # The Deployment controller reports ready pods: the session becomes Ready — in phase Degraded, since
+    # the shared tier asks for host and storage tiers the server does not implement yet.
     await cluster.patch("Deployment", "chat", {"status": {"replicas": 5, "readyReplicas": 5, "updatedReplicas": 5}},
                         sub="status")
     await cluster.patch("Deployment", "chat-router", {"status": {"replicas": 2, "readyReplicas": 2}}, sub="status")
-    await eventually(lambda: status(cluster, "InferenceSession", "chat").get("phase") == "Ready")
+    await eventually(lambda: cluster.condition("InferenceSession", "chat", "Ready")["status"] == "True")
+    await eventually(lambda: status(cluster, "InferenceSession", "chat").get("phase") == "Degraded")
+    assert cluster.condition("InferenceSession", "chat", "Degraded")["reason"] == "UnsupportedByServer"
     st = status(cluster, "InferenceSession", "chat")
     assert (st["replicas"], st["readyReplicas"], st["metricsSource"]) == (5, 5, "workload")
     assert cluster.condition("InferenceSession", "chat", "RouterReady")["status"] == "True"

@@ -122,11 +122,12 @@ class Engine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
                        return_logprob: bool = False, top_logprobs_num: int = 0, session_id: str | None = None,
-                       turn_params: TurnParams | None = None) -> AsyncIterator[StepOutput]:
+                       turn_params: TurnParams | None = None, stream: bool = True) -> AsyncIterator[StepOutput]:
         """Yield increments until the request finishes; closing the iterator early aborts the request.
 
         With ``session_id``, ``prompt_ids`` are the turn's new tokens only; the session adds its history.
-        A refused request yields one output with ``error_status`` set."""
+        A refused request yields one output with ``error_status`` set. With ``stream=False`` only the
+        final output comes (all tokens and text at once): less work per token for the scheduler."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         rid = rid or self.new_rid()
@@ -135,7 +136,8 @@ class Engine:
             stop_ids |= self.eos_token_ids
         req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params,
                   detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                                     prompt_tail=list(prompt_ids[-4:])),
+                                                     prompt_tail=list(prompt_ids[-4:]), incremental=stream),
+                  stream=stream,
                   emit=lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                   stop_token_ids=frozenset(stop_ids), session_id=session_id,

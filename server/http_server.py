@@ -185,7 +185,8 @@ def create_app(engine: Engine) -> FastAPI:
         turn = TurnParams(sp.rid, sp.offset, sp.replace, sp.drop_previous_output) if sp else None
         stream = await admitted(engine.generate(ids, params, rid=body.rid, return_logprob=body.return_logprob,
                                                 top_logprobs_num=body.top_logprobs_num,
-                                                session_id=sp.id if sp else None, turn_params=turn))
+                                                session_id=sp.id if sp else None, turn_params=turn,
+                                                stream=body.stream))
         if body.stream:
             return StreamingResponse(_native_stream(stream), media_type="text/event-stream")
         outs = await collect(request, stream)

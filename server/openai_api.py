@@ -78,7 +78,8 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
         if (session_id or body.stream) and len(prompts) != 1:
             raise BadRequest("streaming and session turns take a single prompt")
         streams = await asyncio.gather(*(admitted(engine.generate(
-            ids, p, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0, session_id=session_id))
+            ids, p, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0, session_id=session_id,
+            stream=body.stream))
             for ids, p in zip(prompts, params)))
 
         if body.stream:
@@ -135,7 +136,7 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
         params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)
         top_n = body.top_logprobs or 0
         stream = await admitted(engine.generate(ids, params, return_logprob=body.logprobs, top_logprobs_num=top_n,
-                                                session_id=session_id))
+                                                session_id=session_id, stream=body.stream))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             async def events():

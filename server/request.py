@@ -86,6 +86,7 @@ class Req:
     emit: Callable[[StepOutput], None]
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    stream: bool = True  # emit every increment; False: only the final output
     stop_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None

@@ -326,8 +326,9 @@ class Scheduler:
         elif finish is not None:
             self._finish(req, finish)
         else:
-            req.emit(self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release()))
-            req.sent_tokens = len(req.output_ids)
+            if req.stream:
+                req.emit(self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release()))
+                req.sent_tokens = len(req.output_ids)
 
     @staticmethod
     def _keeps_live_state(req: Req) -> bool:

@@ -145,3 +145,23 @@ def test_cli_help_explains_every_flag():
     for action in serve._actions:
         if action.option_strings and action.dest != "help":
             assert action.help and len(action.help) > 10, action.dest
+
+
+def test_lazy_detokenization_gives_the_same_text_as_incremental():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "models" / "mamba2-tiny-pystdlib")
+    ids = tok.encode("def héllo(x):\n    return '世界' + x  # ünïcode", add_special_tokens=False)
+    prompt, out = ids[:3], ids[3:]
+    texts = []
+    for incremental in (True, False):
+        d = IncrementalDetokenizer(tok, prompt_tail=prompt, incremental=incremental)
+        text = ""
+        for t in out:
+            d.add(t)
+            text += d.release()
+        texts.append(text + d.release(final=True))
+    assert texts[0] == texts[1] == tok.decode(ids)[len(tok.decode(prompt)):]
+    assert "世界" in texts[0]

@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 30000
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test clean
+.PHONY: install serve test clean tools
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,13 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/mambaserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+# promtool and prometheus (Debian's package) for tests/charts, installed when missing (as root, or via sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+tools:
+	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus; }
+
+test: $(STAMP) tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:

@@ -50,6 +50,15 @@ class ServerMetrics:
                                        registry=r)
         self.session_restores = Counter("mambaserve_session_restores", "Sessions restored from a snapshot",
                                         registry=r)
+        # Every label value exists from the start, at 0: a ratio of counters (hit rate in PromQL, the
+        # autoscaler's miss ratio) must not vanish on a pod that has had no hit yet.
+        for tier in ("gpu", "session"):
+            self.cache_hit.labels(tier)
+        self.evictions.labels("gpu")
+        for reason in ("client", "timeout", "error"):
+            self.sessions_closed.labels(reason)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 class PrefillCandidate:
     key: object  # the request (opaque here)
     remaining: int  # prompt tokens not yet prefilled
-    needs_slot: bool  # waiting request: admission takes a slot
+    waiting: bool  # not admitted yet: admission takes a running place
+    needs_slot: bool = True  # ... and a free slot (not a session turn that brings its own)
 
 
 def plan_prefill(candidates: list[PrefillCandidate], token_budget: int, free_slots: int,
@@ -32,10 +33,10 @@ def plan_prefill(candidates: list[PrefillCandidate], token_budget: int, free_slo
     for c in candidates:
         if budget <= 0:
             break
-        if c.needs_slot:
-            if free_slots <= 0 or running >= max_running:
+        if c.waiting:
+            if running >= max_running or (c.needs_slot and free_slots <= 0):
                 break
-            free_slots -= 1
+            free_slots -= c.needs_slot
             running += 1
         n = min(c.remaining, budget)
         plan.append((c.key, n))

@@ -176,7 +176,7 @@ class Scheduler:
         if next_mode_is_decode(has_prefill, bool(decode), self.last_was_extend):
             return self._decode_batch(decode)
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in self.running if not r.prefill_done]
-        cands += [PrefillCandidate(r, r.prefill_len, not self._has_live_slot(r)) for r in self.waiting
+        cands += [PrefillCandidate(r, r.prefill_len, True, not self._has_live_slot(r)) for r in self.waiting
                   if r.session is None or not r.session.awaiting_fold]  # the live state arrives next step
         plan = plan_prefill(cands, self.chunk, self.slots.num_free + self.cache.evictable_slots,
                             len(self.running), self.max_running)

@@ -23,6 +23,10 @@ def test_prefill_plan_packs_chunks_and_keeps_arrival_order():
     assert plan_prefill(c, 64, free_slots=0, running=1, max_running=8) == [("a", 5)]
     assert plan_prefill(c, 64, free_slots=4, running=2, max_running=2) == [("a", 5)]
     assert plan_prefill([], 64, 4, 0, 8) == []
+    # a session turn brings its own slot but still needs a running place
+    turn = [PrefillCandidate("t", 3, True, needs_slot=False)]
+    assert plan_prefill(turn, 64, free_slots=0, running=1, max_running=8) == [("t", 3)]
+    assert plan_prefill(turn, 64, free_slots=4, running=2, max_running=2) == []
 
 
 def test_prefill_and_decode_alternate_when_both_have_work():

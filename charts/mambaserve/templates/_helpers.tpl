@@ -1,0 +1,152 @@
+{{/*
+Names. Kubernetes object names and label values stop at 63 characters (DNS-1123 labels), so every
+name is cut there and loses a trailing "-" the cut may leave. Suffixed names cut the base first so
+the suffix survives: "<base cut to 63-len(suffix)>-<suffix>".
+*/}}
+
+{{- define "mambaserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "mambaserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "<fullname>-<suffix>" within 63 characters; call with (list $ "suffix"). */}}
+{{- define "mambaserve.suffixed" -}}
+{{- $root := index . 0 -}}
+{{- $suffix := index . 1 -}}
+{{- $base := include "mambaserve.fullname" $root | trunc (int (sub 62 (len $suffix))) | trimSuffix "-" -}}
+{{- printf "%s-%s" $base $suffix -}}
+{{- end -}}
+
+{{- define "mambaserve.operator.fullname" -}}
+{{- include "mambaserve.suffixed" (list . "operator") -}}
+{{- end -}}
+
+{{- define "mambaserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "mambaserve.operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mambaserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels of every object; call with (list $ "component"). */}}
+{{- define "mambaserve.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ include "mambaserve.chart" $root }}
+{{ include "mambaserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/part-of: mambaserve
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- with $root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Selector labels. The operator labels the pods it creates with app.kubernetes.io/name=mambaserve
+and app.kubernetes.io/instance=<session name> too; the component keeps the two apart.
+*/}}
+{{- define "mambaserve.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "mambaserve.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "mambaserve.operator.image" -}}
+{{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) -}}
+{{- end -}}
+
+{{/* Labels of monitoring objects: the chart's plus those a Prometheus selects on. */}}
+{{- define "mambaserve.monitoringLabels" -}}
+{{- $root := index . 0 -}}
+{{ include "mambaserve.labels" . }}
+{{- with $root.Values.monitoring.labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The operator's API access, shared by the ClusterRole (cluster-wide mode) and the per-namespace
+Roles (namespaced mode). Each rule is exactly what the code in operator/ does; tests/charts runs the
+real operator and checks every request it makes against these rules.
+*/}}
+{{- define "mambaserve.operatorRules" -}}
+# Kopf lists and watches the two kinds and patches their finalizers and progress annotations;
+# the reconciler lists InferenceSessions to find those bound to a CacheTier and reads CacheTiers.
+- apiGroups: ["mambaserve.io"]
+  resources: ["inferencesessions"]
+  verbs: ["list", "watch", "patch"]
+- apiGroups: ["mambaserve.io"]
+  resources: ["cachetiers"]
+  verbs: ["get", "list", "watch", "patch"]
+# Status is a subresource of both CRDs; the operator writes it and nothing else does.
+- apiGroups: ["mambaserve.io"]
+  resources: ["inferencesessions/status", "cachetiers/status"]
+  verbs: ["patch"]
+# Kopf posts Kubernetes events about the objects it handles.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+# Server pods are listed to scrape their /metrics for status. get and watch are not used by the
+# operator itself: it needs them because the router Role it creates grants them, and RBAC only
+# lets a subject grant permissions it holds (escalation prevention).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Children of an InferenceSession: applied (get, create, patch), re-created when an immutable
+# field changes (delete), pruned by label when stale (list, delete). The optional kinds (KEDA,
+# prometheus-operator) are listed on every prune even when unused, so they are always granted.
+- apiGroups: [""]
+  resources: ["configmaps", "services", "serviceaccounts"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments", "statefulsets"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["servicemonitors"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+# A CacheTier's shared storage claim: created once, never patched (a bound claim's spec is fixed),
+# deleted with the tier.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "delete"]
+{{- end -}}
+
+{{/*
+Cluster-scoped reads Kopf makes in both modes: it watches CRDs so that CRDs upgraded outside Helm
+(kubectl apply, see the chart README) are re-discovered without restarting the operator.
+*/}}
+{{- define "mambaserve.crdRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end -}}

@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""Writes the chart's Grafana dashboards (charts/mambaserve/dashboards/*.json) from the panel list below.
+
+The JSON files are the shipped artifact and are checked in; this script is how they are authored.
+`--check` exits 1 when the checked-in JSON differs from what the script builds (tests/charts runs it).
+
+Series labels: `namespace` and `pod` come from prometheus-operator's scrape, `mambaserve_io_session`
+from the session label (podTargetLabels), as with the chart's PodMonitor and the operator's
+ServiceMonitors. Only metric names the server or the operator export appear here (tests/charts
+collects them from a live server and operator and compares). Panels for the cache tiers' bytes and
+load latency wait for the server's mambaserve_tier_* metrics (not exported yet).
+
+    .venv/bin/python scripts/build_dashboards.py          # rewrite the JSON
+    .venv/bin/python scripts/build_dashboards.py --check  # fail if it is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from dataclasses import dataclass, field
+
+OUT = pathlib.Path(__file__).resolve().parents[1] / "charts" / "mambaserve" / "dashboards"
+
+SEL = 'namespace=~"$namespace", mambaserve_io_session=~"$session"'
+RATE = "$__rate_interval"
+# The HPA's metric as prometheus-adapter serves it (files/prometheus-adapter-rules.yaml): a fixed
+# 2m window, per pod. Keep in step with the operator's RATE_WINDOW.
+HPA_WINDOW = "2m"
+
+HIT = "mambaserve_prefix_cache_hit_tokens_total"
+QUERIED = "mambaserve_prefix_cache_queried_tokens_total"
+
+
+def rate(metric: str, by: str = "", sel: str = SEL, window: str = RATE) -> str:
+    inner = f"rate({metric}{{{sel}}}[{window}])"
+    return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
+
+
+def hits(by: str = "", sel: str = SEL, window: str = RATE) -> str:
+    """Hit-token rate that is 0 (not absent) while nothing has hit yet: the counter is labelled by
+    tier, so it has no series at all until the first hit."""
+    return f"({rate(HIT, by, sel, window)} or {rate(QUERIED, by, sel, window)} * 0)"
+
+
+def hit_rate(by: str = "", sel: str = SEL, window: str = RATE) -> str:
+    return f"{hits(by, sel, window)} / {rate(QUERIED, by, sel, window)}"
+
+
+def quantile(q: float, metric: str, by: str = "") -> str:
+    group = f"{by}, le" if by else "le"
+    return f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{SEL}}}[{RATE}])))"
+
+
+@dataclass
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass
+class Panel:
+    title: str
+    description: str
+    targets: list[Target]
+    unit: str = "short"
+    kind: str = "timeseries"  # timeseries | stat
+    width: int = 12
+    height: int = 8
+    min: float | None = 0
+    max: float | None = None
+    stack: bool = False
+    decimals: int | None = None
+    thresholds: list[tuple[float | None, str]] = field(default_factory=list)
+
+
+@dataclass
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    panels: list[Panel]
+    session_vars: bool = True
+    extra_vars: list[dict] = field(default_factory=list)
+
+
+def T(expr: str, legend: str = "") -> Target:  # noqa: N802 - reads like a table row below
+    return Target(expr, legend)
+
+
+S = "{{namespace}}/{{mambaserve_io_session}}"
+SESSION_TIER = SEL + ', tier="session"'
+POD = "{{namespace}}/{{pod}}"
+
+OVERVIEW = Dashboard("mambaserve-overview", "mambaserve / Overview",
+                     "Traffic, latency and queues of every InferenceSession's server pods.", [
+    Panel("Requests / s", "Finished requests per second.", [T(rate("mambaserve_requests_total"))],
+          unit="reqps", kind="stat", width=5, height=4, decimals=2),
+    Panel("Prefix-cache hit rate", "Prompt tokens served from cached states / prompt tokens looked up.",
+          [T(hit_rate())], unit="percentunit", kind="stat", width=5, height=4, max=1,
+          thresholds=[(None, "red"), (0.3, "orange"), (0.5, "green")]),
+    Panel("TTFT p99", "99th percentile time to first token over all pods.",
+          [T(quantile(0.99, "mambaserve_time_to_first_token_seconds"))], unit="s", kind="stat", width=5, height=4,
+          thresholds=[(None, "green"), (1, "orange"), (2, "red")]),
+    Panel("Server pods", "Server pods Prometheus scrapes (replicas serving).",
+          [T(f"count(mambaserve_state_slots_total{{{SEL}}})")], kind="stat", width=4, height=4, decimals=0),
+    Panel("Waiting requests", "Requests queued for a state slot, all pods.",
+          [T(f"sum(mambaserve_num_waiting_requests{{{SEL}}})")], kind="stat", width=5, height=4, decimals=0,
+          thresholds=[(None, "green"), (1, "orange"), (16, "red")]),
+    Panel("Requests by finish reason", "Finished requests per second: stop, length, abort, error.",
+          [T(rate("mambaserve_requests_total", "finish_reason"), "{{finish_reason}}")], unit="reqps", stack=True),
+    Panel("Rejected requests by reason", "Requests refused before running (bad_request, too_long, overloaded).",
+          [T(rate("mambaserve_requests_rejected_total", "reason"), "{{reason}}")], unit="reqps", stack=True),
+    Panel("Time to first token", "From arrival to the first output token (queueing + prefill).", [
+        T(quantile(0.5, "mambaserve_time_to_first_token_seconds"), "p50"),
+        T(quantile(0.9, "mambaserve_time_to_first_token_seconds"), "p90"),
+        T(quantile(0.99, "mambaserve_time_to_first_token_seconds"), "p99")], unit="s"),
+    Panel("Inter-token latency", "Time between consecutive output tokens of a request (decode step time).", [
+        T(quantile(0.5, "mambaserve_inter_token_latency_seconds"), "p50"),
+        T(quantile(0.9, "mambaserve_inter_token_latency_seconds"), "p90"),
+        T(quantile(0.99, "mambaserve_inter_token_latency_seconds"), "p99")], unit="s"),
+    Panel("End-to-end request latency", "From arrival to the last token.", [
+        T(quantile(0.5, "mambaserve_e2e_request_latency_seconds"), "p50"),
+        T(quantile(0.99, "mambaserve_e2e_request_latency_seconds"), "p99")], unit="s"),
+    Panel("Token throughput", "Prompt tokens admitted and tokens generated per second.", [
+        T(rate("mambaserve_prompt_tokens_total"), "prompt"),
+        T(rate("mambaserve_generation_tokens_total"), "generated")], unit="short"),
+    Panel("Running and waiting requests", "Requests holding a state slot, and requests queued for one.", [
+        T(f"sum by (namespace, mambaserve_io_session) (mambaserve_num_running_requests{{{SEL}}})", f"running {S}"),
+        T(f"sum by (namespace, mambaserve_io_session) (mambaserve_num_waiting_requests{{{SEL}}})", f"waiting {S}")]),
+    Panel("Server pods per session", "Scraped server pods of each InferenceSession.",
+          [T(f"count by (namespace, mambaserve_io_session) (mambaserve_state_slots_total{{{SEL}}})", S)], decimals=0),
+])
+
+CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
+                  "Prefix-cache hit rate (overall and by tier), state-slot pool and evictions.", [
+    Panel("Hit rate", "Prompt tokens served from cached states / prompt tokens looked up, from the counters.", [
+        T(hit_rate(), "all sessions"),
+        T(hit_rate("namespace, mambaserve_io_session"), S)], unit="percentunit", max=1),
+    Panel("Hit rate by tier", "Share of looked-up prompt tokens served by each tier: gpu (radix cache), "
+          "session (a streaming session's live state), host and storage (when those tiers are enabled).",
+          [T(f"{rate(HIT, 'tier')} / ignoring(tier) group_left() {rate(QUERIED)}", "{{tier}}")],
+          unit="percentunit", max=1, stack=True),
+    Panel("Prompt tokens: cached vs computed", "Per second: prompt tokens served from each tier, and those prefilled.", [
+        T(rate(HIT, "tier"), "cached ({{tier}})"),
+        T(f"{rate(QUERIED)} - {hits()}", "computed")], stack=True),
+    Panel("Cache evictions by tier", "Cached snapshots evicted per second to make room.",
+          [T(rate("mambaserve_cache_evictions_total", "tier"), "{{tier}}")], unit="ops"),
+    Panel("State slots", "Slot pool of all selected pods: capacity, used, and the used slots eviction could free.", [
+        T(f"sum(mambaserve_state_slots_total{{{SEL}}})", "total"),
+        T(f"sum(mambaserve_state_slots_used{{{SEL}}})", "used"),
+        T(f"sum(mambaserve_state_slots_evictable{{{SEL}}})", "evictable (cached snapshots)"),
+        T(f"sum(mambaserve_session_held_slots{{{SEL}}})", "held by sessions")], decimals=0),
+    Panel("Pinned share of the pool per pod", "(used - evictable) / total: slots eviction cannot free. Near 100% "
+          "with waiting requests is the StatePoolExhausted alert.",
+          [T(f"(mambaserve_state_slots_used{{{SEL}}} - mambaserve_state_slots_evictable{{{SEL}}}) "
+             f"/ mambaserve_state_slots_total{{{SEL}}}", POD)], unit="percentunit", max=1),
+    Panel("Evictions per finished request", "Evictions / finished requests per pod; above ~2 cached states rarely "
+          "live long enough to be reused (CacheThrashing alert).",
+          [T(f"{rate('mambaserve_cache_evictions_total', 'namespace, pod')} / "
+             f"{rate('mambaserve_requests_total', 'namespace, pod')}", POD)]),
+    Panel("Hit rate per pod (server's sliding window)", "The server's own windowed hit rate gauge per pod "
+          "(what the operator reports in InferenceSession status).",
+          [T(f"mambaserve_cache_hit_rate{{{SEL}}}", POD)], unit="percentunit", max=1),
+])
+
+SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",
+                     "Streaming sessions: open, state slots they hold, how they close, restores.", [
+    Panel("Open sessions", "Open sessions, all selected pods.", [T(f"sum(mambaserve_sessions_open{{{SEL}}})")],
+          kind="stat", width=8, height=4, decimals=0),
+    Panel("Slots held by sessions", "State slots streaming sessions keep between turns.",
+          [T(f"sum(mambaserve_session_held_slots{{{SEL}}})")], kind="stat", width=8, height=4,
+          decimals=0),
+    Panel("Session-state hit rate", "Share of looked-up prompt tokens served from a streaming session's live state.",
+          [T(f"{rate(HIT, sel=SESSION_TIER)} / {rate(QUERIED)}")], unit="percentunit", kind="stat",
+          width=8, height=4, max=1),
+    Panel("Open sessions per pod", "Open sessions on each server pod.",
+          [T(f"mambaserve_sessions_open{{{SEL}}}", POD)], decimals=0),
+    Panel("Held slots per pod", "Slots held by sessions on each pod, as a share of its pool.",
+          [T(f"mambaserve_session_held_slots{{{SEL}}} / mambaserve_state_slots_total{{{SEL}}}", POD)],
+          unit="percentunit", max=1),
+    Panel("Sessions closed by reason", "Closed sessions per second: client, timeout, error.",
+          [T(rate("mambaserve_sessions_closed_total", "reason"), "{{reason}}")], unit="ops", stack=True),
+    Panel("Session restores", "Sessions restored from a snapshot per second (migrations between pods, restarts).",
+          [T(rate("mambaserve_session_restores_total", "namespace, mambaserve_io_session"), S)], unit="ops"),
+])
+
+TARGET_VAR = {
+    "type": "custom", "name": "target_hit_rate", "label": "Target hit rate",
+    "description": "The InferenceSession's spec.autoscaling.targetCacheHitRate (CRD default 0.5); "
+                   "Prometheus does not know it, so pick it here.",
+    "query": "0.3,0.4,0.5,0.6,0.7,0.8,0.9",
+    "current": {"text": "0.5", "value": "0.5"},
+    "options": [{"text": v, "value": v, "selected": v == "0.5"} for v in
+                ("0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9")],
+    "hide": 0,
+}
+
+_POD_MISS = (f"clamp_min(1 - ({hits('namespace, mambaserve_io_session, pod', window=HPA_WINDOW)} / "
+             f"{rate(QUERIED, 'namespace, mambaserve_io_session, pod', window=HPA_WINDOW)}), 0)")
+
+AUTOSCALING = Dashboard("mambaserve-autoscaling", "mambaserve / Autoscaling",
+                        "What the HPA sees: the miss ratio per pod against the target, serving replicas, and the "
+                        "replica count the HPA formula asks for.", [
+    Panel("Replicas: serving vs HPA formula", "Serving = scraped server pods. Desired = ceil(sum of pod miss ratios "
+          "/ (1 - target)), the HPA's rule for a Pods metric with an AverageValue target, before min/max replicas "
+          "and its 10% tolerance. The HPA's own desiredReplicas needs kube-state-metrics.", [
+        T(f"count by (namespace, mambaserve_io_session) (mambaserve_state_slots_total{{{SEL}}})", f"serving {S}"),
+        T(f"ceil(sum by (namespace, mambaserve_io_session) ({_POD_MISS}) / (1 - $target_hit_rate))",
+          f"desired {S}")], decimals=0),
+    Panel("Hit rate vs target", "Each session's hit rate from the counters against the target.", [
+        T(hit_rate("namespace, mambaserve_io_session", window=HPA_WINDOW), f"hit rate {S}"),
+        T("vector($target_hit_rate)", "target")], unit="percentunit", max=1),
+    Panel("Miss ratio per pod (HPA metric)", "mambaserve_cache_miss_ratio as prometheus-adapter computes it for "
+          "the HPA: the HPA adds pods while the average is above 1 - target.", [
+        T(_POD_MISS, POD),
+        T("vector(1 - $target_hit_rate)", "HPA target")], unit="percentunit", max=1),
+    Panel("Waiting requests per pod (HPA queue metric)", "The second HPA metric when targetQueueDepth is set.",
+          [T(f"mambaserve_num_waiting_requests{{{SEL}}}", POD)], decimals=0),
+])
+
+OPERATOR = Dashboard("mambaserve-operator", "mambaserve / Operator",
+                     "Reconciliations of InferenceSessions and CacheTiers: rate, errors, duration.", [
+    Panel("Reconciles / s", "All reconciliations per second.",
+          [T("sum(rate(mambaserve_operator_reconciles_total[$__rate_interval]))")], unit="ops", kind="stat",
+          width=8, height=4, decimals=2),
+    Panel("Error ratio", "Failed / all reconciliations.",
+          [T("sum(rate(mambaserve_operator_reconcile_errors_total[$__rate_interval])) / "
+             "sum(rate(mambaserve_operator_reconciles_total[$__rate_interval]))")],
+          unit="percentunit", kind="stat", width=8, height=4, max=1,
+          thresholds=[(None, "green"), (0.01, "orange"), (0.1, "red")]),
+    Panel("Reconcile p99", "99th percentile reconcile duration over all kinds.",
+          [T("histogram_quantile(0.99, sum by (le) "
+             "(rate(mambaserve_operator_reconcile_duration_seconds_bucket[$__rate_interval])))")],
+          unit="s", kind="stat", width=8, height=4),
+    Panel("Reconciles by kind and result", "Per second, by kind (InferenceSession, CacheTier) and result.",
+          [T("sum by (kind, result) (rate(mambaserve_operator_reconciles_total[$__rate_interval]))",
+             "{{kind}} {{result}}")], unit="ops"),
+    Panel("Reconcile errors by kind", "Failed reconciliations per second; Kopf retries them with backoff.",
+          [T("sum by (kind) (rate(mambaserve_operator_reconcile_errors_total[$__rate_interval]))", "{{kind}}")],
+          unit="ops"),
+    Panel("Reconcile duration", "p50 and p99 per kind (API calls plus scraping the pods' /metrics).", [
+        T("histogram_quantile(0.5, sum by (kind, le) "
+          "(rate(mambaserve_operator_reconcile_duration_seconds_bucket[$__rate_interval])))", "p50 {{kind}}"),
+        T("histogram_quantile(0.99, sum by (kind, le) "
+          "(rate(mambaserve_operator_reconcile_duration_seconds_bucket[$__rate_interval])))", "p99 {{kind}}")],
+          unit="s"),
+], session_vars=False)
+
+DASHBOARDS = {"overview": OVERVIEW, "cache": CACHE, "sessions": SESSIONS, "autoscaling": AUTOSCALING,
+              "operator": OPERATOR}
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def _variables(d: Dashboard) -> list[dict]:
+    out: list[dict] = [{"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
+                        "current": {}, "hide": 0, "refresh": 1}]
+    if d.session_vars:
+        for name, label, query in (
+            ("namespace", "Namespace", "label_values(mambaserve_state_slots_total, namespace)"),
+            ("session", "InferenceSession",
+             'label_values(mambaserve_state_slots_total{namespace=~"$namespace"}, mambaserve_io_session)'),
+        ):
+            out.append({"type": "query", "name": name, "label": label, "datasource": DATASOURCE,
+                        "query": {"query": query, "refId": f"{name}-values"}, "definition": query,
+                        "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2, "sort": 1,
+                        "current": {"text": "All", "value": "$__all"}, "hide": 0})
+    return out + d.extra_vars
+
+
+def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
+    defaults: dict = {"unit": p.unit}
+    if p.min is not None:
+        defaults["min"] = p.min
+    if p.max is not None:
+        defaults["max"] = p.max
+    if p.decimals is not None:
+        defaults["decimals"] = p.decimals
+    steps = [{"color": c, "value": v} for v, c in p.thresholds] or [{"color": "green", "value": None}]
+    defaults["thresholds"] = {"mode": "absolute", "steps": steps}
+    if p.kind == "timeseries":
+        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if not p.stack else 30,
+                              "showPoints": "never", "spanNulls": False,
+                              "stacking": {"mode": "normal" if p.stack else "none", "group": "A"}}
+        options = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                   "tooltip": {"mode": "multi", "sort": "desc"}}
+    else:
+        defaults["color"] = {"mode": "thresholds"}
+        options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                   "colorMode": "value", "graphMode": "area", "textMode": "auto", "justifyMode": "auto"}
+    return {
+        "id": pid, "type": p.kind, "title": p.title, "description": p.description, "datasource": DATASOURCE,
+        "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
+        "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": t.expr,
+                     "legendFormat": t.legend or "__auto", "range": True, "instant": False}
+                    for i, t in enumerate(p.targets)],
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": options,
+    }
+
+
+def build(d: Dashboard) -> dict:
+    panels, x, y, row_h = [], 0, 0, 0
+    for pid, p in enumerate(d.panels, start=1):
+        if x + p.width > 24:  # next row
+            x, y, row_h = 0, y + row_h, 0
+        panels.append(_panel(p, pid, x, y))
+        x, row_h = x + p.width, max(row_h, p.height)
+    return {
+        "uid": d.uid, "title": d.title, "description": d.description,
+        "tags": ["mambaserve"], "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1,
+        "time": {"from": "now-1h", "to": "now"}, "refresh": "30s", "timezone": "",
+        "templating": {"list": _variables(d)},
+        "annotations": {"list": []},
+        "links": [{"type": "dashboards", "tags": ["mambaserve"], "title": "mambaserve", "asDropdown": True}],
+        "panels": panels,
+    }
+
+
+AUTOSCALING.extra_vars.append(TARGET_VAR)
+
+
+def render(name: str) -> str:
+    return json.dumps(build(DASHBOARDS[name]), indent=2) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the checked-in JSON is stale")
+    args = parser.parse_args()
+    stale = []
+    for name in DASHBOARDS:
+        path = OUT / f"{name}.json"
+        text = render(name)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print("stale dashboards (run scripts/build_dashboards.py):", *stale, sep="\n  ", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,6 +22,17 @@ def test_every_source_root_is_mapped_in_pyproject():
         assert f'"mambaserve.{folder}" = "{folder}"' in text
 
 
+def test_every_package_folder_is_listed_for_wheels():
+    """Editable installs find subfolders anyway; a wheel (the operator's image) only ships listed ones."""
+    text = (ROOT / "pyproject.toml").read_text()
+    for root in ("server", "kernels", "operator"):
+        for folder in [ROOT / root, *(p for p in (ROOT / root).rglob("*") if p.is_dir())]:
+            if folder.name == "__pycache__" or not any(folder.glob("*.py")):
+                continue
+            dotted = "mambaserve." + ".".join(folder.relative_to(ROOT).parts)
+            assert f'"{dotted}"' in text, f"{dotted} missing from [tool.setuptools] packages"
+
+
 def _imports(folder: str):
     for path in (ROOT / folder).rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))

@@ -242,6 +242,8 @@ class Scheduler:
             self.cache.pending.clears.append(slot)
         self.metrics.observe_lookup(len(req.prompt_ids), cached)
         self._seed(req)
+        if req.prefill_done and req.params.max_new_tokens == 0:
+            self._finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
         return True
 
     def _seed(self, req: Req) -> None:
@@ -277,6 +279,8 @@ class Scheduler:
                 if req.in_state < len(req.prompt_ids):
                     if self.cache.enabled:
                         self._donate(req)
+                    if req.prefill_done and req.params.max_new_tokens == 0:
+                        self._finish(req, FinishReason.LENGTH)  # prompt-only request: no token to sample
                     continue
                 if req.params.max_new_tokens == 0:
                     self._finish(req, FinishReason.LENGTH)

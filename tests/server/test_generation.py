@@ -113,3 +113,20 @@ def test_openai_endpoints_agree_with_native(engine, tiny_ckpt):
     assert chat["choices"][0]["message"]["role"] == "assistant"
     assert len(chat["choices"][0]["logprobs"]["content"]) == chat["usage"]["completion_tokens"]
     assert models["data"][0]["id"] == "tiny"
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_zero_max_new_tokens_runs_the_prompt_only(tiny_ckpt, cache):
+    engine = make_engine(tiny_ckpt, disable_radix_cache=not cache)
+
+    async def go():
+        async with serving(engine) as c:
+            rs = [await c.post("/generate", json={"input_ids": p, "sampling_params": {"max_new_tokens": 0}})
+                  for p in (PROMPTS[3], PROMPTS[3], [7])]  # cold, fully cached, one token
+            return [r.json() for r in rs], await accounting(engine)
+
+    bodies, acc = run(go())
+    for body in bodies:
+        assert body["output_ids"] == [] and body["meta_info"]["finish_reason"] == {"type": "length"}
+        assert body["meta_info"]["completion_tokens"] == 0
+    assert_idle(acc)

@@ -160,20 +160,25 @@ def ssd_scan_varlen_ref(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Triton: four launches, no host synchronisation (one when boundary states are asked for: their count
+# Triton: five launches, no host synchronisation (one when boundary states are asked for: their count
 # sizes the output). "Chunk" below is a block of one sequence cut at absolute multiples of Q
 # (``locate_block``); chunk c of the call is one of at most NC = T // Q + 2 S.
-#   1. _ssd_prep_kernel        [NC, H]      dt -> softplus(dt + bias), clamp; dA cumsum within chunk
-#   2. _ssd_chunk_state_kernel [NC, H]      each chunk's own end state from zero (fp32, [P, N])
-#   3. _ssd_state_pass_kernel  [S, H, PN/b] sequential over a sequence's chunks: start states, final
-#                                            state into the slot, boundary states
-#   4. _ssd_chunk_scan_kernel  [NC*Q/BM, H] y = C S_start decay + causal (C B^T * decay * dt) x + D x
+#   1. _ssd_prep_kernel        [NC, H]       dt -> softplus(dt + bias), clamp; dA cumsum within chunk;
+#                                             the chunk's total dA sum (its decay) and the chunk table
+#   2. _ssd_chunk_state_kernel [NC, H]       each chunk's own end state from zero (fp32, [P, N])
+#   3. _ssd_state_pass_kernel  [PN/b, S, H]  sequential over a sequence's chunks, loads two chunks
+#                                             ahead: start states (operand dtype), final state into the
+#                                             slot, boundary states (fp32)
+#   4. _ssd_bmm_kernel         [NC*t*t, G]   C B^T within each chunk, once per (chunk, group), lower
+#                                             triangle of tiles only (shared by the group's heads)
+#   5. _ssd_chunk_scan_kernel  [H*NC*Q/BM]   y = C S_start decay + causal (CB * decay * dt) x + D x,
+#                                             heads fastest so concurrent programs share CB and C in L2
 # ---------------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
     @triton.jit
-    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, meta_ptr, S, T,
-                         dt_lo, dt_hi, dt_t, dt_h,
+    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, meta_ptr, cend_ptr, S, T,
+                         NC, dt_lo, dt_hi, dt_t, dt_h,
                          Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_Q: tl.constexpr,
                          BLOCK_S: tl.constexpr):
@@ -195,6 +200,9 @@ if HAS_TRITON:
         cs = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0)
         tl.store(dtp_ptr + h * T + t, dt, mask=m)
         tl.store(cs_ptr + h * T + t, cs, mask=m)
+        # the cumsum's last element (exactly the value the chunk-state kernel decays to): the state
+        # passing loads it without first reading the chunk table
+        tl.store(cend_ptr + h * NC + c, tl.sum(tl.where(t == tok1 - 1, cs, 0.0), 0))
 
     @triton.jit
     def _ssd_chunk_state_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, meta_ptr, st_ptr, T, H, P, N,
@@ -222,18 +230,24 @@ if HAS_TRITON:
             w = tl.where(mk, tl.exp(tl.minimum(cs_end - cs_k, 0.0)) * dt_k, 0.0)
             acc += tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), input_precision=PREC)
         st = st_ptr + (c * H + h).to(tl.int64) * P * N
-        tl.store(st + p[:, None] * N + n[None, :], acc, mask=(p < P)[:, None] & (n < N)[None, :])
+        # chunks past the call's last one (the grid is an upper bound) write nothing
+        mp = p < tl.where(tok1 > tok0, P, 0)
+        tl.store(st + p[:, None] * N + n[None, :], acc, mask=mp[:, None] & (n < N)[None, :])
 
     @triton.jit
-    def _ssd_state_pass_kernel(st_ptr, cs_ptr, meta_ptr, ssm_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
-                               bnd_ptr, S, T, H, P, N, ss_s, ss_h, ss_p, ss_n,
+    def _ssd_state_pass_kernel(st_ptr, cend_ptr, start_ptr, ssm_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
+                               bnd_ptr, S, H, P, N, NC, ss_s, ss_h, ss_p, ss_n,
                                Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr,
                                BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Walks one sequence's chunks in order over a BLOCK-slice of the [P, N] state: replaces each
-        chunk's own state by the state at its start (in place), writes the final state to the slot and,
-        for chunks that end on an absolute multiple of Q, the end state to the boundary output."""
-        s, h = tl.program_id(0), tl.program_id(1)
-        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        """Walks one sequence's chunks in order over a BLOCK-slice of the [P, N] state: writes the state
+        at each chunk's start to ``start`` (the output kernel's operand), the final state to the slot
+        and, for chunks that end on an absolute multiple of Q, the end state to the boundary output.
+
+        Nothing in a step's loads depends on the state carried between steps (the chunk's decay comes
+        from ``cend``, not through the chunk table), so the loads for chunks j+1 and j+2 are issued
+        before step j's arithmetic and stores: two chunks' own states in flight per program."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        s, h = tl.program_id(1), tl.program_id(2)
         m = offs < P * N
         # chunk and boundary numbering of sequence s, as locate_block counts them
         s_idx = tl.arange(0, BLOCK_S)
@@ -259,73 +273,118 @@ if HAS_TRITON:
         n = offs % N
         sptr = ssm_ptr + slot * ss_s + h * ss_h + p * ss_p + n * ss_n
         state = tl.load(sptr, mask=offs < tl.where(has_init, P * N, 0), other=0.0).to(tl.float32)
+        own0 = tl.load(st_ptr + ((c0 * H + h).to(tl.int64) * P * N + offs),
+                       mask=offs < tl.where(n_chunks > 0, P * N, 0), other=0.0)
+        dec0 = tl.load(cend_ptr + h * NC + c0, mask=n_chunks > 0, other=0.0)
+        own1 = tl.load(st_ptr + (((c0 + 1) * H + h).to(tl.int64) * P * N + offs),
+                       mask=offs < tl.where(n_chunks > 1, P * N, 0), other=0.0)
+        dec1 = tl.load(cend_ptr + h * NC + c0 + 1, mask=n_chunks > 1, other=0.0)
         for j in range(0, n_chunks):
             c = c0 + j
-            tok1 = tl.load(meta_ptr + 2 * c + 1)
-            decay = tl.exp(tl.load(cs_ptr + h * T + tok1 - 1))
-            cptr = st_ptr + (c * H + h).to(tl.int64) * P * N + offs
-            own = tl.load(cptr, mask=m, other=0.0)
-            tl.store(cptr, state, mask=m)
-            state = decay * state + own
+            own2 = tl.load(st_ptr + (((c + 2) * H + h).to(tl.int64) * P * N + offs),
+                           mask=offs < tl.where(j + 2 < n_chunks, P * N, 0), other=0.0)
+            dec2 = tl.load(cend_ptr + h * NC + c + 2, mask=j + 2 < n_chunks, other=0.0)
+            tl.store(start_ptr + ((c * H + h).to(tl.int64) * P * N + offs), state.to(start_ptr.dtype.element_ty),
+                     mask=m)
+            state = tl.exp(dec0) * state + own0
             if HAS_BND:
-                bptr = bnd_ptr + ((b0 + j) * H + h).to(tl.int64) * P * N + offs
+                bptr = bnd_ptr + ((b0 + j).to(tl.int64) * H + h) * P * N + offs
                 tl.store(bptr, state, mask=offs < tl.where(j < n_bnd, P * N, 0))
+            own0, dec0, own1, dec1 = own1, dec1, own2, dec2
         tl.store(sptr, state.to(ssm_ptr.dtype.element_ty), mask=offs < tl.where(n_chunks > 0, P * N, 0))
 
     @triton.jit
-    def _ssd_chunk_scan_kernel(x_ptr, B_ptr, C_ptr, D_ptr, dtp_ptr, cs_ptr, meta_ptr, st_ptr, y_ptr,
-                               T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n, C_t, C_g, C_n,
-                               y_t, y_h, y_p,
-                               HAS_D: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                               PREC: tl.constexpr, DOT_T: tl.constexpr):
-        pid, h = tl.program_id(0), tl.program_id(1)
-        c = pid // M_BLOCKS
-        mb = pid % M_BLOCKS
+    def _ssd_bmm_kernel(C_ptr, B_ptr, meta_ptr, cb_ptr, G, N, C_t, C_g, C_n, B_t, B_g, B_n,
+                        Q: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PREC: tl.constexpr, DOT_T: tl.constexpr):
+        """cb[c, g, i, j] = C_i . B_j for chunk-local i, j < the chunk's length, tiles with j-tile <= i-tile
+        (the output kernel reads only j <= i, which lie in those)."""
+        pid, g = tl.program_id(0), tl.program_id(1)
+        c = pid // (N_TILES * N_TILES)
+        ib = (pid // N_TILES) % N_TILES
+        jb = pid % N_TILES
+        if jb <= ib:
+            tok0 = tl.load(meta_ptr + 2 * c)
+            L = tl.load(meta_ptr + 2 * c + 1) - tok0
+            i = ib * TILE + tl.arange(0, TILE)
+            j = jb * TILE + tl.arange(0, TILE)
+            n = tl.arange(0, BLOCK_N)
+            mi, mj, mn = i < L, j < L, n < N
+            Ci = tl.load(C_ptr + (tok0 + i)[:, None] * C_t + g * C_g + n[None, :] * C_n,
+                         mask=mi[:, None] & mn[None, :], other=0.0)  # [TILE, N]
+            Bj = tl.load(B_ptr + (tok0 + j)[None, :] * B_t + g * B_g + n[:, None] * B_n,
+                         mask=mn[:, None] & mj[None, :], other=0.0)  # [N, TILE]
+            cb = tl.dot(Ci.to(DOT_T), Bj.to(DOT_T), input_precision=PREC)
+            out = cb_ptr + (c * G + g).to(tl.int64) * Q * Q
+            tl.store(out + i[:, None] * Q + j[None, :], cb.to(cb_ptr.dtype.element_ty),
+                     mask=mi[:, None] & mj[None, :])
+
+    @triton.jit
+    def _ssd_chunk_scan_kernel(x_ptr, C_ptr, cb_ptr, D_ptr, dtp_ptr, cs_ptr, meta_ptr, start_ptr, y_ptr,
+                               T, H, G, P, N, heads_per_group, x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p,
+                               HAS_D: tl.constexpr, Q: tl.constexpr, M_BLOCKS: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                               BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+        pid = tl.program_id(0)
+        h = pid % H
+        cm = pid // H
+        c = cm // M_BLOCKS
+        mb = cm % M_BLOCKS
         tok0 = tl.load(meta_ptr + 2 * c)
-        tok1 = tl.load(meta_ptr + 2 * c + 1)
+        L = tl.load(meta_ptr + 2 * c + 1) - tok0
         g = h // heads_per_group
         p = tl.arange(0, BLOCK_P)
         n = tl.arange(0, BLOCK_N)
         mp, mn = p < P, n < N
-        t = tok0 + mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mt = t < tok1
-        cs_t = tl.load(cs_ptr + h * T + t, mask=mt, other=0.0)
-        Ct = tl.load(C_ptr + t[:, None] * C_t + g * C_g + n[None, :] * C_n, mask=mt[:, None] & mn[None, :],
+        i = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # chunk-local rows
+        mi = i < L
+        t = tok0 + i
+        cs_t = tl.load(cs_ptr + h * T + t, mask=mi, other=0.0)
+        Ct = tl.load(C_ptr + t[:, None] * C_t + g * C_g + n[None, :] * C_n, mask=mi[:, None] & mn[None, :],
                      other=0.0).to(DOT_T)  # [M, N]
         # contribution of the chunk's start state
-        st = tl.load(st_ptr + (c * H + h).to(tl.int64) * P * N + p[None, :] * N + n[:, None],
-                     mask=mn[:, None] & mp[None, :], other=0.0)  # [N, P]
+        st = tl.load(start_ptr + (c * H + h).to(tl.int64) * P * N + p[None, :] * N + n[:, None],
+                     mask=(n < tl.where(L > 0, N, 0))[:, None] & mp[None, :], other=0.0)  # [N, P]
         acc = tl.dot(Ct, st.to(DOT_T), input_precision=PREC) * tl.exp(cs_t)[:, None]
-        # within the chunk, causal
-        k_end = tl.minimum(tok0 + (mb + 1) * BLOCK_M, tok1)
-        for k0 in range(tok0, k_end, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            mk = k < k_end
-            Bk = tl.load(B_ptr + k[None, :] * B_t + g * B_g + n[:, None] * B_n, mask=mn[:, None] & mk[None, :],
-                         other=0.0)  # [N, K]
-            cb = tl.dot(Ct, Bk.to(DOT_T), input_precision=PREC)  # [M, K]
-            cs_k = tl.load(cs_ptr + h * T + k, mask=mk, other=0.0)
-            dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
-            keep = (t[:, None] >= k[None, :]) & mk[None, :]
+        # within the chunk, causal: C B^T from the bmm kernel
+        cbp = cb_ptr + (c * G + g).to(tl.int64) * Q * Q
+        k_end = tl.minimum((mb + 1) * BLOCK_M, L)
+        for k0 in range(0, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            mk = kk < k_end
+            keep = (i[:, None] >= kk[None, :]) & mk[None, :] & mi[:, None]
+            # unmasked (16-byte loads): i, kk < Q stay inside this chunk's Q x Q slab; entries the bmm
+            # kernel did not write (above the diagonal, past the chunk's end) are dropped by the where
+            cb = tl.load(cbp + i[:, None] * Q + kk[None, :]).to(tl.float32)  # [M, K]
+            cs_k = tl.load(cs_ptr + h * T + tok0 + kk, mask=mk, other=0.0)
+            dt_k = tl.load(dtp_ptr + h * T + tok0 + kk, mask=mk, other=0.0)
             w = tl.where(keep, cb * tl.exp(tl.minimum(cs_t[:, None] - cs_k[None, :], 0.0)) * dt_k[None, :], 0.0)
-            xk = tl.load(x_ptr + k[:, None] * x_t + h * x_h + p[None, :] * x_p, mask=mk[:, None] & mp[None, :],
-                         other=0.0)  # [K, P]
+            xk = tl.load(x_ptr + (tok0 + kk)[:, None] * x_t + h * x_h + p[None, :] * x_p,
+                         mask=mk[:, None] & mp[None, :], other=0.0)  # [K, P]
             acc += tl.dot(w.to(DOT_T), xk.to(DOT_T), input_precision=PREC)
-        xt = tl.load(x_ptr + t[:, None] * x_t + h * x_h + p[None, :] * x_p, mask=mt[:, None] & mp[None, :],
+        xt = tl.load(x_ptr + t[:, None] * x_t + h * x_h + p[None, :] * x_p, mask=mi[:, None] & mp[None, :],
                      other=0.0)
         if HAS_D:
             acc += tl.load(D_ptr + h).to(tl.float32) * xt.to(tl.float32)
         tl.store(y_ptr + t[:, None] * y_t + h * y_h + p[None, :] * y_p, acc.to(y_ptr.dtype.element_ty),
-                 mask=mt[:, None] & mp[None, :])
+                 mask=mi[:, None] & mp[None, :])
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRITON else {}
 
-# Tiles of the chunk-state and output kernels; overridable per call for benchmark sweeps. The best of a
-# 10-config sweep on an H100 at 2.7b dims (8x2048 and 1x16384 tokens, Q = 256): benchmarks/README.md.
+# Tiles of the kernels; overridable per call for benchmark sweeps (benchmarks/README.md has the H100
+# numbers at 2.7b dims, 8x2048 and 1x16384 tokens, Q = 256). ``pass_block`` None: chosen per call so
+# that the state passing has about 2-5k programs (all resident at once when the chunk chain is long).
 SCAN_CONFIG = {"block_m": 64, "block_k": 32, "num_warps": 4, "num_stages": 3, "state_warps": 4,
-               "pass_block": 1024}
+               "pass_block": None, "cb_tile": 64, "cb_warps": 4}
+
+
+def _pass_block(n_pairs: int, PN: int) -> int:
+    """Elements of the [P, N] state per state-passing program: ~2.5k programs or more, 128..1024."""
+    b = 1024
+    while b > 128 and n_pairs * triton.cdiv(PN, b) < 2560:
+        b //= 2
+    return min(b, next_pow2(PN))
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
@@ -349,10 +408,16 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     # Matrix-unit operand type: the inputs' (bf16/fp16/fp32). The Triton 3.9 interpreter multiplies
     # bf16 operands wrongly, so under it the operands go in as fp32 (same values, exact products).
     dot_t = tl.float32 if interpreting() or x.dtype == torch.float32 else _TL_DTYPES[x.dtype]
+    # Start states and C B^T are only ever matrix-unit operands: stored in the inputs' 16-bit type when
+    # they have one (half the bytes; the output kernel rounded them to it before), else fp32.
+    op_dtype = x.dtype if x.dtype in _TL_DTYPES else torch.float32
     dtp = torch.empty(H, T, dtype=torch.float32, device=dev)
     cs = torch.empty(H, T, dtype=torch.float32, device=dev)
+    cend = torch.empty(H, NC, dtype=torch.float32, device=dev)
     meta = torch.empty(NC, 2, dtype=torch.int32, device=dev)
     states = torch.empty(NC, H, P, N, dtype=torch.float32, device=dev)
+    start = torch.empty(NC, H, P, N, dtype=op_dtype, device=dev)
+    cb = torch.empty(NC, G, Q, Q, dtype=op_dtype, device=dev)
 
     boundary = None
     bnd = states  # placeholder pointer when no boundary output
@@ -371,23 +436,28 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         boundary = BoundaryStates(states=bnd, seq_idx=torch.tensor(b_seq, dtype=torch.long),
                                   positions=torch.tensor(b_pos, dtype=torch.long))
     _ssd_prep_kernel[(NC, H)](
-        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, S, T,
+        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, cend, S, T, NC,
         float(lo), float(min(hi, 3.0e38)), *dt.stride(),
         Q=Q, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
         BLOCK_Q=Q, BLOCK_S=BLOCK_S, num_warps=4)
     _ssd_chunk_state_kernel[(NC, H)](
         x, B, dtp, cs, meta, states, T, H, P, N, H // G, *x.stride(), *B.stride(),
         BLOCK_K=min(cfg["block_k"], Q), BLOCK_P=BP, BLOCK_N=BN, PREC=prec, DOT_T=dot_t, num_warps=cfg["state_warps"])
-    PB = min(cfg["pass_block"], next_pow2(P * N))
-    _ssd_state_pass_kernel[(S, H, triton.cdiv(P * N, PB))](
-        states, cs, meta, ssm_state, cu_seqlens, pos, state_indices, has_initial_state, bnd, S, T, H, P, N,
+    PB = cfg["pass_block"] or _pass_block(S * H, P * N)
+    PB = min(PB, next_pow2(P * N))
+    _ssd_state_pass_kernel[(triton.cdiv(P * N, PB), S, H)](
+        states, cend, start, ssm_state, cu_seqlens, pos, state_indices, has_initial_state, bnd, S, H, P, N, NC,
         *ssm_state.stride(), Q=Q, HAS_POS=has_pos, HAS_BND=return_boundary_states, BLOCK=PB,
-        BLOCK_S=BLOCK_S, num_warps=4)
+        BLOCK_S=BLOCK_S, num_warps=max(1, min(4, PB // 128)))
+    TILE = min(cfg["cb_tile"], Q)
+    _ssd_bmm_kernel[(NC * (Q // TILE) ** 2, G)](
+        C, B, meta, cb, G, N, *C.stride(), *B.stride(), Q=Q, TILE=TILE, N_TILES=Q // TILE, BLOCK_N=BN,
+        PREC=prec, DOT_T=dot_t, num_warps=cfg["cb_warps"])
     BM = min(cfg["block_m"], Q)
-    _ssd_chunk_scan_kernel[(NC * (Q // BM), H)](
-        x, B, C, D if D is not None else A, dtp, cs, meta, states, y, T, H, P, N, H // G,
-        *x.stride(), *B.stride(), *C.stride(), *y.stride(),
-        HAS_D=D is not None, M_BLOCKS=Q // BM, BLOCK_M=BM, BLOCK_K=min(cfg["block_k"], BM), BLOCK_P=BP,
+    _ssd_chunk_scan_kernel[(H * NC * (Q // BM),)](
+        x, C, cb, D if D is not None else A, dtp, cs, meta, start, y, T, H, G, P, N, H // G,
+        *x.stride(), *C.stride(), *y.stride(),
+        HAS_D=D is not None, Q=Q, M_BLOCKS=Q // BM, BLOCK_M=BM, BLOCK_K=min(cfg["block_k"], BM), BLOCK_P=BP,
         BLOCK_N=BN, PREC=prec, DOT_T=dot_t, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y, boundary
 

@@ -128,3 +128,30 @@ def test_bf16_inputs_and_state(dev):
     assert y.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16
     assert_close(y, y_ref, TOL[torch.bfloat16])
     assert_close(pool, ref_pool, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("config", [
+    # several output row blocks per chunk, C.B^T tiles smaller than them, k blocks smaller still,
+    # and the [P, N] state split over several state-passing programs (the last one partial)
+    dict(block_m=16, block_k=16, cb_tile=16, pass_block=16),
+    dict(block_m=32, block_k=16, cb_tile=16, pass_block=8, num_stages=3),
+])
+def test_tile_configs_match_reference(dev, config):
+    Q2 = 2 * Q
+    lengths = [1, Q2 - 1, Q2 + 1, 3 * Q2 + 5, 7]
+    H, P, G, N, S = 4, 4, 2, 5, len(lengths)
+    T = sum(lengths)
+    x, dt, A, B, C, D, bias = _inputs(T, H, P, G, N, 11, dev)
+    pool = torch.randn(S + 2, H, P, N, generator=gen(12)).to(dev)
+    ref_pool = pool.clone()
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    kw = dict(chunk_size=Q2, cu_seqlens=cu, state_indices=torch.tensor([2, 0, 5, 1, 6], device=dev),
+              has_initial_state=torch.tensor([True, False, True, True, False], device=dev),
+              seq_start_pos=torch.tensor([3, 0, Q2 + 7, 5, Q2 - 1], device=dev), D=D, dt_bias=bias,
+              return_boundary_states=True)
+    y, bnd = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, force_triton=True, config=config, **kw)
+    y_ref, bnd_ref = ssd_scan_varlen_ref(x, dt, A, B, C, ssm_state=ref_pool, **kw)
+    assert_close(y, y_ref, 1e-5)
+    assert_close(pool, ref_pool, 1e-5)
+    assert torch.equal(bnd.positions, bnd_ref.positions) and torch.equal(bnd.seq_idx, bnd_ref.seq_idx)
+    assert_close(bnd.states, bnd_ref.states, 1e-5)

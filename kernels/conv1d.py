@@ -67,7 +67,6 @@ if HAS_TRITON:
         """Grid (S, cdiv(D, BLOCK_D)), after the conv: slot <- last K-1 inputs of [old state, x]."""
         s = tl.program_id(0)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        md = d < Dm
         beg = tl.load(cu_ptr + s).to(tl.int32)
         L = tl.load(cu_ptr + s + 1).to(tl.int32) - beg
         slot = tl.load(slot_ptr + s).to(tl.int64)

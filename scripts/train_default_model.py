@@ -26,7 +26,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 import platform
 import shutil
 import sys

@@ -101,7 +101,7 @@ class Mamba2Mixer(nn.Module):
         K1 = self.d.conv_kernel - 1
         out = []
         for i, pos in bt.track:
-            s, n = bt.host_start[i], bt.host_cu[i + 1] - bt.host_cu[i]
+            s = bt.host_start[i]
             seq = xBC[bt.host_cu[i]:bt.host_cu[i + 1]].t()
             init = conv_state[bt.slots[i]] if s > 0 else seq.new_zeros(seq.shape[0], K1)
             full = torch.cat([init.to(seq.dtype), seq], dim=1)  # absolute positions s-K1 .. s+n-1

@@ -6,13 +6,12 @@ mode that the operator provisions); everything else runs as a Deployment.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from mambaserve.operator import names
 from mambaserve.operator.builders.common import session_metadata
 from mambaserve.operator.settings import SERVER_PORT, OperatorSettings
-from mambaserve.operator.spec import CacheTier, InferenceSession, quantity_bytes
+from mambaserve.operator.spec import CacheTier, InferenceSession
 
 MODEL_DIR = "/models"
 CACHE_VOLUME = "cache"

@@ -301,7 +301,7 @@ def test_every_value_has_a_comment() -> None:
         m = re.match(r"^( *)([A-Za-z][A-Za-z0-9_]*):(.*)$", line)
         if not m:
             continue
-        indent, key, rest = len(m.group(1)), m.group(2), m.group(3).strip()
+        indent, key = len(m.group(1)), m.group(2)
         while stack and stack[-1][0] >= indent:
             stack.pop()
         path = ".".join([k for _, k in stack] + [key])

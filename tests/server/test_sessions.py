@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import accounting, assert_idle, free_port, make_engine, run, serving, uvicorn_server
+from tests.server.conftest import accounting, assert_idle, free_port, make_engine, run, serving
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

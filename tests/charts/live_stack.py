@@ -174,7 +174,9 @@ class Emulator:
             return self.cluster.get(kind, name, namespace)
         return self.call(read())
 
-    def eventually(self, check: Any, what: str, timeout: float = 30.0) -> None:
+    def eventually(self, check: Any, what: str, timeout: float = 120.0) -> None:
+        # generous: on a 2-core CI machine the operator shares the CPU with a loaded server and
+        # Prometheus, and a deletion can wait out one of Kopf's retry backoffs (seen: > 30 s)
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
@@ -448,7 +450,7 @@ class LiveStack:
         self.load = Load(self.server_url, model_name, load_seconds)
         self.load.run()
         self.traffic_ended = time.time()
-        scenario.join(60)
+        scenario.join(300)  # bounded by the scenario's own waits
         if self.scenario.error is None:
             try:
                 self.scenario.delete()

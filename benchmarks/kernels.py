@@ -176,23 +176,30 @@ def scan_flops(T, H, P, N, Q):
     return 2 * T * H * (Q / 2 * (N + P) + 2 * N * P)
 
 
+def scan_inputs(nseq: int, L: int):
+    """bf16 inputs of the chunked scan at mamba2-2.7b dims for nseq sequences of L tokens, and its kwargs."""
+    H, P, N, G, _ = MODELS["mamba2-2.7b"]
+    T = nseq * L
+    x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) - 2
+    A = -torch.rand(H, device="cuda") * 4
+    B = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
+    C = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
+    D, bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
+    pool = torch.zeros(nseq + 1, H, P, N, device="cuda")
+    kw = dict(chunk_size=256, cu_seqlens=torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda"),
+              ssm_state=pool, state_indices=torch.arange(1, nseq + 1, device="cuda"),
+              has_initial_state=torch.zeros(nseq, dtype=torch.bool, device="cuda"), D=D, dt_bias=bias,
+              dt_softplus=True)
+    return x, dt, A, B, C, D, bias, pool, kw
+
+
 def bench_scan(ext, cases, sweep):
     H, P, N, G, _ = MODELS["mamba2-2.7b"]
     Q = 256
     for nseq, L in cases:
         T = nseq * L
-        x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
-        dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) - 2
-        A = -torch.rand(H, device="cuda") * 4
-        B = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
-        C = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
-        D, bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-        pool = torch.zeros(nseq + 1, H, P, N, device="cuda")
-        cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
-        slots = torch.arange(1, nseq + 1, device="cuda")
-        no = torch.zeros(nseq, dtype=torch.bool, device="cuda")
-        kw = dict(chunk_size=Q, cu_seqlens=cu, ssm_state=pool, state_indices=slots, has_initial_state=no, D=D,
-                  dt_bias=bias, dt_softplus=True)
+        x, dt, A, B, C, D, bias, pool, kw = scan_inputs(nseq, L)
         run = lambda **k: ssd_scan.ssd_scan_varlen(x, dt, A, B, C, **kw, **k)  # noqa: E731
         t = bench(run)
         note = ""
@@ -239,17 +246,8 @@ def scan_breakdown(ext):
 
     H, P, N, G, _ = MODELS["mamba2-2.7b"]
     for nseq, L in [(8, 2048), (1, 16384)]:
-        T = nseq * L
-        x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
-        dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) - 2
-        A = -torch.rand(H, device="cuda") * 4
-        B = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
-        C = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
-        D, bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-        pool = torch.zeros(nseq + 1, H, P, N, device="cuda")
-        kw = dict(chunk_size=256, cu_seqlens=torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda"),
-                  ssm_state=pool, state_indices=torch.arange(1, nseq + 1, device="cuda"),
-                  has_initial_state=torch.zeros(nseq, dtype=torch.bool, device="cuda"), D=D, dt_bias=bias)
+        x, dt, A, B, C, D, bias, pool, kw = scan_inputs(nseq, L)
+        kw.pop("dt_softplus")
         fns = {"ours": lambda: ssd_scan.ssd_scan_varlen(x, dt, A, B, C, **kw)}
         if "scan" in ext:
             xb, dtb = x.view(nseq, L, H, P), dt.view(nseq, L, H)

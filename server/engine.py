@@ -7,6 +7,7 @@ happens on the scheduler thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import uuid
@@ -117,7 +118,7 @@ class Engine:
             if max_tokens_explicit:
                 raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
                                  f"the context length {self.context_length}", code="context_length_exceeded")
-            params = _replace(params, max_new_tokens=room)
+            params = dataclasses.replace(params, max_new_tokens=room)
         return params
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
@@ -167,12 +168,6 @@ class Engine:
                 "mamba_cache_size": self.pool.allocator.capacity, "disable_radix_cache": c.disable_radix_cache,
                 "page_size": c.page_size, "mamba_cache_strategy": c.mamba_cache_strategy,
                 "mamba_track_interval": self.track_interval, "version": _version()}
-
-
-def _replace(params: SamplingParams, **kw) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, **kw)
 
 
 def _version() -> str:

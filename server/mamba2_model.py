@@ -13,7 +13,7 @@ from torch import nn
 
 from mambaserve import kernels
 from mambaserve.server.forward_batch import ForwardMode
-from mambaserve.server.model_config import Mamba2Dims
+from mambaserve.server.model_config import Mamba2Dims, ModelLoadError
 
 
 @dataclass
@@ -149,16 +149,12 @@ class Mamba2ForCausalLM(nn.Module):
         missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if self.dims.tie_word_embeddings else set()))
         unexpected = sorted(set(state) - set(own))
         if missing or unexpected:
-            from mambaserve.server.model_config import ModelLoadError
-
             raise ModelLoadError(f"checkpoint does not match the config: missing {missing[:5]}, "
                                  f"unexpected {unexpected[:5]}")
         with torch.no_grad():
             for name, tensor in state.items():
                 p = own[name]
                 if p.shape != tensor.shape:
-                    from mambaserve.server.model_config import ModelLoadError
-
                     raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
                 p.copy_(tensor.to(p.dtype))
 

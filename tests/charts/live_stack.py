@@ -216,13 +216,7 @@ class Operator:
                                      stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        _stop(self.proc)
 
 
 class Load:
@@ -334,13 +328,7 @@ class Prometheus:
         return self.api("query_range", query=expr, start=start, end=end, step=step)["result"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        _stop(self.proc)
 
 
 def operator_objects() -> list[dict[str, Any]]:

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory where /sessions/{id}/snapshot writes and /sessions/restore reads session files "
                         "(share it between servers to migrate sessions)")
     s.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (CUDA only; for debugging)")
+    s.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each step's sampled tokens before preparing the next (for debugging and A/B timing)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch replayed from a CUDA graph; larger batches run eagerly")
     s.add_argument("--debug-cache-invariants", action="store_true",

@@ -28,6 +28,7 @@ class ServerConfig:
     session_snapshot_dir: str = "mambaserve-sessions"
     debug_cache_invariants: bool = False
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
     cuda_graph_max_bs: int = 256
     log_level: str = "info"
     seed: int = 0

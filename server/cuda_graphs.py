@@ -58,11 +58,12 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def run(self, token_ids: list[int], slots: list[int]) -> torch.Tensor:
-        n = len(token_ids)
+    def run(self, token_ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """``token_ids`` on the device (some are the previous step's samples, never seen by the host)."""
+        n = len(slots)
         b = next(x for x in self.buckets if x >= n)
-        self.ids[:n].copy_(torch.tensor(token_ids, dtype=torch.long), non_blocking=True)
-        self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.ids[:n].copy_(token_ids)
+        self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long).pin_memory(), non_blocking=True)
         if b > n:
             self.slots[n:b].fill_(-1)
         self.graphs[b].replay()

@@ -56,7 +56,8 @@ class Engine:
         self.scheduler = Scheduler(
             runner, self.metrics,
             max_running=cfg.running_limit(is_cuda), chunked_prefill_size=cfg.chunked_prefill_size,
-            context_length=self.context_length, seed=cfg.seed, debug_invariants=cfg.debug_cache_invariants,
+            context_length=self.context_length, seed=cfg.seed, overlap=not cfg.disable_overlap_schedule,
+            debug_invariants=cfg.debug_cache_invariants,
             radix_cache=not cfg.disable_radix_cache, page_size=cfg.page_size, track_interval=self.track_interval,
             max_sessions=cfg.max_sessions, session_timeout=cfg.session_timeout,
             snapshot_dir=Path(cfg.session_snapshot_dir),

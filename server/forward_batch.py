@@ -37,6 +37,10 @@ class ForwardBatch:
     # (sequence index, absolute position, slot): write the state after `position` tokens of that
     # sequence into `slot` during the forward (radix cache tracking, extra_buffer)
     track: list[tuple[int, int, int]] = field(default_factory=list)
+    # Overlap scheduling: tokens sampled by the previous step but not yet seen by the host.
+    # (position in token_ids, row of prev_tokens): the runner fills those positions on the device.
+    from_prev: list[tuple[int, int]] = field(default_factory=list)
+    prev_tokens: object | None = None  # torch.Tensor [rows] on the device
 
     @property
     def batch_size(self) -> int:

@@ -98,6 +98,7 @@ class Req:
     turn_params: object | None = None  # sessions.TurnParams
     session: object | None = None  # sessions.Session, once the turn is accepted
     folding: bool = False  # finished; its last token runs once more so the session's state covers it
+    pending: tuple[object, int] | None = None  # (launched step, row) sampling its next token, unread yet
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     created: float = field(default_factory=time.monotonic)

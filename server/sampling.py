@@ -2,6 +2,10 @@
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits), as OpenAI and SGLang
 report them, independent of the sampling filters.
+
+Sampling never waits for the device: ``sample`` returns a ``DeviceSample`` whose tokens stay on the
+device (the next decode step reads them there) while their host copies are in flight; the scheduler
+reads the host side one step later, after it has launched the next forward (overlap scheduling).
 """
 
 from __future__ import annotations
@@ -20,16 +24,60 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a stream synchronisation: a blocking host-to-device copy
+    waits for every queued kernel, which would end the overlap of CPU and GPU work."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class DeviceSample:
+    """Sampled tokens on the device, with their (and the logprobs') copies to the host in flight."""
+
+    def __init__(self, tokens: torch.Tensor, logprob_rows: list[int], top_logprobs_num: list[int],
+                 chosen: torch.Tensor | None = None, top: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.tokens = tokens
+        self.logprob_rows, self.top_logprobs_num = set(logprob_rows), top_logprobs_num
+        device_side = [tokens] + ([chosen] if chosen is not None else []) + (list(top) if top else [])
+        self._has_chosen, self._has_top = chosen is not None, top is not None
+        self._event = None
+        if tokens.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_side]
+            for h, t in zip(self._host, device_side):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = device_side
+
+    def result(self) -> SampleResult:
+        """Wait for the host copies (only this batch's work, not what was queued after it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        host = iter(self._host)
+        tokens = next(host).tolist()
+        logprobs = top = None
+        if self._has_chosen:
+            chosen = next(host).tolist()
+            logprobs = [chosen[i] if i in self.logprob_rows else None for i in range(len(tokens))]
+        if self._has_top:
+            vals, ids = next(host).tolist(), next(host).tolist()
+            top = [list(zip(ids[i][:n], vals[i][:n])) if n else [] for i, n in enumerate(self.top_logprobs_num)]
+        return SampleResult(tokens, logprobs, top)
+
+
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Apply temperature, top-k, top-p and min-p row by row's parameters; returns probabilities."""
     dev = logits.device
-    temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev)[:, None]
-    probs = torch.softmax(logits / temp, dim=-1)
     V = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if (top_k < V).any() or (top_p < 1).any():
+    temp = to_device([max(p.temperature, 1e-5) for p in params], torch.float32, dev)[:, None]
+    probs = torch.softmax(logits / temp, dim=-1)
+    # which filters run is decided from the host-side parameters: testing device tensors would sync
+    if any(0 < p.top_k < V for p in params) or any(p.top_p < 1 for p in params):
+        top_k = to_device([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, dev)
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(V, device=dev)[None, :]
         # keep a token if it is within top-k and the mass before it is below top-p (the top token always stays)
@@ -37,14 +85,15 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         keep = (rank < top_k[:, None]) & (cum_before < top_p[:, None])
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device([p.min_p for p in params], torch.float32, dev)
         threshold = probs.max(-1, keepdim=True).values * min_p[:, None]
         probs = probs * (probs >= threshold)
     return probs / probs.sum(-1, keepdim=True)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           logprob_rows: list[int], top_logprobs_num: list[int]) -> SampleResult:
+           logprob_rows: list[int], top_logprobs_num: list[int]) -> DeviceSample:
     """logits ``[B, V]`` fp32. ``generators[i]`` is the request's own (seeded) generator or None."""
     greedy = [p.greedy for p in params]
     tokens = logits.argmax(-1)
@@ -53,15 +102,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for i, g in enumerate(generators):
             if not greedy[i]:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-    tok_list = tokens.tolist()
-    logprobs = top = None
+    chosen = top = None
     if logprob_rows:
         logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
-        logprobs = [chosen[i] if i in logprob_rows else None for i in range(len(params))]
+        chosen = logp.gather(-1, tokens[:, None])[:, 0]
         k = max(top_logprobs_num)
         if k > 0:
-            vals, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            vals, ids = vals.tolist(), ids.tolist()
-            top = [list(zip(ids[i][:n], vals[i][:n])) if n else [] for i, n in enumerate(top_logprobs_num)]
-    return SampleResult(tok_list, logprobs, top)
+            top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            top = (top.values, top.indices)
+    return DeviceSample(tokens, logprob_rows, top_logprobs_num, chosen, top)

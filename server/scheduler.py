@@ -1,8 +1,16 @@
 """The scheduler thread: owns the queues, the state slots and every request's lifecycle.
 
 Its loop reads like the engine it drives: take new requests and aborts from the inbox, schedule a
-batch, run the model, process the results. Nothing else touches its data; other threads talk to it
-through ``submit``, ``abort`` and ``call`` (a function run between steps, returning a Future).
+batch, launch the model, then read the *previous* step's sampled tokens while the device runs this
+one (overlap scheduling). Nothing else touches its data; other threads talk to it through ``submit``,
+``abort`` and ``call`` (a function run between steps, returning a Future).
+
+Overlap rests on one rule: the host books a step completely when it launches it (``commit``):
+``in_state`` counts the tokens of every launched step, slots change hands, snapshots enter the tree.
+That is safe because the device runs state copies, clears and forwards in launch order. Only the
+sampled tokens arrive a step late; a decode step that needs one reads it on the device
+(``ForwardBatch.from_prev``). A request that turns out finished has run one extra step, which folds
+its last token into its state.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -26,15 +35,23 @@ from mambaserve.server.radix_cache import CacheBusyError
 from mambaserve.server.session_manager import SessionManager
 from mambaserve.server.sessions import SessionError, SessionTable
 from mambaserve.server.request import FinishReason, Req, StepOutput
-from mambaserve.server.sampling import sample
+from mambaserve.server.sampling import DeviceSample, sample, to_device
 from mambaserve.server.schedule_policy import PrefillCandidate, next_mode_is_decode, plan_prefill
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Launched:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    rows: list[Req]  # the request of each sampled row
+    sample: DeviceSample
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int, chunked_prefill_size: int,
-                 context_length: int, seed: int = 0, debug_invariants: bool = False, radix_cache: bool = True,
+                 context_length: int, seed: int = 0, overlap: bool = True, debug_invariants: bool = False, radix_cache: bool = True,
                  page_size: int = 1, track_interval: int = 0, max_sessions: int = 1024,
                  session_timeout: float = 600.0, snapshot_dir: Path | None = None, compat: dict | None = None):
         self.runner = runner
@@ -59,6 +76,8 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.steps = 0
         self.last_was_extend = False
+        self.inflight: Launched | None = None
+        self.overlap = overlap
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         metrics.slots_total.set(self.slots.capacity)
@@ -96,12 +115,15 @@ class Scheduler:
     # ---- the loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain_inbox(block=not (self.waiting or self.running))
+            self._drain_inbox(block=not (self.waiting or self.running or self.inflight))
             try:
                 self.step()
             except Exception as e:  # a failed step must not take the server down
                 log.exception("step failed; failing its requests")
                 self._fail_running(f"internal error: {e}")
+        if self.inflight is not None:  # stopping: read the last launched step's tokens
+            self._read_tokens(self.inflight)
+            self.inflight = None
 
     def step(self) -> None:
         now = time.monotonic()
@@ -109,11 +131,20 @@ class Scheduler:
             self.sessions.reap(now)
             self._next_reap = now + 0.5
         batch, plan = self.schedule()
+        launched = None
         if batch is not None:
             self.last_was_extend = batch.mode is ForwardMode.EXTEND
             out = self.runner.forward(batch)
-            self.process_results(batch, plan, out.logits)
+            rows = self.commit(batch, plan)
+            if rows:
+                launched = self._sample(out.logits, [plan[i][0] for i in rows], rows, len(plan))
             self.steps += 1
+        prev, self.inflight = self.inflight, launched
+        if prev is not None:  # the device is busy with this step meanwhile
+            self._read_tokens(prev)
+        if not self.overlap and self.inflight is not None:
+            self._read_tokens(self.inflight)
+            self.inflight = None
         self._update_gauges()
         if self.debug_invariants:
             self.check_invariants()
@@ -194,8 +225,16 @@ class Scheduler:
     def _decode_batch(self, decode: list[Req]) -> tuple[ForwardBatch | None, list[tuple[Req, int]]]:
         if not decode:
             return None, []
-        batch = ForwardBatch(ForwardMode.DECODE, [r.token_at(r.in_state) for r in decode], [1] * len(decode),
-                             [r.in_state for r in decode], [r.slot for r in decode], self.cache.take_pending())
+        tokens, from_prev = [], []
+        for i, r in enumerate(decode):
+            if r.pending is None:
+                tokens.append(r.token_at(r.in_state))
+            else:  # sampled by the step still running: the device fills it in
+                tokens.append(0)
+                from_prev.append((i, r.pending[1]))
+        batch = ForwardBatch(ForwardMode.DECODE, tokens, [1] * len(decode), [r.in_state for r in decode],
+                             [r.slot for r in decode], self.cache.take_pending(), from_prev=from_prev,
+                             prev_tokens=self.inflight.sample.tokens if from_prev else None)
         return batch, [(r, 1) for r in decode]
 
     def _extend_batch(self, chunks: list[tuple[Req, int]]) -> ForwardBatch:
@@ -262,17 +301,19 @@ class Scheduler:
             self.cache.free(fresh)
 
     # ---- results ------------------------------------------------------------------------------------
-    def process_results(self, batch: ForwardBatch, plan: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+    def commit(self, batch: ForwardBatch, plan: list[tuple[Req, int]]) -> list[int]:
+        """Book a launched step: everything that does not depend on its sampled tokens. Returns the
+        plan indices of the rows to sample."""
         for req in self.running:  # every pending copy ran with this batch: release the snapshots
             self.cache.unlock(req.locked_node)
             req.locked_node = None
         for i, pos, slot in batch.track:
             if not self.cache.keep(plan[i][0].prompt_ids[:pos], slot):
                 self.cache.free(slot)
-        rows, reqs = [], []
+        rows = []
         for i, (req, n) in enumerate(plan):
             req.in_state += n
-            if req.folding:  # its last token is now in the state: hand the slot to the session
+            if req.folding:  # its last token is in the state now: hand the slot to the session
                 self._finish(req, req.finish_reason, emit=False)
                 continue
             if batch.mode is ForwardMode.EXTEND:
@@ -286,14 +327,26 @@ class Scheduler:
                     self._finish(req, FinishReason.LENGTH)
                     continue
             rows.append(i)
-            reqs.append(req)
-        if not reqs:
-            return
-        result = sample(logits[rows], [r.params for r in reqs],
-                        [self.generators.get(r.rid, self.default_gen) for r in reqs],
+        return rows
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], rows: list[int], num_rows: int) -> Launched:
+        if len(rows) < num_rows:
+            logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
+        result = sample(logits, [r.params for r in reqs], [self.generators.get(r.rid, self.default_gen) for r in reqs],
                         [j for j, r in enumerate(reqs) if r.return_logprob],
                         [r.top_logprobs_num if r.return_logprob else 0 for r in reqs])
+        launched = Launched(reqs, result)
         for j, req in enumerate(reqs):
+            req.pending = (launched, j)
+        return launched
+
+    def _read_tokens(self, launched: Launched) -> None:
+        result = launched.sample.result()
+        for j, req in enumerate(launched.rows):
+            if req.pending is not None and req.pending[0] is launched:  # not yet sampled again by a newer step
+                req.pending = None
+            if req.finished:  # aborted, or finished by the token before (this row folded it in)
+                continue
             lp = result.logprobs[j] if result.logprobs is not None else None
             top = result.top_logprobs[j] if result.top_logprobs is not None else None
             self._append_token(req, result.tokens[j], lp, top)
@@ -321,9 +374,9 @@ class Scheduler:
         if finish is None and (len(req.output_ids) >= req.params.max_new_tokens
                                or req.num_tokens >= self.context_length):
             finish = FinishReason.LENGTH
-        if finish is not None and self._keeps_live_state(req):
+        if finish is not None and req.in_state < req.num_tokens and self._keeps_live_state(req):
             # Answer now; run the last token once more before the session takes the slot, so the next
-            # turn prefills only its new tokens.
+            # turn prefills only its new tokens. (Usually the step launched meanwhile already runs it.)
             req.finish_reason, req.folding = finish, True
             self.sessions.turn_answered(req)
             self._emit_final(req, finish)
@@ -366,7 +419,7 @@ class Scheduler:
             if self.sessions.end_turn(req, completed):
                 req.slot = None  # the session holds it until the next turn
         if req.slot is not None:
-            # the state covers prompt + output minus the last sampled token: the next turn starts there
+            # the state covers in_state tokens of prompt + output: the next turn starts there
             if error or not self.cache.keep(req.tokens(req.in_state), req.slot):
                 self.cache.free(req.slot)
             req.slot = None
@@ -378,6 +431,7 @@ class Scheduler:
             self._emit_final(req, reason, error)
 
     def _fail_running(self, message: str) -> None:
+        self.inflight = None
         for req in list(self.running):
             self._finish(req, FinishReason.ABORT, error=message)
 

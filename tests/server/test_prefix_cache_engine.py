@@ -50,9 +50,9 @@ def test_hits_reproduce_cold_outputs_and_chat_turns_reuse_history(tiny_ckpt, col
     (o1, _, c1), again, (o2, _, c2), (_, _, c3) = w[:4]
     assert c1 == 0
     assert again[2] == len(p1) - 1  # prompt minus its last token, which must run for logits
-    # a turn reuses everything before it but the previous turn's last sampled token (never run)
-    assert c2 == len(p1) + len(o1) - 1
-    assert c3 == len(p1) + len(o1) + 9 + len(o2) - 1
+    # a turn reuses the whole history: the step launched while the last token was read ran it
+    assert c2 == len(p1) + len(o1)
+    assert c3 == len(p1) + len(o1) + 9 + len(o2)
     assert_idle(w[4])
 
 

@@ -47,7 +47,7 @@ def test_sampling_filters():
     p = _filter(logits, [SamplingParams(temperature=0.5)])
     assert torch.allclose(p, torch.softmax(logits / 0.5, -1))
     r = sample(logits.repeat(2, 1), [SamplingParams(temperature=0), SamplingParams(top_k=1)], [None, None], [0, 1],
-               [2, 0])
+               [2, 0]).result()
     assert r.tokens == [0, 0] and r.logprobs[0] == pytest.approx(float(torch.log(torch.tensor(0.5))))
     assert [t for t, _ in r.top_logprobs[0]] == [0, 1] and r.top_logprobs[1] == []
 

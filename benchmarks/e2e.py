@@ -5,6 +5,7 @@ serves it with the in-process engine (scheduler thread, CUDA graphs, Triton kern
 prints in the same run:
   decode tokens/s at several batch sizes, and the memory-bandwidth bound for each
     (weights + per-request state read and written per step / measured device copy bandwidth);
+    with overlap scheduling and, as the in-run baseline, without it (--disable-overlap-schedule);
   prefill tokens/s; TTFT of one 2k and one 8k prompt;
   transformers' `generate` on the same weights (its torch path) as the baseline.
 
@@ -148,14 +149,17 @@ def main() -> None:
            "decode": [], "hf": [], "prefill": None, "ttft": []}
     asyncio.run(timed_batch(engine, prompts(2, 16), 4))  # warm-up (Triton compile, allocator)
     for b in batches:
-        firsts, ends = asyncio.run(timed_batch(engine, prompts(b, 32), a.decode_tokens))
-        dt = max(ends) - max(firsts)
-        tps = b * (a.decode_tokens - 1) / dt
-        step_s = dt / (a.decode_tokens - 1)
-        bound_s = (weight_bytes + 2 * b * state_bytes) / bw
-        res["decode"].append({"batch": b, "tokens_per_s": tps, "step_ms": step_s * 1e3, "bound_ms": bound_s * 1e3})
-        print(f"decode b={b:4}: {tps:10.1f} tok/s, {step_s * 1e3:7.3f} ms/step, bandwidth bound {bound_s * 1e3:7.3f} "
-              f"ms/step -> {step_s / bound_s:5.2f}x the bound", flush=True)
+        row = {"batch": b, "bound_ms": (weight_bytes + 2 * b * state_bytes) / bw * 1e3}
+        for overlap in (False, True):  # the scheduler reads the flag between steps; it is idle here
+            engine.scheduler.overlap = overlap
+            firsts, ends = asyncio.run(timed_batch(engine, prompts(b, 32), a.decode_tokens))
+            step_ms = (max(ends) - max(firsts)) / (a.decode_tokens - 1) * 1e3
+            row["step_ms" if overlap else "sequential_step_ms"] = step_ms
+        row["tokens_per_s"] = b / row["step_ms"] * 1e3
+        res["decode"].append(row)
+        print(f"decode b={b:4}: {row['tokens_per_s']:10.1f} tok/s, {row['step_ms']:7.3f} ms/step (without overlap "
+              f"{row['sequential_step_ms']:7.3f}: {row['sequential_step_ms'] / row['step_ms']:4.2f}x), bandwidth bound "
+              f"{row['bound_ms']:7.3f} ms/step -> {row['step_ms'] / row['bound_ms']:5.2f}x the bound", flush=True)
     asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))  # warm-up: kernels compile per shape class
     firsts, ends = asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))
     res["prefill"] = {"requests": n_req, "tokens": n_tok, "tokens_per_s": n_req * n_tok / max(ends)}

@@ -2,7 +2,9 @@
 
 Shapes: x ``[T, D]`` (packed tokens of several sequences, ``cu_seqlens [S+1]`` their offsets) or
 ``[B, D]`` (one token per row for decode); weight ``[D, K]``; bias ``[D]``; the conv state pool
-``[slots, D, K-1]`` holds, per slot, the last ``K-1`` inputs seen (oldest first).
+``[slots, D, K-1]`` holds, per slot, the last ``K-1`` inputs seen (oldest first). x may have any
+strides (the model passes a column slice of the in_proj output, read in place); the output is
+contiguous.
 
 Prefill reads each sequence's initial conv state from its slot (or zeros when
 ``has_initial_state`` is false) and writes the last ``K-1`` inputs back to the same slot. Decode rows
@@ -156,7 +158,7 @@ def causal_conv1d_varlen_ref(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     D, K = weight.shape
-    out = torch.empty_like(x)
+    out = x.new_empty(x.shape)
     bounds = cu_seqlens.tolist()
     slots = state_indices.tolist()
     has_init = has_initial_state.tolist()
@@ -184,7 +186,7 @@ def causal_conv1d_update_ref(
 ) -> torch.Tensor:
     valid = state_indices >= 0
     idx = state_indices[valid]
-    out = torch.zeros_like(x)
+    out = x.new_zeros(x.shape)
     if idx.numel() == 0:
         return out
     window = torch.cat([conv_state[idx].float(), x[valid].float().unsqueeze(-1)], dim=-1)  # [b, D, K]
@@ -207,7 +209,7 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices,
     T, Dm = x.shape
     K = weight.shape[1]
     S = state_indices.numel()
-    out = torch.empty_like(x)
+    out = x.new_empty(x.shape)
     if T == 0 or S == 0:
         return out
     if not 2 <= K <= 4:  # the kernels unroll up to 3 state columns (Mamba2 uses K = 4)
@@ -234,7 +236,7 @@ def causal_conv1d_update(x, conv_state, weight, bias, state_indices, activation=
     silu = _silu_flag(activation)
     Bsz, Dm = x.shape
     K = weight.shape[1]
-    out = torch.empty_like(x)
+    out = x.new_empty(x.shape)
     if Bsz == 0:
         return out
     if K < 2:

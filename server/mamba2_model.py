@@ -32,16 +32,16 @@ class BatchTensors:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Residual add + RMSNorm in one kernel (``kernels.rmsnorm``, Hugging Face's rounding)."""
+
+    def __init__(self, dim: int, eps: float, residual_in_fp32: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.residual_in_fp32 = eps, residual_in_fp32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; ``residual`` is None before the first block."""
+        return kernels.rmsnorm(x, residual, self.weight, self.eps, self.residual_in_fp32)
 
 
 class GatedNorm(nn.Module):
@@ -60,6 +60,8 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(d.num_heads))
         self.A_log = nn.Parameter(torch.zeros(d.num_heads))
         self.D = nn.Parameter(torch.ones(d.num_heads))
+        # A = -exp(A_log), derived once (refresh_A) rather than by two kernels per layer per step.
+        self.register_buffer("A", -torch.exp(self.A_log.detach().float()), persistent=False)
         # Normalised per group of d_inner / n_groups channels, as the original Mamba2 does.
         self.norm = GatedNorm(d.d_inner, d.d_inner // d.n_groups, d.eps)
         self.out_proj = nn.Linear(d.d_inner, d.hidden_size, bias=d.use_bias)
@@ -69,15 +71,15 @@ class Mamba2Mixer(nn.Module):
         T = h.shape[0]
         z, xBC, dt = self.in_proj(h).split([d.d_inner, d.conv_dim, d.num_heads], dim=-1)
         conv_w = self.conv1d.weight.squeeze(1)
-        A = -torch.exp(self.A_log.float())
         tracked = None
+        # xBC is a column slice of in_proj's output: the conv kernels read it through its row stride.
         if bt.mode is ForwardMode.EXTEND:
             conv_windows = self._conv_windows(xBC, conv_state, bt) if bt.track else None
-            xBC = kernels.causal_conv1d_varlen(xBC.contiguous(), conv_w, self.conv1d.bias, conv_state, bt.cu_seqlens,
+            xBC = kernels.causal_conv1d_varlen(xBC, conv_w, self.conv1d.bias, conv_state, bt.cu_seqlens,
                                                bt.slots, bt.has_initial_state)
             x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
             y, boundary = kernels.ssd_scan_varlen(
-                x.reshape(T, d.num_heads, d.head_dim), dt, A,
+                x.reshape(T, d.num_heads, d.head_dim), dt, self.A,
                 B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
                 chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
                 has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
@@ -86,14 +88,22 @@ class Mamba2Mixer(nn.Module):
             if bt.track:
                 tracked = (conv_windows, self._pick_states(boundary, bt))
         else:
-            xBC = kernels.causal_conv1d_update(xBC.contiguous(), conv_state, conv_w, self.conv1d.bias, bt.slots)
+            xBC = kernels.causal_conv1d_update(xBC, conv_state, conv_w, self.conv1d.bias, bt.slots)
             x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
             y = kernels.selective_state_update(
-                ssm_state, x.reshape(T, d.num_heads, d.head_dim), dt, A,
+                ssm_state, x.reshape(T, d.num_heads, d.head_dim), dt, self.A,
                 B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, state_indices=bt.slots)
         y = kernels.gated_rmsnorm(y.reshape(T, d.d_inner), z, self.norm.weight, self.norm.eps, self.norm.group_size)
         return self.out_proj(y.to(h.dtype)), tracked
+
+    @torch.no_grad()
+    def refresh_A(self) -> None:
+        A = -torch.exp(self.A_log.float())
+        if self.A.dtype == A.dtype and self.A.device == A.device:
+            self.A.copy_(A)  # in place: captured CUDA graphs read this buffer's memory
+        else:  # Module.to(dtype) converted the buffer
+            self.A = A
 
     def _conv_windows(self, xBC: torch.Tensor, conv_state: torch.Tensor, bt: BatchTensors) -> torch.Tensor:
         """Conv state (last K-1 inputs) at each tracked position, from this batch's inputs and, near a
@@ -117,7 +127,7 @@ class Mamba2Mixer(nn.Module):
 class Mamba2Block(nn.Module):
     def __init__(self, d: Mamba2Dims):
         super().__init__()
-        self.norm = RMSNorm(d.hidden_size, d.eps)
+        self.norm = RMSNorm(d.hidden_size, d.eps, d.residual_in_fp32)
         self.mixer = Mamba2Mixer(d)
 
 
@@ -126,7 +136,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embeddings = nn.Embedding(d.vocab_size, d.hidden_size)
         self.layers = nn.ModuleList(Mamba2Block(d) for _ in range(d.num_layers))
-        self.norm_f = RMSNorm(d.hidden_size, d.eps)
+        self.norm_f = RMSNorm(d.hidden_size, d.eps, d.residual_in_fp32)
 
 
 class Mamba2ForCausalLM(nn.Module):
@@ -157,6 +167,13 @@ class Mamba2ForCausalLM(nn.Module):
                 if p.shape != tensor.shape:
                     raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
                 p.copy_(tensor.to(p.dtype))
+        self.refresh_derived()
+
+    def refresh_derived(self) -> None:
+        """Recompute what is derived from parameters (each mixer's ``A``). ``load_weights`` calls it;
+        call it after changing parameters directly."""
+        for layer in self.backbone.layers:
+            layer.mixer.refresh_A()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, bt: BatchTensors, conv: torch.Tensor, ssm: torch.Tensor,
@@ -166,15 +183,13 @@ class Mamba2ForCausalLM(nn.Module):
 
         conv ``[L, slots, conv_dim, K-1]`` and ssm ``[L, slots, H, P, N]`` are updated in place.
         """
-        d = self.dims
-        h = self.backbone.embeddings(input_ids)
-        residual = h.float() if d.residual_in_fp32 else h
+        x, residual = self.backbone.embeddings(input_ids), None
         tracked = []
         for i, layer in enumerate(self.backbone.layers):
-            out, states = layer.mixer(layer.norm(residual.to(h.dtype)), bt, conv[i], ssm[i])
-            residual = residual + out
+            h, residual = layer.norm(x, residual)  # residual += x (the previous block's output); h = norm
+            x, states = layer.mixer(h, bt, conv[i], ssm[i])
             tracked.append(states)
         if logit_rows is not None:
-            residual = residual[logit_rows]
-        h = self.backbone.norm_f(residual.to(h.dtype))
+            x, residual = x[logit_rows], residual[logit_rows]
+        h, _ = self.backbone.norm_f(x, residual)
         return self.lm_head(h).float(), tracked

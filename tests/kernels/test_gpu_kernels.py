@@ -9,6 +9,7 @@ import torch
 from mambaserve.kernels.conv1d import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                        causal_conv1d_varlen_ref)
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
+from mambaserve.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from mambaserve.kernels.selective_state_update import selective_state_update, selective_state_update_ref
 from mambaserve.kernels.ssd_scan import ssd_scan_varlen, ssd_scan_varlen_ref
 from mambaserve.kernels.state_ops import (clear_slots, clear_slots_ref, copy_slots, copy_slots_ref, scatter_steps,
@@ -155,3 +156,39 @@ def test_state_ops_and_norm_real_shapes():
         w = torch.randn(5120, device="cuda").to(BF)
         out = gated_rmsnorm(xz[:, :5120], xz[:, 5120:], w, 1e-5, 5120 // G)
         assert_close(out, gated_rmsnorm_ref(xz[:, :5120], xz[:, 5120:], w, 1e-5, 5120 // G), 1e-2)
+
+
+@pytest.mark.parametrize("D", [768, 2560])  # mamba2-130m, mamba2-2.7b hidden sizes
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_rmsnorm_real_shapes(D, T):
+    g = torch.Generator(device="cuda").manual_seed(D + T)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    x, w = r(T, D).to(BF), (r(D) * 0.2 + 1).to(BF)
+    for residual, fp32 in [(None, True), (None, False), (r(T, D) * 4, True), ((r(T, D) * 4).to(BF), False)]:
+        out, res = rmsnorm(x, residual, w, 1e-5, fp32)
+        out_ref, res_ref = rmsnorm_ref(x, residual, w, 1e-5, fp32)
+        assert out.dtype == BF and res.dtype == res_ref.dtype
+        assert torch.equal(res, res_ref)  # one add rounded once, as torch rounds it
+        # same roundings as the reference (round-to-nearest on the GPU): only the fp32 sum's order
+        # differs, so a few elements move by one bf16 ulp at most
+        assert_close(out, out_ref, 2e-3)
+
+
+def test_conv_strided_input_real_shapes():
+    """xBC as the model passes it: a column slice of the 2.7b in_proj output (5120 + 5376 + 80 wide)."""
+    Dm, K, lengths = 5376, 4, [1, 300, 17]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    proj = torch.randn(sum(lengths), 5120 + Dm + 80, generator=g, device="cuda").to(BF)
+    x = proj[:, 5120:5120 + Dm]
+    w, b = torch.randn(Dm, K, generator=g, device="cuda"), torch.randn(Dm, generator=g, device="cuda")
+    pool = torch.randn(6, Dm, K - 1, generator=g, device="cuda").to(BF)
+    pool_c = pool.clone()
+    args = (_cu(lengths), torch.tensor([5, 1, 3], device="cuda"), torch.tensor([True, False, True], device="cuda"))
+    out = causal_conv1d_varlen(x, w, b, pool, *args)
+    assert torch.equal(out, causal_conv1d_varlen(x.contiguous(), w, b, pool_c, *args))
+    assert torch.equal(pool, pool_c)
+    idx = torch.tensor([5, -1, 3], device="cuda")
+    step = proj[:3, 5120:5120 + Dm]
+    y = causal_conv1d_update(step, pool, w, b, idx)
+    assert torch.equal(y, causal_conv1d_update(step.contiguous(), pool_c, w, b, idx))
+    assert torch.equal(pool, pool_c)

@@ -81,3 +81,17 @@ def test_chunked_and_unchunked_prefill_agree(ckpt):
         part = runner.forward(ForwardBatch(ForwardMode.EXTEND, p[s:e], [e - s], [s], [2])).logits[0]
     torch.testing.assert_close(part, whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(runner.pool.ssm[:, 2], runner.pool.ssm[:, 1], atol=1e-5, rtol=0)
+
+
+def test_A_is_derived_at_load_and_refreshed_in_place(ckpt):
+    """A = -exp(A_log) is a buffer computed by load_weights, not per step; refresh_derived() follows a
+    direct change of A_log in place (captured CUDA graphs keep reading the same memory)."""
+    model = _runner(ckpt).model
+    mixer = model.backbone.layers[-1].mixer
+    assert mixer.A.dtype == torch.float32 and torch.equal(mixer.A, -torch.exp(mixer.A_log.float()))
+    assert not any(k.endswith(".A") for k in model.state_dict())  # derived, never saved or loaded
+    ptr = mixer.A.data_ptr()
+    with torch.no_grad():
+        mixer.A_log.add_(0.25)
+    model.refresh_derived()
+    assert mixer.A.data_ptr() == ptr and torch.equal(mixer.A, -torch.exp(mixer.A_log.float()))

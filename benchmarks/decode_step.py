@@ -1,0 +1,175 @@
+"""One decode step under CUDA graphs against the memory-bandwidth bound, per batch size.
+
+Builds random-weight Mamba2 models of real sizes (mamba2-130m / mamba2-2.7b dimensions, checkpoints
+written by transformers as in e2e.py), loads them with the engine's loader, captures the decode CUDA
+graphs through ``ModelRunner.enable_cuda_graphs`` and, for each batch size, prints in the same run:
+  the graph replay time per step (CUDA events around each replay, median of --replays);
+  the bandwidth bound: bytes read and written per step (every weight once; each row's conv and ssm
+    state read and written once) / device-to-device copy bandwidth measured in this run;
+  their ratio (the goal is within 1.3x of the bound).
+With --profile: the kernels of one batch-1 step (torch.profiler around one graph replay) by total
+device time, the number of kernels per step and per layer, and the share of the step spent between
+kernels.
+
+  python3 benchmarks/decode_step.py --size 2.7b --profile
+  python3 benchmarks/decode_step.py --size 130m,2.7b --batches 1,8,64 --json decode_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from e2e import SIZES, build_checkpoint, copy_bandwidth  # benchmarks/ is sys.path[0] when run as a script
+
+DTYPE = torch.bfloat16
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_runner(size: str, max_batch: int, state_dtype: torch.dtype):
+    """A ModelRunner over a random-weight model of ``size`` with decode graphs up to ``max_batch``."""
+    from mambaserve.server.model_loader import load_model
+    from mambaserve.server.model_runner import ModelRunner
+    from mambaserve.server.state_pool import MambaStatePool
+
+    tmp = Path(tempfile.mkdtemp(prefix="mambaserve-decode-step-"))
+    try:
+        build_checkpoint(size, tmp, "cuda", DTYPE)  # only the files are needed: drop transformers' model
+        gc.collect()
+        torch.cuda.empty_cache()
+        model, _ = load_model(tmp, DTYPE, torch.device("cuda"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    d = model.dims
+    pool = MambaStatePool(d.num_layers, max_batch, d.conv_dim, d.conv_kernel, d.num_heads, d.head_dim,
+                          d.state_size, DTYPE, state_dtype, "cuda")
+    runner = ModelRunner(model, pool, torch.device("cuda"))
+    runner.enable_cuda_graphs(max_batch)
+    return runner
+
+
+def prepare(runner, batch: int, vocab: int) -> torch.cuda.CUDAGraph:
+    """Fill the graphs' static inputs for ``batch`` rows (slots 1..batch, padding up to the bucket) and
+    return the graph that serves it."""
+    g = runner.graphs
+    bucket = next(b for b in g.buckets if b >= batch)
+    g.ids[:batch].copy_(torch.randint(1, vocab, (batch,), device="cuda"))
+    g.slots[:batch].copy_(torch.arange(1, batch + 1, device="cuda"))
+    g.slots[batch:bucket].fill_(-1)
+    return g.graphs[bucket]
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, warmup: int = 20) -> float:
+    for _ in range(warmup):
+        graph.replay()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in marks:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in marks)
+
+
+def profile_step(graph: torch.cuda.CUDAGraph, num_layers: int, step_ms: float, top: int) -> dict:
+    """Kernels of one graph replay, grouped by name; printed as a table, returned as a dict."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
+    if not kernels:
+        print("the profiler saw no kernel inside the graph replay (CUPTI without graph-node tracing?): "
+              "kernel counts unavailable", flush=True)
+        return {}
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in kernels:
+        by_name[e.name].append(e.time_range.elapsed_us())
+    busy_us = sum(sum(v) for v in by_name.values())
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    print(f"\n{'kernel (one batch-1 step, graph replay)':<88} {'calls':>6} {'total us':>9} {'mean us':>8} {'%':>5}")
+    for name, times in rows[:top]:
+        short = name if len(name) <= 88 else name[:85] + "..."
+        print(f"{short:<88} {len(times):6d} {sum(times):9.1f} {sum(times) / len(times):8.2f} "
+              f"{100 * sum(times) / busy_us:5.1f}")
+    if len(rows) > top:
+        rest = [t for _, times in rows[top:] for t in times]
+        print(f"{'(' + str(len(rows) - top) + ' other kernels)':<88} {len(rest):6d} {sum(rest):9.1f}")
+    gap = 1 - busy_us / 1e3 / step_ms
+    print(f"kernels per step: {len(kernels)} ({len(kernels) / num_layers:.2f} per layer over {num_layers} layers; "
+          f"{len(device) - len(kernels)} memcpy/memset); kernel time {busy_us / 1e3:.3f} ms of a "
+          f"{step_ms:.3f} ms step: {100 * max(gap, 0):.0f}% between kernels", flush=True)
+    return {"kernels_per_step": len(kernels), "kernels_per_layer": len(kernels) / num_layers,
+            "memcpy_memset": len(device) - len(kernels), "kernel_time_ms": busy_us / 1e3,
+            "top": [{"name": n, "calls": len(t), "total_us": sum(t)} for n, t in rows[:top]]}
+
+
+def bench_size(size: str, batches: list[int], a: argparse.Namespace, bw: float) -> dict:
+    runner = build_runner(size, max(batches), STATE_DTYPES[a.state_dtype])
+    model, pool = runner.model, runner.pool
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head counts once
+    state_bytes = pool.bytes_per_slot
+    print(f"{size}: {model.dims.num_layers} layers, weights {weight_bytes / 1e9:.3f} GB, state "
+          f"{state_bytes / 1e6:.2f} MB per row ({a.state_dtype} ssm), graphs for batches {runner.graphs.buckets}",
+          flush=True)
+    res = {"size": size, "weight_bytes": weight_bytes, "state_bytes_per_row": state_bytes, "decode": []}
+    for b in batches:
+        graph = prepare(runner, b, SIZES[size]["vocab_size"])
+        step_ms = replay_ms(graph, a.replays)
+        bound_ms = (weight_bytes + 2 * b * state_bytes) / bw * 1e3
+        res["decode"].append({"batch": b, "step_ms": step_ms, "bound_ms": bound_ms, "ratio": step_ms / bound_ms})
+        print(f"{size} decode b={b:3d}: {step_ms:8.3f} ms/step (graph replay, median of {a.replays}), bound "
+              f"{bound_ms:8.3f} ms/step -> {step_ms / bound_ms:5.2f}x the bound", flush=True)
+    if a.profile:
+        graph = prepare(runner, 1, SIZES[size]["vocab_size"])
+        res["profile_batch1"] = profile_step(graph, model.dims.num_layers, replay_ms(graph, a.replays), a.top)
+    del runner, model, pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="130m,2.7b", help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--replays", type=int, default=200, help="timed graph replays per batch size")
+    p.add_argument("--state-dtype", default="float32", choices=sorted(STATE_DTYPES),
+                   help="ssm state dtype (the server's --state-dtype; default as the server's)")
+    p.add_argument("--profile", action="store_true", help="profile one batch-1 step: top kernels, kernels per step")
+    p.add_argument("--top", type=int, default=25, help="kernels listed by --profile")
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args()
+    sizes = a.size.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        p.error(f"unknown size {', '.join(unknown)}; choose from {', '.join(SIZES)}")
+    batches = [int(x) for x in a.batches.split(",")]
+    if not torch.cuda.is_available():
+        sys.exit("decode_step.py needs a CUDA device (it times CUDA-graph replays); torch.cuda.is_available() "
+                 "is False here")
+
+    bw = copy_bandwidth("cuda")
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    res = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__,
+           "sizes": [bench_size(s, batches, a, bw) for s in sizes]}
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -33,6 +33,18 @@ if HAS_TRITON:
         return tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
 
     @triton.jit
+    def dt_prologue(dt, bias_ptr, lo, hi, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr):
+        """The torch ``process_dt`` of ``ssd_scan`` on fp32 ``dt``: ``+ bias`` (the scalar at ``bias_ptr``),
+        softplus, clamp to ``[lo, hi]``, each step only when asked."""
+        if HAS_BIAS:
+            dt += tl.load(bias_ptr).to(tl.float32)
+        if SOFTPLUS:
+            dt = softplus(dt)
+        if CLAMP:
+            dt = tl.minimum(tl.maximum(dt, lo), hi)
+        return dt
+
+    @triton.jit
     def locate_block(pid, cu_ptr, pos_ptr, S, Q, HAS_POS: tl.constexpr, BLOCK_S: tl.constexpr):
         """Block ``pid`` of packed sequences cut at multiples of ``Q`` of absolute position.
 
@@ -67,6 +79,7 @@ if HAS_TRITON:
 
 else:  # pragma: no cover
     softplus = None
+    dt_prologue = None
     locate_block = None
 
 

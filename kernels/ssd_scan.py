@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, interpreting, locate_block, next_pow2, softplus, tl, triton,
+from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, interpreting, locate_block, next_pow2, tl, triton,
                                           use_triton)
 
 
@@ -160,138 +160,129 @@ def ssd_scan_varlen_ref(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Triton: five launches, no host synchronisation (one when boundary states are asked for: their count
+# Triton: four launches, no host synchronisation (one when boundary states are asked for: their count
 # sizes the output). "Chunk" below is a block of one sequence cut at absolute multiples of Q
 # (``locate_block``); chunk c of the call is one of at most NC = T // Q + 2 S.
-#   1. _ssd_prep_kernel        [NC, H]       dt -> softplus(dt + bias), clamp; dA cumsum within chunk;
-#                                             the chunk's total dA sum (its decay) and the chunk table
-#   2. _ssd_chunk_state_kernel [NC, H]       each chunk's own end state from zero (fp32, [P, N])
-#   3. _ssd_state_pass_kernel  [PN/b, S, H]  sequential over a sequence's chunks, loads two chunks
-#                                             ahead: start states (operand dtype), final state into the
-#                                             slot, boundary states (fp32)
-#   4. _ssd_bmm_kernel         [NC*t*t, G]   C B^T within each chunk, once per (chunk, group), lower
-#                                             triangle of tiles only (shared by the group's heads)
-#   5. _ssd_chunk_scan_kernel  [H*NC*Q/BM]   y = C S_start decay + causal (CB * decay * dt) x + D x,
-#                                             heads fastest so concurrent programs share CB and C in L2
+#   1. _ssd_prep_kernel        [NC, H]            dt -> softplus(dt + bias), clamp; dA cumsum within
+#                                                  each chunk; the chunk table (first token, end token)
+#   2. _ssd_states_kernel      [P/bp * N/bn, H, S] one program walks one sequence's chunks in order over a
+#                                                  [bp, bn] tile of the state: each chunk's own state from
+#                                                  zero (a matrix product over its tokens), then the
+#                                                  recurrence in registers. Writes the start states (the
+#                                                  output kernel's operand, 16-bit), boundary states and
+#                                                  the final state: no fp32 chunk states round-trip
+#                                                  through memory
+#   3. _ssd_bmm_kernel         [NC*t*t, G]         C B^T within each chunk, once per (chunk, group), lower
+#                                                  triangle of tiles only (shared by the group's heads)
+#   4. _ssd_chunk_scan_kernel  [H*P/bp*NC*Q/BM]    y = C S_start decay + causal (CB * decay * dt) x + D x,
+#                                                  heads fastest so concurrent programs share CB and C in L2
 # ---------------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
     @triton.jit
-    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, meta_ptr, cend_ptr, S, T,
-                         NC, dt_lo, dt_hi, dt_t, dt_h,
+    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, meta_ptr, S, T,
+                         dt_lo, dt_hi, dt_t, dt_h,
                          Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_Q: tl.constexpr,
                          BLOCK_S: tl.constexpr):
         c, h = tl.program_id(0), tl.program_id(1)
-        seq, _j, tok0, tok1 = locate_block(c, cu_ptr, pos_ptr, S, Q, HAS_POS, BLOCK_S)
+        _seq, _j, tok0, tok1 = locate_block(c, cu_ptr, pos_ptr, S, Q, HAS_POS, BLOCK_S)
         if h == 0:  # chunk table for the later kernels: (first token, end token)
             tl.store(meta_ptr + 2 * c, tok0)
             tl.store(meta_ptr + 2 * c + 1, tok1)
         t = tok0 + tl.arange(0, BLOCK_Q)
         m = t < tok1
         dt = tl.load(dt_ptr + t * dt_t + h * dt_h, mask=m, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            dt += tl.load(bias_ptr + h).to(tl.float32)
-        if SOFTPLUS:
-            dt = softplus(dt)
-        if CLAMP:
-            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
-        dt = tl.where(m, dt, 0.0)
+        dt = tl.where(m, dt_prologue(dt, bias_ptr + h, dt_lo, dt_hi, HAS_BIAS, SOFTPLUS, CLAMP), 0.0)
         cs = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0)
         tl.store(dtp_ptr + h * T + t, dt, mask=m)
         tl.store(cs_ptr + h * T + t, cs, mask=m)
-        # the cumsum's last element (exactly the value the chunk-state kernel decays to): the state
-        # passing loads it without first reading the chunk table
-        tl.store(cend_ptr + h * NC + c, tl.sum(tl.where(t == tok1 - 1, cs, 0.0), 0))
 
     @triton.jit
-    def _ssd_chunk_state_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, meta_ptr, st_ptr, T, H, P, N,
-                                heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
-                                BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                PREC: tl.constexpr, DOT_T: tl.constexpr):
-        """st[c, h] = sum_t exp(cs_end - cs_t) dt_t x_t B_t^T: the chunk's end state from zero."""
-        c, h = tl.program_id(0), tl.program_id(1)
-        tok0 = tl.load(meta_ptr + 2 * c)
-        tok1 = tl.load(meta_ptr + 2 * c + 1)
-        g = h // heads_per_group
-        p = tl.arange(0, BLOCK_P)
-        n = tl.arange(0, BLOCK_N)
-        cs_end = tl.load(cs_ptr + h * T + tok1 - 1, mask=tok1 > tok0, other=0.0)
-        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-        for k0 in range(tok0, tok1, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            mk = k < tok1
-            xk = tl.load(x_ptr + k[None, :] * x_t + h * x_h + p[:, None] * x_p,
-                         mask=(p < P)[:, None] & mk[None, :], other=0.0)  # [P, K]
-            Bk = tl.load(B_ptr + k[:, None] * B_t + g * B_g + n[None, :] * B_n,
-                         mask=mk[:, None] & (n < N)[None, :], other=0.0)  # [K, N]
-            cs_k = tl.load(cs_ptr + h * T + k, mask=mk, other=0.0)
-            dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
-            w = tl.where(mk, tl.exp(tl.minimum(cs_end - cs_k, 0.0)) * dt_k, 0.0)
-            acc += tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), input_precision=PREC)
-        st = st_ptr + (c * H + h).to(tl.int64) * P * N
-        # chunks past the call's last one (the grid is an upper bound) write nothing
-        mp = p < tl.where(tok1 > tok0, P, 0)
-        tl.store(st + p[:, None] * N + n[None, :], acc, mask=mp[:, None] & (n < N)[None, :])
+    def _own_state_block(acc, k0, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr, h, g, T, p, n, mp, mn,
+                         x_t, x_h, x_p, B_t, B_g, B_n,
+                         BLOCK_K: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+        """acc + sum over tokens k0..k0+BLOCK_K (< tok1) of exp(cs_end - cs_k) dt_k x_k B_k^T: [bp, bn]."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        mk = k < tok1
+        xk = tl.load(x_ptr + k[None, :] * x_t + h * x_h + p[:, None] * x_p, mask=mp[:, None] & mk[None, :],
+                     other=0.0)  # [bp, K]
+        Bk = tl.load(B_ptr + k[:, None] * B_t + g * B_g + n[None, :] * B_n, mask=mk[:, None] & mn[None, :],
+                     other=0.0)  # [K, bn]
+        cs_k = tl.load(cs_ptr + h * T + k, mask=mk, other=0.0)
+        dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
+        w = tl.where(mk, tl.exp(tl.minimum(cs_end - cs_k, 0.0)) * dt_k, 0.0)
+        return tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), acc, input_precision=PREC)
 
     @triton.jit
-    def _ssd_state_pass_kernel(st_ptr, cend_ptr, start_ptr, ssm_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
-                               bnd_ptr, S, H, P, N, NC, ss_s, ss_h, ss_p, ss_n,
-                               Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr,
-                               BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Walks one sequence's chunks in order over a BLOCK-slice of the [P, N] state: writes the state
-        at each chunk's start to ``start`` (the output kernel's operand), the final state to the slot
-        and, for chunks that end on an absolute multiple of Q, the end state to the boundary output.
+    def _ssd_states_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr, start_ptr, ssm_ptr,
+                           bnd_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
+                           ss_s, ss_h, ss_p, ss_n,
+                           Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
+                           BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
+                           CHUNK_STAGES: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+        """Sequence s, head h, a [BLOCK_P, BLOCK_N] tile of the state, chunk after chunk:
+        start[c] = state; state = exp(cs_end) state + own(c), own(c) = sum_t exp(cs_end - cs_t) dt_t x_t B_t^T.
 
-        Nothing in a step's loads depends on the state carried between steps (the chunk's decay comes
-        from ``cend``, not through the chunk table), so the loads for chunks j+1 and j+2 are issued
-        before step j's arithmetic and stores: two chunks' own states in flight per program."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        s, h = tl.program_id(1), tl.program_id(2)
-        m = offs < P * N
-        # chunk and boundary numbering of sequence s, as locate_block counts them
+        The loads of a chunk do not depend on the carried state, so they pipeline: over the chunk's
+        token blocks (``UNROLL`` off, an inner loop of ``STAGES`` stages) or over whole chunks (``UNROLL``
+        on: the token blocks unrolled, the chunk loop pipelined)."""
+        pid, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        p = (pid // N_BLOCKS) * BLOCK_P + tl.arange(0, BLOCK_P)
+        n = (pid % N_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mp, mn = p < P, n < N
+        # sequence s and its chunks, numbered as locate_block numbers them
         s_idx = tl.arange(0, BLOCK_S)
         ms = s_idx < S
-        beg = tl.load(cu_ptr + s_idx, mask=ms, other=0).to(tl.int32)
-        L = tl.load(cu_ptr + s_idx + 1, mask=ms, other=0).to(tl.int32) - beg
+        beg_all = tl.load(cu_ptr + s_idx, mask=ms, other=0).to(tl.int32)
+        L_all = tl.load(cu_ptr + s_idx + 1, mask=ms, other=0).to(tl.int32) - beg_all
         if HAS_POS:
             pos = tl.load(pos_ptr + s_idx, mask=ms, other=0)
         else:
             pos = tl.zeros([BLOCK_S], dtype=tl.int64)
-        off = (pos % Q).to(tl.int32)
-        nch = tl.where(L > 0, (off + L + Q - 1) // Q, 0)
-        nbd = ((pos + L) // Q - pos // Q).to(tl.int32)
-        before = s_idx < s
+        off_all = (pos % Q).to(tl.int32)
+        nch = tl.where(L_all > 0, (off_all + L_all + Q - 1) // Q, 0)
+        nbd = ((pos + L_all) // Q - pos // Q).to(tl.int32)
+        before, this = s_idx < s, s_idx == s
         c0 = tl.sum(tl.where(before, nch, 0), 0)
         b0 = tl.sum(tl.where(before, nbd, 0), 0)
-        n_chunks = tl.sum(tl.where(s_idx == s, nch, 0), 0)
-        n_bnd = tl.sum(tl.where(s_idx == s, nbd, 0), 0)
+        n_chunks = tl.sum(tl.where(this, nch, 0), 0)
+        n_bnd = tl.sum(tl.where(this, nbd, 0), 0)
+        beg = tl.sum(tl.where(this, beg_all, 0), 0)
+        L = tl.sum(tl.where(this, L_all, 0), 0)
+        off = tl.sum(tl.where(this, off_all, 0), 0)
 
+        g = h // heads_per_group
+        tile = p[:, None] * N + n[None, :]
+        m_tile = mp[:, None] & mn[None, :]
         slot = tl.load(slot_ptr + s).to(tl.int64)
         has_init = tl.load(init_ptr + s) != 0
-        p = offs // N
-        n = offs % N
-        sptr = ssm_ptr + slot * ss_s + h * ss_h + p * ss_p + n * ss_n
-        state = tl.load(sptr, mask=offs < tl.where(has_init, P * N, 0), other=0.0).to(tl.float32)
-        own0 = tl.load(st_ptr + ((c0 * H + h).to(tl.int64) * P * N + offs),
-                       mask=offs < tl.where(n_chunks > 0, P * N, 0), other=0.0)
-        dec0 = tl.load(cend_ptr + h * NC + c0, mask=n_chunks > 0, other=0.0)
-        own1 = tl.load(st_ptr + (((c0 + 1) * H + h).to(tl.int64) * P * N + offs),
-                       mask=offs < tl.where(n_chunks > 1, P * N, 0), other=0.0)
-        dec1 = tl.load(cend_ptr + h * NC + c0 + 1, mask=n_chunks > 1, other=0.0)
-        for j in range(0, n_chunks):
+        sptr = ssm_ptr + slot * ss_s + h * ss_h + p[:, None] * ss_p + n[None, :] * ss_n
+        state = tl.load(sptr, mask=(p < tl.where(has_init, P, 0))[:, None] & mn[None, :], other=0.0).to(tl.float32)
+        for j in tl.range(0, n_chunks, num_stages=CHUNK_STAGES):
             c = c0 + j
-            own2 = tl.load(st_ptr + (((c + 2) * H + h).to(tl.int64) * P * N + offs),
-                           mask=offs < tl.where(j + 2 < n_chunks, P * N, 0), other=0.0)
-            dec2 = tl.load(cend_ptr + h * NC + c + 2, mask=j + 2 < n_chunks, other=0.0)
-            tl.store(start_ptr + ((c * H + h).to(tl.int64) * P * N + offs), state.to(start_ptr.dtype.element_ty),
-                     mask=m)
-            state = tl.exp(dec0) * state + own0
-            if HAS_BND:
-                bptr = bnd_ptr + ((b0 + j).to(tl.int64) * H + h) * P * N + offs
-                tl.store(bptr, state, mask=offs < tl.where(j < n_bnd, P * N, 0))
-            own0, dec0, own1, dec1 = own1, dec1, own2, dec2
-        tl.store(sptr, state.to(ssm_ptr.dtype.element_ty), mask=offs < tl.where(n_chunks > 0, P * N, 0))
+            tok0 = beg + tl.maximum(j * Q - off, 0)
+            tok1 = beg + tl.minimum((j + 1) * Q - off, L)
+            tl.store(start_ptr + (c * H + h).to(tl.int64) * P * N + tile, state.to(start_ptr.dtype.element_ty),
+                     mask=m_tile)
+            cs_end = tl.load(cs_ptr + h * T + tok1 - 1)
+            own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+            if UNROLL:
+                for kb in tl.static_range(Q // BLOCK_K):
+                    own = _own_state_block(own, tok0 + kb * BLOCK_K, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr,
+                                           h, g, T, p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n,
+                                           BLOCK_K, PREC, DOT_T)
+            else:
+                for k0 in tl.range(tok0, tok1, BLOCK_K, num_stages=STAGES):
+                    own = _own_state_block(own, k0, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr, h, g, T, p, n,
+                                           mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, BLOCK_K, PREC, DOT_T)
+            state = tl.exp(cs_end) * state + own
+            if HAS_BND:  # chunks that end on an absolute multiple of Q: all but maybe the last
+                tl.store(bnd_ptr + ((b0 + j) * H + h).to(tl.int64) * P * N + tile, state,
+                         mask=(p < tl.where(j < n_bnd, P, 0))[:, None] & mn[None, :])
+        tl.store(sptr, state.to(ssm_ptr.dtype.element_ty),
+                 mask=(p < tl.where(n_chunks > 0, P, 0))[:, None] & mn[None, :])
 
     @triton.jit
     def _ssd_bmm_kernel(C_ptr, B_ptr, meta_ptr, cb_ptr, G, N, C_t, C_g, C_n, B_t, B_g, B_n,
@@ -320,50 +311,97 @@ if HAS_TRITON:
                      mask=mi[:, None] & mj[None, :])
 
     @triton.jit
+    def _diag_weights(cb, cs_t, cs_k, dt_k, ref, factored):
+        """cb * exp(cs_t - cs_k) * dt_k on the diagonal block ([M, K], before the causal mask).
+
+        ``factored`` (cs spans less than 60 over the block): exp(cs_t - ref) exp(ref - cs_k) with ref = cs
+        at the block's first row: M + K exps instead of M K, each factor below e^60."""
+        if factored:
+            w = cb * (tl.exp(cs_t - ref)[:, None] * (dt_k * tl.exp(ref - cs_k))[None, :])
+        else:
+            w = cb * tl.exp(tl.minimum(cs_t[:, None] - cs_k[None, :], 0.0)) * dt_k[None, :]
+        return w
+
+    @triton.jit
     def _ssd_chunk_scan_kernel(x_ptr, C_ptr, cb_ptr, D_ptr, dtp_ptr, cs_ptr, meta_ptr, start_ptr, y_ptr,
                                T, H, G, P, N, heads_per_group, x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p,
                                HAS_D: tl.constexpr, Q: tl.constexpr, M_BLOCKS: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                               BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+                               P_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
+                               STAGES: tl.constexpr, DIAG_FACTOR: tl.constexpr, PREC: tl.constexpr,
+                               DOT_T: tl.constexpr):
+        """Rows i0..i0+BLOCK_M of a chunk, one head, BLOCK_P columns of P.
+
+        Decay weights exp(cs_i - cs_k) (cs: dA cumsum within the chunk, non-increasing). Tokens k
+        before the row block (k < i0) are factored through r = cs[i0 - 1]: exp(cs_i - r) exp(r - cs_k),
+        both factors <= 1, so neither overflows, and one underflows only where the weight itself is
+        below fp32's range. That leaves a plain matrix product over those tokens (a [K] vector of
+        exps per block instead of an [M, K] tile), and the start-state term joins the same
+        accumulator (exp(cs_i) = exp(r) exp(cs_i - r)). Only the diagonal block (k in the row block)
+        needs the causal mask and pairwise weights (``_diag_weights``)."""
         pid = tl.program_id(0)
         h = pid % H
-        cm = pid // H
+        rest = pid // H
+        pb = rest % P_BLOCKS
+        cm = rest // P_BLOCKS
         c = cm // M_BLOCKS
-        mb = cm % M_BLOCKS
+        i0 = (cm % M_BLOCKS) * BLOCK_M
         tok0 = tl.load(meta_ptr + 2 * c)
         L = tl.load(meta_ptr + 2 * c + 1) - tok0
         g = h // heads_per_group
-        p = tl.arange(0, BLOCK_P)
-        n = tl.arange(0, BLOCK_N)
-        mp, mn = p < P, n < N
-        i = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # chunk-local rows
+        p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        mp = p < P
+        i = i0 + tl.arange(0, BLOCK_M)  # chunk-local rows
         mi = i < L
         t = tok0 + i
-        cs_t = tl.load(cs_ptr + h * T + t, mask=mi, other=0.0)
-        Ct = tl.load(C_ptr + t[:, None] * C_t + g * C_g + n[None, :] * C_n, mask=mi[:, None] & mn[None, :],
-                     other=0.0).to(DOT_T)  # [M, N]
-        # contribution of the chunk's start state
-        st = tl.load(start_ptr + (c * H + h).to(tl.int64) * P * N + p[None, :] * N + n[:, None],
-                     mask=(n < tl.where(L > 0, N, 0))[:, None] & mp[None, :], other=0.0)  # [N, P]
-        acc = tl.dot(Ct, st.to(DOT_T), input_precision=PREC) * tl.exp(cs_t)[:, None]
-        # within the chunk, causal: C B^T from the bmm kernel
+        # rows = False: a row block past the chunk's end, or an empty tail chunk of the grid. Such a
+        # program loads and stores nothing (masks and empty loops; an early `if` around the whole body
+        # measured slower on the H100 with 4 warps and exact diagonal weights: 707 vs 571 us)
+        rows = i0 < L
+        csh = cs_ptr + h * T + tok0
+        cs_t = tl.load(csh + i, mask=mi, other=0.0)
+        r = tl.load(csh + i0 - 1, mask=rows & (i0 > 0), other=0.0)
+        # start-state term, over N in BLOCK_N slices (fewer live registers and less shared memory)
+        acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        stp = start_ptr + (c * H + h).to(tl.int64) * P * N + p[None, :] * N
+        for nb in tl.static_range(N_BLOCKS):
+            n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            mn = n < N
+            Ct = tl.load(C_ptr + t[:, None] * C_t + g * C_g + n[None, :] * C_n, mask=mi[:, None] & mn[None, :],
+                         other=0.0)  # [M, n]
+            st = tl.load(stp + n[:, None], mask=(n < tl.where(rows, N, 0))[:, None] & mp[None, :], other=0.0)
+            acc = tl.dot(Ct.to(DOT_T), st.to(DOT_T), acc, input_precision=PREC)
+        acc *= tl.exp(r)
         cbp = cb_ptr + (c * G + g).to(tl.int64) * Q * Q
-        k_end = tl.minimum((mb + 1) * BLOCK_M, L)
-        for k0 in range(0, k_end, BLOCK_K):
+        xh = x_ptr + h * x_h + p[None, :] * x_p
+        # tokens before the row block: all inside the chunk and causal for every row, so the loads are
+        # unmasked along k (16 bytes wide); C B^T rows past the chunk's end were never written
+        for k0 in tl.range(0, tl.where(rows, i0, 0), BLOCK_K, num_stages=STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
-            mk = kk < k_end
-            keep = (i[:, None] >= kk[None, :]) & mk[None, :] & mi[:, None]
-            # unmasked (16-byte loads): i, kk < Q stay inside this chunk's Q x Q slab; entries the bmm
-            # kernel did not write (above the diagonal, past the chunk's end) are dropped by the where
-            cb = tl.load(cbp + i[:, None] * Q + kk[None, :]).to(tl.float32)  # [M, K]
-            cs_k = tl.load(cs_ptr + h * T + tok0 + kk, mask=mk, other=0.0)
+            cb = tl.load(cbp + i[:, None] * Q + kk[None, :], mask=mi[:, None], other=0.0).to(tl.float32)  # [M, K]
+            s_k = tl.load(dtp_ptr + h * T + tok0 + kk) * tl.exp(tl.minimum(r - tl.load(csh + kk), 0.0))
+            xk = tl.load(xh + (tok0 + kk)[:, None] * x_t, mask=mp[None, :], other=0.0)  # [K, bp]
+            acc = tl.dot((cb * s_k[None, :]).to(DOT_T), xk.to(DOT_T), acc, input_precision=PREC)
+        acc *= tl.exp(tl.minimum(cs_t - r, 0.0))[:, None]
+        # the diagonal block, causal
+        ref = tl.load(csh + i0, mask=rows, other=0.0)
+        if DIAG_FACTOR:
+            # both factors stay under e^60 when cs spans less than 60 over the block's rows
+            factored = tl.max(tl.where(mi, cs_t, ref), 0) - tl.min(tl.where(mi, cs_t, ref), 0) < 60.0
+        else:
+            factored = False
+        for k0 in range(i0, tl.minimum(i0 + BLOCK_M, L), BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            mk = kk < L
+            # unmasked along k: i, kk < Q stay inside this chunk's Q x Q slab; entries the bmm kernel did
+            # not write above the diagonal are dropped by the where
+            cb = tl.load(cbp + i[:, None] * Q + kk[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
+            cs_k = tl.load(csh + kk, mask=mk, other=0.0)
             dt_k = tl.load(dtp_ptr + h * T + tok0 + kk, mask=mk, other=0.0)
-            w = tl.where(keep, cb * tl.exp(tl.minimum(cs_t[:, None] - cs_k[None, :], 0.0)) * dt_k[None, :], 0.0)
-            xk = tl.load(x_ptr + (tok0 + kk)[:, None] * x_t + h * x_h + p[None, :] * x_p,
-                         mask=mk[:, None] & mp[None, :], other=0.0)  # [K, P]
-            acc += tl.dot(w.to(DOT_T), xk.to(DOT_T), input_precision=PREC)
-        xt = tl.load(x_ptr + t[:, None] * x_t + h * x_h + p[None, :] * x_p, mask=mi[:, None] & mp[None, :],
-                     other=0.0)
+            w = tl.where(i[:, None] >= kk[None, :], _diag_weights(cb, cs_t, cs_k, dt_k, ref, factored), 0.0)
+            xk = tl.load(xh + (tok0 + kk)[:, None] * x_t, mask=mk[:, None] & mp[None, :], other=0.0)  # [K, bp]
+            acc = tl.dot(w.to(DOT_T), xk.to(DOT_T), acc, input_precision=PREC)
+        xt = tl.load(xh + t[:, None] * x_t, mask=mi[:, None] & mp[None, :], other=0.0)
         if HAS_D:
             acc += tl.load(D_ptr + h).to(tl.float32) * xt.to(tl.float32)
         tl.store(y_ptr + t[:, None] * y_t + h * y_h + p[None, :] * y_p, acc.to(y_ptr.dtype.element_ty),
@@ -372,19 +410,16 @@ if HAS_TRITON:
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRITON else {}
 
-# Tiles of the kernels; overridable per call for benchmark sweeps (benchmarks/README.md has the H100
-# numbers at 2.7b dims, 8x2048 and 1x16384 tokens, Q = 256). ``pass_block`` None: chosen per call so
-# that the state passing has about 2-5k programs (all resident at once when the chunk chain is long).
-SCAN_CONFIG = {"block_m": 64, "block_k": 32, "num_warps": 4, "num_stages": 3, "state_warps": 4,
-               "pass_block": None, "cb_tile": 64, "cb_warps": 4}
-
-
-def _pass_block(n_pairs: int, PN: int) -> int:
-    """Elements of the [P, N] state per state-passing program: ~2.5k programs or more, 128..1024."""
-    b = 1024
-    while b > 128 and n_pairs * triton.cdiv(PN, b) < 2560:
-        b //= 2
-    return min(b, next_pow2(PN))
+# Tiles of the kernels; overridable per call for benchmark sweeps (benchmarks/README.md, run 4, has the H100
+# numbers at 2.7b dims, 8x2048 and 1x16384 tokens, Q = 256: these are the best of its sweep, within ~2%
+# of the next ones). Output kernel: block_m rows x block_p columns per program, block_k tokens per step,
+# the start-state product over N in block_n slices, factored diagonal weights (diag_factor: whole scan
+# 707 vs 790 us at 8x2048).
+# State kernel: a [state_block_p, state_block_n] tile per program, state_block_k tokens per step, the
+# token blocks unrolled and the chunk loop pipelined (state_unroll).
+SCAN_CONFIG = {"block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 2, "num_stages": 3,
+               "diag_factor": True, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
+               "state_warps": 4, "state_stages": 2, "state_unroll": True, "cb_tile": 64, "cb_warps": 4}
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
@@ -413,14 +448,12 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     op_dtype = x.dtype if x.dtype in _TL_DTYPES else torch.float32
     dtp = torch.empty(H, T, dtype=torch.float32, device=dev)
     cs = torch.empty(H, T, dtype=torch.float32, device=dev)
-    cend = torch.empty(H, NC, dtype=torch.float32, device=dev)
     meta = torch.empty(NC, 2, dtype=torch.int32, device=dev)
-    states = torch.empty(NC, H, P, N, dtype=torch.float32, device=dev)
     start = torch.empty(NC, H, P, N, dtype=op_dtype, device=dev)
     cb = torch.empty(NC, G, Q, Q, dtype=op_dtype, device=dev)
 
     boundary = None
-    bnd = states  # placeholder pointer when no boundary output
+    bnd = start  # placeholder pointer when no boundary output
     if return_boundary_states:
         # The one host synchronisation: the number of boundaries sizes the output.
         bounds = cu_seqlens.tolist()
@@ -436,29 +469,31 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         boundary = BoundaryStates(states=bnd, seq_idx=torch.tensor(b_seq, dtype=torch.long),
                                   positions=torch.tensor(b_pos, dtype=torch.long))
     _ssd_prep_kernel[(NC, H)](
-        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, cend, S, T, NC,
+        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, S, T,
         float(lo), float(min(hi, 3.0e38)), *dt.stride(),
         Q=Q, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
         BLOCK_Q=Q, BLOCK_S=BLOCK_S, num_warps=4)
-    _ssd_chunk_state_kernel[(NC, H)](
-        x, B, dtp, cs, meta, states, T, H, P, N, H // G, *x.stride(), *B.stride(),
-        BLOCK_K=min(cfg["block_k"], Q), BLOCK_P=BP, BLOCK_N=BN, PREC=prec, DOT_T=dot_t, num_warps=cfg["state_warps"])
-    PB = cfg["pass_block"] or _pass_block(S * H, P * N)
-    PB = min(PB, next_pow2(P * N))
-    _ssd_state_pass_kernel[(triton.cdiv(P * N, PB), S, H)](
-        states, cend, start, ssm_state, cu_seqlens, pos, state_indices, has_initial_state, bnd, S, H, P, N, NC,
-        *ssm_state.stride(), Q=Q, HAS_POS=has_pos, HAS_BND=return_boundary_states, BLOCK=PB,
-        BLOCK_S=BLOCK_S, num_warps=max(1, min(4, PB // 128)))
+    SBP, SBN = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN)
+    _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
+        x, B, dtp, cs, cu_seqlens, pos, state_indices, has_initial_state, start, ssm_state, bnd, S, T, H, P, N,
+        H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, HAS_POS=has_pos,
+        HAS_BND=return_boundary_states, BLOCK_K=min(cfg["state_block_k"], Q), BLOCK_P=SBP, BLOCK_N=SBN,
+        N_BLOCKS=triton.cdiv(N, SBN), BLOCK_S=BLOCK_S, UNROLL=cfg["state_unroll"], STAGES=cfg["state_stages"],
+        CHUNK_STAGES=cfg["state_stages"] if cfg["state_unroll"] else 1,
+        PREC=prec, DOT_T=dot_t, num_warps=cfg["state_warps"])
     TILE = min(cfg["cb_tile"], Q)
     _ssd_bmm_kernel[(NC * (Q // TILE) ** 2, G)](
         C, B, meta, cb, G, N, *C.stride(), *B.stride(), Q=Q, TILE=TILE, N_TILES=Q // TILE, BLOCK_N=BN,
         PREC=prec, DOT_T=dot_t, num_warps=cfg["cb_warps"])
     BM = min(cfg["block_m"], Q)
-    _ssd_chunk_scan_kernel[(H * NC * (Q // BM),)](
+    OBP, OBN = min(cfg["block_p"], BP), min(cfg["block_n"], BN)
+    _ssd_chunk_scan_kernel[(H * triton.cdiv(P, OBP) * NC * (Q // BM),)](
         x, C, cb, D if D is not None else A, dtp, cs, meta, start, y, T, H, G, P, N, H // G,
         *x.stride(), *C.stride(), *y.stride(),
-        HAS_D=D is not None, Q=Q, M_BLOCKS=Q // BM, BLOCK_M=BM, BLOCK_K=min(cfg["block_k"], BM), BLOCK_P=BP,
-        BLOCK_N=BN, PREC=prec, DOT_T=dot_t, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HAS_D=D is not None, Q=Q, M_BLOCKS=Q // BM, P_BLOCKS=triton.cdiv(P, OBP), BLOCK_M=BM,
+        BLOCK_K=min(cfg["block_k"], BM), BLOCK_P=OBP, BLOCK_N=OBN, N_BLOCKS=triton.cdiv(N, OBN),
+        STAGES=cfg["num_stages"], DIAG_FACTOR=cfg["diag_factor"], PREC=prec,
+        DOT_T=dot_t, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y, boundary
 
 

@@ -96,7 +96,11 @@ def test_prefill_then_decode_equals_long_prefill(dev):
     del z
 
 
-def test_extreme_decay_and_dt_range_are_finite(dev):
+@pytest.mark.parametrize("chunk,config", [(Q, None), (4 * Q, dict(block_m=16, block_k=16)),
+                                          (4 * Q, dict(block_m=32, block_k=16, diag_factor=True))])
+def test_extreme_decay_and_dt_range_are_finite(dev, chunk, config):
+    """Decays down to exp(-480) per token, also across the row blocks of a chunk (second case: the
+    output kernel's factored weights for tokens before a row block)."""
     L, H, P, G, N = 2 * Q + 3, 2, 4, 1, 4
     x, _, _, B, C, D, _ = _inputs(L, H, P, G, N, 4, dev)
     dt = torch.full((L, H), 10.0, device=dev)
@@ -105,9 +109,10 @@ def test_extreme_decay_and_dt_range_are_finite(dev):
     A = torch.tensor([-16.0, -0.01], device=dev)
     pool = torch.full((3, H, P, N), float("nan"), device=dev)  # poison: slot 2 must stay untouched
     pool[1] = 0
-    y, bnd = _run(ssd_scan_varlen, x, dt, A, B, C, [L], pool, torch.tensor([1], device=dev),
-                  torch.tensor([False], device=dev), None, D, None, return_boundary_states=True,
-                  force_triton=True)
+    y, bnd = ssd_scan_varlen(x, dt, A, B, C, chunk_size=chunk, cu_seqlens=torch.tensor([0, L], device=dev),
+                             ssm_state=pool, state_indices=torch.tensor([1], device=dev),
+                             has_initial_state=torch.tensor([False], device=dev), D=D,
+                             return_boundary_states=True, force_triton=True, config=config)
     assert torch.isfinite(y).all() and torch.isfinite(pool[1]).all() and torch.isfinite(bnd.states).all()
     assert pool[2].isnan().all()
     ry, rs = ssm_recurrence(x.cpu(), dt.cpu(), A.cpu(), B.cpu(), C.cpu(), D.cpu())
@@ -131,15 +136,20 @@ def test_bf16_inputs_and_state(dev):
 
 
 @pytest.mark.parametrize("config", [
-    # several output row blocks per chunk, C.B^T tiles smaller than them, k blocks smaller still,
-    # and the [P, N] state split over several state-passing programs (the last one partial)
-    dict(block_m=16, block_k=16, cb_tile=16, pass_block=16),
-    dict(block_m=32, block_k=16, cb_tile=16, pass_block=8, num_stages=3),
+    # several output row blocks per chunk, C.B^T tiles smaller than them, k blocks smaller still, P
+    # split over two output programs, N over two slices there, the state split over 2 x 2 programs (the
+    # last ones partial), exact diagonal weights
+    dict(block_m=16, block_k=16, block_p=16, block_n=16, cb_tile=16, state_block_p=16, state_block_n=16,
+         state_block_k=16, diag_factor=False),
+    # several k blocks in the diagonal, factored weights there; the state kernel's token blocks
+    # unrolled, its chunk loop pipelined
+    dict(block_m=32, block_k=16, num_stages=3, diag_factor=True, state_block_k=16, state_unroll=True,
+         state_stages=2),
 ])
 def test_tile_configs_match_reference(dev, config):
     Q2 = 2 * Q
     lengths = [1, Q2 - 1, Q2 + 1, 3 * Q2 + 5, 7]
-    H, P, G, N, S = 4, 4, 2, 5, len(lengths)
+    H, P, G, N, S = 4, 20, 2, 24, len(lengths)
     T = sum(lengths)
     x, dt, A, B, C, D, bias = _inputs(T, H, P, G, N, 11, dev)
     pool = torch.randn(S + 2, H, P, N, generator=gen(12)).to(dev)

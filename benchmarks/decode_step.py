@@ -9,7 +9,9 @@ graphs through ``ModelRunner.enable_cuda_graphs`` and, for each batch size, prin
   their ratio (the goal is within 1.3x of the bound).
 With --profile: the kernels of one batch-1 step (torch.profiler around one graph replay) by total
 device time, the number of kernels per step and per layer, and the share of the step spent between
-kernels.
+kernels. With --projections: each projection of the model at batch 1, its norm kernel + cuBLAS against
+the fused kernels.*norm_linear and a sweep of its tiles, as a fraction of copy bandwidth. --unfused
+captures the graphs with norms and projections as separate kernels (the A/B baseline).
 
   python3 benchmarks/decode_step.py --size 2.7b --profile
   python3 benchmarks/decode_step.py --size 130m,2.7b --batches 1,8,64 --json decode_step.json
@@ -118,6 +120,66 @@ def profile_step(graph: torch.cuda.CUDAGraph, num_layers: int, step_ms: float, t
             "top": [{"name": n, "calls": len(t), "total_us": sum(t)} for n, t in rows[:top]]}
 
 
+def graph_us(fn, calls: int = 16, replays: int = 20) -> float:
+    """Device time of one ``fn()`` call: ``calls`` calls captured in a CUDA graph, median replay."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return replay_ms(g, replays) * 1e3 / calls
+
+
+def bench_projections(size: str, bw: float) -> list[dict]:
+    """Batch-1 projections, unfused (norm kernel + cuBLAS) vs kernels.*norm_linear, with a tile sweep.
+    Each call reads one of several weight copies (> 50 MB L2 in all), as a decode step reads every
+    layer's weight once."""
+    import torch.nn.functional as F
+
+    from mambaserve.kernels import gated_rmsnorm, rmsnorm
+    from mambaserve.kernels.norm_linear import _tiles, gated_rmsnorm_linear, rmsnorm_linear
+
+    s = SIZES[size]
+    H, d_inner = s["hidden_size"], 2 * s["hidden_size"]
+    shapes = {"in_proj": (2 * d_inner + 2 * s["state_size"] + s["num_heads"], H),
+              "out_proj": (H, d_inner), "lm_head": (s["vocab_size"], H)}
+    sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (2, 4, 8) for bk in (512, 1024) for w in (4, 8)]
+    rows = []
+    for name, (N, K) in shapes.items():
+        copies = max(2, -(-200_000_000 // (N * K * 2)))
+        ws = [torch.randn(N, K, device="cuda", dtype=DTYPE) for _ in range(copies)]
+        x, z = (torch.randn(1, K, device="cuda", dtype=DTYPE) for _ in range(2))
+        res, nw = torch.randn(1, K, device="cuda"), torch.ones(K, device="cuda", dtype=DTYPE)
+        it = {"i": 0}
+
+        def call(f):
+            def go():
+                it["i"] = (it["i"] + 1) % copies
+                return f(ws[it["i"]])
+            return go
+
+        if name == "out_proj":
+            unfused = lambda w: F.linear(gated_rmsnorm(x, z, nw, 1e-5, K), w)  # noqa: E731
+            fused = lambda w, c=None: gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, config=c)  # noqa: E731
+        else:
+            unfused = lambda w: F.linear(rmsnorm(x, res, nw, 1e-5, True)[0], w)  # noqa: E731
+            fused = lambda w, c=None: rmsnorm_linear(x, res, nw, 1e-5, True, w, config=c)  # noqa: E731
+        ref = graph_us(call(unfused), calls=copies * 4)
+        ours = {tuple(c.values()): graph_us(call(lambda w, c=c: fused(w, c)), calls=copies * 4) for c in sweep}
+        default = ours[tuple(_tiles(K).values())]
+        best_cfg, best = min(ours.items(), key=lambda kv: kv[1])
+        frac = lambda us: N * K * 2 / (us * 1e-6) / bw  # noqa: E731
+        rows.append({"size": size, "proj": name, "N": N, "K": K, "unfused_us": ref, "fused_us": default,
+                     "best_us": best, "best_tiles": best_cfg})
+        print(f"{size} {name:8} {N:6}x{K:5} b=1: norm + cuBLAS {ref:7.2f} us ({frac(ref):4.0%} of copy), fused "
+              f"{default:7.2f} us ({frac(default):4.0%}), best {best:7.2f} us ({frac(best):4.0%}) "
+              f"BLOCK_N/K/warps={best_cfg} -> {ref / default:4.2f}x unfused", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 def bench_size(size: str, batches: list[int], a: argparse.Namespace, bw: float) -> dict:
     runner = build_runner(size, max(batches), STATE_DTYPES[a.state_dtype])
     model, pool = runner.model, runner.pool
@@ -152,6 +214,10 @@ def main() -> None:
                    help="ssm state dtype (the server's --state-dtype; default as the server's)")
     p.add_argument("--profile", action="store_true", help="profile one batch-1 step: top kernels, kernels per step")
     p.add_argument("--top", type=int, default=25, help="kernels listed by --profile")
+    p.add_argument("--unfused", action="store_true",
+                   help="norms and projections as separate kernels (norm kernel + cuBLAS) instead of fused (A/B)")
+    p.add_argument("--projections", action="store_true",
+                   help="also time each batch-1 projection: norm + cuBLAS vs fused (and a tile sweep)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
     sizes = a.size.split(",")
@@ -163,10 +229,17 @@ def main() -> None:
         sys.exit("decode_step.py needs a CUDA device (it times CUDA-graph replays); torch.cuda.is_available() "
                  "is False here")
 
+    if a.unfused:
+        import mambaserve.kernels.norm_linear
+
+        mambaserve.kernels.norm_linear.FUSED = False  # read at each call, so before the graphs are captured
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.3f} TB/s (read + write)", flush=True)
     res = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__,
+           "norm_and_projection": "unfused" if a.unfused else "fused",
            "sizes": [bench_size(s, batches, a, bw) for s in sizes]}
+    if a.projections:
+        res["projections"] = [r for s in sizes for r in bench_projections(s, bw)]
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -4,6 +4,7 @@ with the same signature (``<op>_ref``). Launchers pick Triton on CUDA and the re
 
 from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
+from mambaserve.kernels.norm_linear import gated_rmsnorm_linear, rmsnorm_linear
 from mambaserve.kernels.rmsnorm import rmsnorm
 from mambaserve.kernels.selective_state_update import selective_state_update
 from mambaserve.kernels.ssd_scan import BoundaryStates, ssd_scan_varlen
@@ -16,7 +17,9 @@ __all__ = [
     "clear_slots",
     "copy_slots",
     "gated_rmsnorm",
+    "gated_rmsnorm_linear",
     "rmsnorm",
+    "rmsnorm_linear",
     "scatter_steps",
     "selective_state_update",
     "ssd_scan_varlen",

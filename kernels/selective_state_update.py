@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, softplus, tl, triton, use_triton
+from mambaserve.kernels._dispatch import HAS_TRITON, dt_prologue, next_pow2, tl, triton, use_triton
 from mambaserve.kernels.ssd_scan import process_dt
 
 if HAS_TRITON:
@@ -44,13 +44,8 @@ if HAS_TRITON:
         mask2 = (p < tl.where(valid, P, 0))[:, None] & mn[None, :]  # scalar flag folded into a bound
         s = tl.load(state_ptr + slot * s_slot + h * s_h + tile, mask=mask2, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + b * x_b + h * x_h + p * x_p, mask=mp, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + b * dt_b + h * dt_h).to(tl.float32)
-        if HAS_BIAS:
-            dt += tl.load(bias_ptr + h).to(tl.float32)
-        if SOFTPLUS:
-            dt = softplus(dt)
-        if CLAMP:
-            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+        dt = dt_prologue(tl.load(dt_ptr + b * dt_b + h * dt_h).to(tl.float32), bias_ptr + h, dt_lo, dt_hi,
+                         HAS_BIAS, SOFTPLUS, CLAMP)
         A = tl.load(A_ptr + h).to(tl.float32)
         g = h // heads_per_group
         Bv = tl.load(B_ptr + b * B_b + g * B_g + n * B_n, mask=mn, other=0.0).to(tl.float32)
@@ -67,14 +62,14 @@ if HAS_TRITON:
         tl.store(out_ptr + b * o_b + h * o_h + p * o_p, y.to(out_ptr.dtype.element_ty), mask=mp)
 
 
-def _config(P: int, N: int) -> tuple[int, int]:
+def _config(P: int, N: int, rows_x_heads: int) -> tuple[int, int]:
     """(BLOCK_P, num_warps). 4K state elements per program (32 x 128 at N = 128) and 4 warps: the best
     or within 1% of the best of a 6-config sweep on an H100 for batch x heads >= 2560 in most shapes
-    (benchmarks/README.md)."""
-    BN = next_pow2(N)
-    return max(1, min(next_pow2(P), 4096 // BN)), 4
-
-
+    (benchmarks/README.md). Under 256 rows x heads (batch 1) more, smaller programs fill the GPU:
+    BLOCK_P = 4 took mamba2-2.7b's batch-1 update from 4.9 to 4.0 us (H100, L2-cold states)."""
+    if rows_x_heads < 256:
+        return min(4, next_pow2(P)), 4
+    return max(1, min(next_pow2(P), 4096 // next_pow2(N))), 4
 
 
 def selective_state_update_ref(
@@ -138,7 +133,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     out = torch.empty_like(x)
     if Bsz == 0:
         return out
-    BP, warps = _config(P, N)
+    BP, warps = _config(P, N, Bsz * H)
     BP, warps = block_p or BP, num_warps or warps
     lo, hi = dt_limit
     clamp = lo > 0.0 or hi != float("inf")

@@ -32,16 +32,18 @@ class BatchTensors:
 
 
 class RMSNorm(nn.Module):
-    """Residual add + RMSNorm in one kernel (``kernels.rmsnorm``, Hugging Face's rounding)."""
+    """Residual add + RMSNorm (Hugging Face's rounding); it runs fused with the projection after it
+    (``kernels.rmsnorm_linear``)."""
 
     def __init__(self, dim: int, eps: float, residual_in_fp32: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.residual_in_fp32 = eps, residual_in_fp32
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``; ``residual`` is None before the first block."""
-        return kernels.rmsnorm(x, residual, self.weight, self.eps, self.residual_in_fp32)
+    def then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Linear):
+        """``(proj(norm(residual + x)), residual + x)``; ``residual`` is None before the first block."""
+        return kernels.rmsnorm_linear(x, residual, self.weight, self.eps, self.residual_in_fp32, proj.weight,
+                                      proj.bias)
 
 
 class GatedNorm(nn.Module):
@@ -66,10 +68,11 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedNorm(d.d_inner, d.d_inner // d.n_groups, d.eps)
         self.out_proj = nn.Linear(d.d_inner, d.hidden_size, bias=d.use_bias)
 
-    def forward(self, h: torch.Tensor, bt: BatchTensors, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+    def forward(self, zxbcdt: torch.Tensor, bt: BatchTensors, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """``zxbcdt``: in_proj's output (the block runs the pre-norm and in_proj fused)."""
         d = self.d
-        T = h.shape[0]
-        z, xBC, dt = self.in_proj(h).split([d.d_inner, d.conv_dim, d.num_heads], dim=-1)
+        T = zxbcdt.shape[0]
+        z, xBC, dt = zxbcdt.split([d.d_inner, d.conv_dim, d.num_heads], dim=-1)
         conv_w = self.conv1d.weight.squeeze(1)
         tracked = None
         # xBC is a column slice of in_proj's output: the conv kernels read it through its row stride.
@@ -94,8 +97,9 @@ class Mamba2Mixer(nn.Module):
                 ssm_state, x.reshape(T, d.num_heads, d.head_dim), dt, self.A,
                 B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, state_indices=bt.slots)
-        y = kernels.gated_rmsnorm(y.reshape(T, d.d_inner), z, self.norm.weight, self.norm.eps, self.norm.group_size)
-        return self.out_proj(y.to(h.dtype)), tracked
+        out = kernels.gated_rmsnorm_linear(y.reshape(T, d.d_inner), z, self.norm.weight, self.norm.eps,
+                                           self.norm.group_size, self.out_proj.weight, self.out_proj.bias)
+        return out, tracked
 
     @torch.no_grad()
     def refresh_A(self) -> None:
@@ -129,6 +133,12 @@ class Mamba2Block(nn.Module):
         super().__init__()
         self.norm = RMSNorm(d.hidden_size, d.eps, d.residual_in_fp32)
         self.mixer = Mamba2Mixer(d)
+
+    def forward(self, x, residual, bt: BatchTensors, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """(block output, new residual, tracked states); ``x`` is the previous block's output."""
+        zxbcdt, residual = self.norm.then_linear(x, residual, self.mixer.in_proj)
+        out, tracked = self.mixer(zxbcdt, bt, conv_state, ssm_state)
+        return out, residual, tracked
 
 
 class Backbone(nn.Module):
@@ -186,10 +196,9 @@ class Mamba2ForCausalLM(nn.Module):
         x, residual = self.backbone.embeddings(input_ids), None
         tracked = []
         for i, layer in enumerate(self.backbone.layers):
-            h, residual = layer.norm(x, residual)  # residual += x (the previous block's output); h = norm
-            x, states = layer.mixer(h, bt, conv[i], ssm[i])
+            x, residual, states = layer(x, residual, bt, conv[i], ssm[i])
             tracked.append(states)
         if logit_rows is not None:
             x, residual = x[logit_rows], residual[logit_rows]
-        h, _ = self.backbone.norm_f(x, residual)
-        return self.lm_head(h).float(), tracked
+        logits, _ = self.backbone.norm_f.then_linear(x, residual, self.lm_head)
+        return logits.float(), tracked

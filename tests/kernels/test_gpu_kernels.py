@@ -35,8 +35,15 @@ def _cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
 
+# the default tiles; 32-token k blocks and the start-state product over N in two slices; 4 warps, exact
+# diagonal weights, the state tile over all of N
+SCAN_CONFIGS = [None, dict(block_k=32, block_n=64, num_stages=2),
+                dict(num_warps=4, diag_factor=False, state_block_n=128)]
+
+
+@pytest.mark.parametrize("config", SCAN_CONFIGS)
 @pytest.mark.parametrize("G", [1, 8])
-def test_scan_packed_real_shapes(G):
+def test_scan_packed_real_shapes(G, config):
     lengths = [1, 3, Q - 1, Q, Q + 1, 3 * Q + 5]
     S = len(lengths)
     x, dt, A, B, C, D, bias = _scan_inputs(sum(lengths), G, G)
@@ -46,7 +53,7 @@ def test_scan_packed_real_shapes(G):
               has_initial_state=torch.tensor([True, False] * 3, device="cuda"),
               seq_start_pos=torch.tensor([0, 5, 2 * Q + 3, Q, 1, 7], device="cuda"), D=D, dt_bias=bias,
               return_boundary_states=True)
-    y, bnd = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, **kw)
+    y, bnd = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, config=config, **kw)
     y_ref, bnd_ref = ssd_scan_varlen_ref(x, dt, A, B, C, ssm_state=ref_pool, **kw)
     assert_close(y, y_ref, 1e-2)
     assert_close(pool, ref_pool, 5e-3)
@@ -55,7 +62,8 @@ def test_scan_packed_real_shapes(G):
     assert_close(bnd.states, bnd_ref.states, 5e-3)
 
 
-def test_scan_split_resume_and_extreme_decay_real_shapes():
+@pytest.mark.parametrize("config", SCAN_CONFIGS)
+def test_scan_split_resume_and_extreme_decay_real_shapes(config):
     L, cut = 2000, 700
     x, dt, A, B, C, D, bias = _scan_inputs(L, 1, 3)
     dt[::7] = 30.0
@@ -64,14 +72,15 @@ def test_scan_split_resume_and_extreme_decay_real_shapes():
     one, two = torch.zeros(2, H, P, N, device="cuda"), torch.zeros(2, H, P, N, device="cuda")
     slot = torch.tensor([1], device="cuda")
     base = dict(chunk_size=Q, state_indices=slot, D=D, dt_bias=bias, return_boundary_states=True)
-    y1, b1 = ssd_scan_varlen(x, dt, A, B, C, cu_seqlens=_cu([L]), ssm_state=one,
-                             has_initial_state=torch.tensor([False], device="cuda"), **base)
-    ya, ba = ssd_scan_varlen(x[:cut], dt[:cut], A, B[:cut], C[:cut], cu_seqlens=_cu([cut]), ssm_state=two,
-                             has_initial_state=torch.tensor([False], device="cuda"),
-                             seq_start_pos=torch.tensor([0], device="cuda"), **base)
-    yb, bb = ssd_scan_varlen(x[cut:], dt[cut:], A, B[cut:], C[cut:], cu_seqlens=_cu([L - cut]), ssm_state=two,
-                             has_initial_state=torch.tensor([True], device="cuda"),
-                             seq_start_pos=torch.tensor([cut], device="cuda"), **base)
+    run = lambda *a, **k: ssd_scan_varlen(*a, config=config, **k)  # noqa: E731
+    y1, b1 = run(x, dt, A, B, C, cu_seqlens=_cu([L]), ssm_state=one,
+                 has_initial_state=torch.tensor([False], device="cuda"), **base)
+    ya, ba = run(x[:cut], dt[:cut], A, B[:cut], C[:cut], cu_seqlens=_cu([cut]), ssm_state=two,
+                 has_initial_state=torch.tensor([False], device="cuda"),
+                 seq_start_pos=torch.tensor([0], device="cuda"), **base)
+    yb, bb = run(x[cut:], dt[cut:], A, B[cut:], C[cut:], cu_seqlens=_cu([L - cut]), ssm_state=two,
+                 has_initial_state=torch.tensor([True], device="cuda"),
+                 seq_start_pos=torch.tensor([cut], device="cuda"), **base)
     assert torch.isfinite(y1).all() and torch.isfinite(one).all() and torch.isfinite(b1.states).all()
     assert_close(torch.cat([ya, yb]), y1, 1e-2)
     assert_close(two, one, 5e-3)
@@ -85,9 +94,9 @@ def test_scan_split_resume_and_extreme_decay_real_shapes():
     y_dec = selective_state_update(two, x[-1:], dt[-1:], A, B[-1:], C[-1:], D, None, bias, state_indices=slot)
     long = torch.zeros(2, H, P, N, device="cuda")
     x2 = torch.cat([x, x[-1:]])
-    y_long, _ = ssd_scan_varlen(x2, torch.cat([dt, dt[-1:]]), A, torch.cat([B, B[-1:]]), torch.cat([C, C[-1:]]),
-                                cu_seqlens=_cu([L + 1]), ssm_state=long,
-                                has_initial_state=torch.tensor([False], device="cuda"), **base)
+    y_long, _ = run(x2, torch.cat([dt, dt[-1:]]), A, torch.cat([B, B[-1:]]), torch.cat([C, C[-1:]]),
+                    cu_seqlens=_cu([L + 1]), ssm_state=long,
+                    has_initial_state=torch.tensor([False], device="cuda"), **base)
     assert_close(y_dec, y_long[-1:], 1e-2)
 
 
@@ -192,3 +201,29 @@ def test_conv_strided_input_real_shapes():
     y = causal_conv1d_update(step, pool, w, b, idx)
     assert torch.equal(y, causal_conv1d_update(step.contiguous(), pool_c, w, b, idx))
     assert torch.equal(pool, pool_c)
+
+
+@pytest.mark.parametrize("N,K", [(10576, 2560), (3352, 768), (50288, 2560)])  # in_proj 2.7b / 130m, lm_head
+def test_rmsnorm_linear_real_shapes(N, K):
+    from mambaserve.kernels.norm_linear import rmsnorm_linear, rmsnorm_linear_ref
+
+    g = torch.Generator(device="cuda").manual_seed(N)
+    x, res = torch.randn(1, K, generator=g, device="cuda").to(BF), torch.randn(1, K, generator=g, device="cuda")
+    w = (torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).to(BF)
+    nw = (1 + 0.1 * torch.randn(K, generator=g, device="cuda")).to(BF)
+    for residual in (None, res):
+        y, r = rmsnorm_linear(x, residual, nw, 1e-5, True, w)
+        y_ref, r_ref = rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)
+        assert torch.equal(r, r_ref)
+        assert_close(y, y_ref, 1e-2)
+
+
+@pytest.mark.parametrize("N,K", [(2560, 5120), (768, 1536)])  # out_proj 2.7b / 130m
+def test_gated_rmsnorm_linear_real_shapes(N, K):
+    from mambaserve.kernels.norm_linear import gated_rmsnorm_linear, gated_rmsnorm_linear_ref
+
+    g = torch.Generator(device="cuda").manual_seed(N)
+    x, z = (torch.randn(1, K, generator=g, device="cuda").to(BF) for _ in range(2))
+    w = (torch.randn(N, K, generator=g, device="cuda") / K ** 0.5).to(BF)
+    nw = (1 + 0.1 * torch.randn(K, generator=g, device="cuda")).to(BF)
+    assert_close(gated_rmsnorm_linear(x, z, nw, 1e-5, K, w), gated_rmsnorm_linear_ref(x, z, nw, 1e-5, K, w), 1e-2)

@@ -1,0 +1,56 @@
+"""Norm + projection fused (one decode row) against the unfused kernels' references."""
+
+import pytest
+import torch
+
+from mambaserve.kernels.norm_linear import (gated_rmsnorm_linear, gated_rmsnorm_linear_ref, rmsnorm_linear,
+                                            rmsnorm_linear_ref)
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("N,K", [(24, 40), (9, 512), (37, 1100)])
+@pytest.mark.parametrize("residual_kind", ["none", "fp32", "same"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rmsnorm_linear_matches_unfused(dev, N, K, residual_kind, bias):
+    x, w = _rand(1, K, seed=N).to(dev), (_rand(N, K, seed=K) / K ** 0.5).to(dev)
+    nw, b = (1 + 0.1 * _rand(K, seed=3)).to(dev), _rand(N, seed=4).to(dev) if bias else None
+    fp32 = residual_kind == "fp32"
+    residual = None if residual_kind == "none" else (4 * _rand(1, K, seed=5)).to(dev)
+    y, res = rmsnorm_linear(x, residual, nw, 1e-5, fp32, w, b, force_triton=True, config={"BLOCK_K": 256})
+    y_ref, res_ref = rmsnorm_linear_ref(x, residual, nw, 1e-5, fp32, w, b)
+    assert y.shape == (1, N) and res.dtype == res_ref.dtype
+    assert torch.equal(res, res_ref)  # the new residual is the same add, stored by one program
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("N,K", [(24, 40), (33, 1100)])
+def test_gated_rmsnorm_linear_matches_unfused(dev, N, K):
+    x, z = _rand(1, K, seed=1).to(dev), _rand(1, K, seed=2).to(dev)
+    w, nw = (_rand(N, K, seed=3) / K ** 0.5).to(dev), (1 + 0.1 * _rand(K, seed=4)).to(dev)
+    y = gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, force_triton=True, config={"BLOCK_K": 256})
+    torch.testing.assert_close(y, gated_rmsnorm_linear_ref(x, z, nw, 1e-5, K, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_rounds_like_the_unfused_path(dev):
+    K, N = 768, 40
+    x, w = _rand(1, K, seed=1).bfloat16().to(dev), (_rand(N, K, seed=2) / K ** 0.5).bfloat16().to(dev)
+    nw, residual = (1 + 0.1 * _rand(K, seed=3)).bfloat16().to(dev), _rand(1, K, seed=4).to(dev)
+    y, res = rmsnorm_linear(x, residual, nw, 1e-5, True, w, force_triton=True)
+    y_ref, res_ref = rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)
+    assert y.dtype == torch.bfloat16 and torch.equal(res, res_ref)
+    # the fused path does not round the normalised row to bf16 before the product: within that rounding
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_what_the_kernel_does_not_take_runs_unfused(dev):
+    """Two rows, or several norm groups: exactly the unfused result."""
+    x, z, w, nw = _rand(2, 64, seed=1).to(dev), _rand(2, 64, seed=2).to(dev), _rand(8, 64, seed=3).to(dev), \
+        _rand(64, seed=4).to(dev)
+    y, res = rmsnorm_linear(x, None, nw, 1e-5, True, w, force_triton=True)
+    y_ref, res_ref = rmsnorm_linear_ref(x, None, nw, 1e-5, True, w)
+    assert torch.equal(y, y_ref) and torch.equal(res, res_ref)
+    grouped = gated_rmsnorm_linear(x[:1], z[:1], nw, 1e-5, 16, w, force_triton=True)
+    assert torch.equal(grouped, gated_rmsnorm_linear_ref(x[:1], z[:1], nw, 1e-5, 16, w))

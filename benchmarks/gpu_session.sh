@@ -15,7 +15,8 @@ python3 -c "import mambaserve.server.engine, fastapi, triton, torch; print('torc
 cd - >/dev/null
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/server/test_gpu_engine.py tests/kernels/test_gpu_kernels.py \
+  # every kernel test (the Triton ones run compiled on the GPU) and the GPU engine tests
+  python3 -m pytest -q -p no:cacheprovider tests/kernels tests/server/test_gpu_engine.py \
     2>&1 | grep -v -i "falling back" | tail -30
 fi
 if [ "$SIZE" = "130m" ]; then

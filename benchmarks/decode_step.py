@@ -115,6 +115,9 @@ def profile_step(graph: torch.cuda.CUDAGraph, num_layers: int, step_ms: float, t
     print(f"kernels per step: {len(kernels)} ({len(kernels) / num_layers:.2f} per layer over {num_layers} layers; "
           f"{len(device) - len(kernels)} memcpy/memset); kernel time {busy_us / 1e3:.3f} ms of a "
           f"{step_ms:.3f} ms step: {100 * max(gap, 0):.0f}% between kernels", flush=True)
+    if gap < 0:
+        print("(kernels overlap: with programmatic dependent launch a kernel's time includes its wait for "
+              "the one before; MAMBASERVE_PDL=0 gives per-kernel times)", flush=True)
     return {"kernels_per_step": len(kernels), "kernels_per_layer": len(kernels) / num_layers,
             "memcpy_memset": len(device) - len(kernels), "kernel_time_ms": busy_us / 1e3,
             "top": [{"name": n, "calls": len(t), "total_us": sum(t)} for n, t in rows[:top]]}

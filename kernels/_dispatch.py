@@ -10,6 +10,7 @@ Rules, in order:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,10 +20,15 @@ try:  # Triton is an optional dependency (the ``triton`` extra); CPU-only instal
     import triton.language as tl  # noqa: F401
 
     HAS_TRITON = True
+    try:  # griddepcontrol (programmatic dependent launch), Triton >= 3.3
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # pragma: no cover
+        gdc_launch_dependents = gdc_wait = None
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
     HAS_TRITON = False
+    gdc_launch_dependents = gdc_wait = None
 
 
 if HAS_TRITON:
@@ -77,10 +83,21 @@ if HAS_TRITON:
         tok1 = tl.where(seq < S, tok1, tok0)
         return seq, j, tok0, tok1
 
+    @triton.jit
+    def pdl_start(USE_PDL: tl.constexpr):
+        """Programmatic dependent launch, called first thing: let the next kernel in the stream start
+        launching now (its programs wait here in turn), then wait until the previous kernel has
+        finished and its writes are visible. Only the launch latency overlaps; no read moves before
+        the wait, so any kernel order stays correct."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
 else:  # pragma: no cover
     softplus = None
     dt_prologue = None
     locate_block = None
+    pdl_start = None
 
 
 def interpreting() -> bool:
@@ -100,6 +117,23 @@ def use_triton(t: torch.Tensor, force_triton: bool | None) -> bool:
     if os.environ.get("MAMBASERVE_KERNELS", "").lower() == "ref":
         return False
     return HAS_TRITON and t.is_cuda
+
+
+@functools.cache
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Launch decode kernels with programmatic dependent launch: CUDA on Hopper or newer, a Triton
+    with griddepcontrol, not the interpreter; ``MAMBASERVE_PDL=0`` turns it off (A/B, debugging)."""
+    return (t.is_cuda and gdc_wait is not None and os.environ.get("MAMBASERVE_PDL", "1") != "0"
+            and _hopper_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel that calls ``pdl_start``: PDL on where ``use_pdl`` says so."""
+    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(t) else {}
 
 
 def next_pow2(n: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, locate_block, next_pow2, tl, triton, use_triton
+from mambaserve.kernels._dispatch import HAS_TRITON, locate_block, next_pow2, pdl_args, pdl_start, tl, triton, use_triton
 
 _BLOCK_T = 32
 _BLOCK_D = 256
@@ -101,8 +101,10 @@ if HAS_TRITON:
         x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_ptr, Dm,
         x_b, x_d, st_s, st_d, st_k, w_d, w_k, o_b, o_d,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+        USE_PDL: tl.constexpr = False,
     ):
         """Grid (rows, cdiv(D, BLOCK_D)). Slot -1: output 0, no state access."""
+        pdl_start(USE_PDL)
         b = tl.program_id(0)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         slot = tl.load(idx_ptr + b).to(tl.int64)
@@ -245,5 +247,5 @@ def causal_conv1d_update(x, conv_state, weight, bias, state_indices, activation=
     _causal_conv1d_update_kernel[(Bsz, triton.cdiv(Dm, _BLOCK_D))](
         x, conv_state, weight, b, state_indices, out, Dm, *x.stride(), *conv_state.stride(),
         *weight.stride(), *out.stride(), K=K, HAS_BIAS=bias is not None, SILU=silu, BLOCK_D=_BLOCK_D,
-        num_warps=_WARPS)
+        num_warps=_WARPS, **pdl_args(x))
     return out

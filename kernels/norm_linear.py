@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, pdl_args, pdl_start, tl, triton, use_triton
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
 from mambaserve.kernels.rmsnorm import rmsnorm
 
@@ -51,11 +51,13 @@ if HAS_TRITON:
     @triton.jit
     def _norm_linear_kernel(x_ptr, r_ptr, z_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, N, K, eps,
                             PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
         """Grid (cdiv(N, BLOCK_N),): one row; program pid owns output columns [pid * BLOCK_N, ...).
 
         One pass: the weight streams from the first iteration while the row's mean square
         accumulates beside the product; rstd, a per-row scalar, scales the sums at the end."""
+        pdl_start(USE_PDL)
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,7 +100,8 @@ def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_re
     _norm_linear_kernel[(triton.cdiv(N, tiles["BLOCK_N"]),)](
         x, r if r is not None else x, z if z is not None else x, norm_weight, weight,
         bias if bias is not None else weight, y, res_out, N, K, float(eps),
-        PROLOGUE=prologue, HAS_RES=r is not None, STORE_RES=store_res, HAS_BIAS=bias is not None, **tiles)
+        PROLOGUE=prologue, HAS_RES=r is not None, STORE_RES=store_res, HAS_BIAS=bias is not None, **tiles,
+        **pdl_args(x))
     return y
 
 

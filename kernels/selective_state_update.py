@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, dt_prologue, next_pow2, tl, triton, use_triton
+from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, next_pow2, pdl_args, pdl_start, tl, triton,
+                                         use_triton)
 from mambaserve.kernels.ssd_scan import process_dt
 
 if HAS_TRITON:
@@ -24,10 +25,12 @@ if HAS_TRITON:
         z_b, z_h, z_p, o_b, o_h, o_p,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DST: tl.constexpr,
         SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_PDL: tl.constexpr = False,
     ):
         """Grid (cdiv(P, BLOCK_P), rows, H). One program: a [BLOCK_P, N] tile of one row's head state,
         read once and written once (the state is >95% of the bytes). Padding rows (slot -1) mask every
         state access, so they cost no bandwidth and leave all slots untouched; their output is 0."""
+        pdl_start(USE_PDL)
         pid_p, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(idx_ptr + b).to(tl.int64)
         valid = slot >= 0
@@ -146,5 +149,5 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *zz.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None,
         HAS_DST=dst_state_indices is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
-        BLOCK_P=BP, BLOCK_N=next_pow2(N), num_warps=warps)
+        BLOCK_P=BP, BLOCK_N=next_pow2(N), num_warps=warps, **pdl_args(x))
     return out

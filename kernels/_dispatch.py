@@ -136,5 +136,12 @@ def pdl_args(t: torch.Tensor) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if use_pdl(t) else {}
 
 
+def seq_block(S: int) -> int:
+    """Width of the per-sequence vectors of the varlen kernels (``locate_block``'s BLOCK_S). A compile-time
+    constant, so each value is a compile: one variant up to 32 sequences in a batch, then one per power
+    of two (``ModelRunner.warm_up`` compiles them all at start)."""
+    return max(32, next_pow2(S))
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

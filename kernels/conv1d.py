@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, locate_block, next_pow2, pdl_args, pdl_start, tl, triton, use_triton
+from mambaserve.kernels._dispatch import (HAS_TRITON, locate_block, next_pow2, pdl_args, pdl_start, seq_block, tl,
+                                         triton, use_triton)
 
 _BLOCK_T = 32
 _BLOCK_D = 256
@@ -223,7 +224,7 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices,
         x, weight, b, conv_state, cu_seqlens, state_indices, has_initial_state, out, S, Dm,
         *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
         K=K, HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D,
-        BLOCK_S=max(2, next_pow2(S)), num_warps=_WARPS)
+        BLOCK_S=seq_block(S), num_warps=_WARPS)
     _conv_state_write_kernel[(S, triton.cdiv(Dm, _BLOCK_D))](
         x, conv_state, cu_seqlens, state_indices, has_initial_state, Dm, *x.stride(), *conv_state.stride(),
         K=K, BLOCK_D=_BLOCK_D, num_warps=_WARPS)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, interpreting, locate_block, next_pow2, tl, triton,
-                                          use_triton)
+from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, interpreting, locate_block, next_pow2, seq_block,
+                                          tl, triton, use_triton)
 
 
 @dataclass
@@ -432,7 +432,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     dev = x.device
     y = torch.empty(T, H, P, dtype=x.dtype, device=dev)
     NC = T // Q + 2 * S
-    BLOCK_S = max(2, next_pow2(S))
+    BLOCK_S = seq_block(S)
     BP, BN = max(16, next_pow2(P)), max(16, next_pow2(N))
     has_pos = seq_start_pos is not None
     pos = seq_start_pos if has_pos else cu_seqlens

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -53,6 +54,11 @@ class Engine:
         runner = ModelRunner(self.model, self.pool, self.device)
         if is_cuda and not cfg.disable_cuda_graph:
             runner.enable_cuda_graphs(min(cfg.running_limit(is_cuda), cfg.cuda_graph_max_bs))
+        if is_cuda:
+            t = time.monotonic()
+            runner.warm_up(d.chunk_size, self.track_interval,
+                           min(cfg.running_limit(is_cuda), cfg.chunked_prefill_size))
+            log.info("prefill kernels compiled in %.1f s", time.monotonic() - t)
         self.scheduler = Scheduler(
             runner, self.metrics,
             max_running=cfg.running_limit(is_cuda), chunked_prefill_size=cfg.chunked_prefill_size,

@@ -34,6 +34,34 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.device)
         self.graphs.capture()
 
+    def warm_up(self, chunk_size: int, track_interval: int = 0, max_seqs: int = 2) -> None:
+        """Run a prefill of each class of shape the Triton kernels compile a variant for (1, 2 and up to
+        ``max_seqs`` sequences per batch in ``seq_block`` steps, token counts a multiple of 16 or not,
+        from zero and resumed mid-chunk, tracked snapshots), a slot copy and a clear, on borrowed
+        slots, so that no request waits seconds for a compile (the first requests of
+        benchmarks/multiturn.py did). Results are discarded."""
+        widths = [1, 2] + [w for w in (64, 128, 256, 512, 1024, 2048, 4096) if w // 2 < max_seqs]
+        slots: list[int] = []
+        while len(slots) < max(3, min(widths[-1], max_seqs)) and (slot := self.pool.allocator.alloc()) is not None:
+            slots.append(slot)
+        try:
+            if len(slots) < 3:
+                return
+            a, c = slots[0], slots[-1]
+            n = chunk_size + 3  # ends mid-chunk: the resumed prefills below start there
+            cases = [((n,), (0,), []), ((16,), (0,), []), ((n, 5), (0, 0), []), ((7,), (n,), []),
+                     ((16, 9), (n, 0), [])]
+            cases += [((1,) * w, (0,) * w, []) for w in widths[2:] if w <= len(slots) - 1]
+            if track_interval:
+                cases.append(((track_interval + 3,), (0,), [(0, track_interval, c)]))
+            for lens, starts, track in cases:
+                ids = [1 + i % 7 for i in range(sum(lens))]
+                self.forward(ForwardBatch(ForwardMode.EXTEND, ids, list(lens), list(starts), slots[:len(lens)],
+                                          StateOps(copies=[(a, c)], clears=[c]), track=track))
+        finally:
+            for slot in slots:
+                self.pool.allocator.free(slot)
+
     def apply_state_ops(self, ops: StateOps) -> None:
         if ops.copies:
             src = to_device([s for s, _ in ops.copies], torch.long, self.device)

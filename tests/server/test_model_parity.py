@@ -95,3 +95,14 @@ def test_A_is_derived_at_load_and_refreshed_in_place(ckpt):
         mixer.A_log.add_(0.25)
     model.refresh_derived()
     assert mixer.A.data_ptr() == ptr and torch.equal(mixer.A, -torch.exp(mixer.A_log.float()))
+
+
+def test_warm_up_borrows_slots_and_gives_them_back(ckpt):
+    runner = _runner(ckpt, slots=70)
+    free = runner.pool.allocator.num_free
+    runner.warm_up(runner.model.dims.chunk_size, track_interval=runner.model.dims.chunk_size, max_seqs=64)
+    assert runner.pool.allocator.num_free == free
+    while runner.pool.allocator.num_free > 2:
+        runner.pool.allocator.alloc()  # too few slots left to borrow three: nothing runs, nothing leaks
+    runner.warm_up(runner.model.dims.chunk_size)
+    assert runner.pool.allocator.num_free == 2

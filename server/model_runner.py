@@ -49,8 +49,11 @@ class ModelRunner:
                 return
             a, c = slots[0], slots[-1]
             n = chunk_size + 3  # ends mid-chunk: the resumed prefills below start there
-            cases = [((n,), (0,), []), ((16,), (0,), []), ((n, 5), (0, 0), []), ((7,), (n,), []),
-                     ((16, 9), (n, 0), [])]
+            # Triton compiles a variant per int argument == 1, divisible by 16, or neither: one and two
+            # sequences, token counts a multiple of 16 or not, fresh and resumed mid-chunk
+            cases = [((n,), (0,), []), ((n, 5), (0, 0), [])]
+            cases += [(lens, starts, []) for lens in [(16,), (19,), (16, 16), (16, 19)]
+                      for starts in [(0,) * len(lens), (n,) + (0,) * (len(lens) - 1)]]
             cases += [((1,) * w, (0,) * w, []) for w in widths[2:] if w <= len(slots) - 1]
             if track_interval:
                 cases.append(((track_interval + 3,), (0,), [(0, track_interval, c)]))

@@ -51,8 +51,8 @@ class Launched:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int, chunked_prefill_size: int,
-                 context_length: int, seed: int = 0, overlap: bool = True, debug_invariants: bool = False, radix_cache: bool = True,
-                 page_size: int = 1, track_interval: int = 0, max_sessions: int = 1024,
+                 context_length: int, seed: int = 0, overlap: bool = True, debug_invariants: bool = False,
+                 radix_cache: bool = True, page_size: int = 1, track_interval: int = 0, max_sessions: int = 1024,
                  session_timeout: float = 600.0, snapshot_dir: Path | None = None, compat: dict | None = None):
         self.runner = runner
         self.slots = runner.pool.allocator
@@ -137,7 +137,7 @@ class Scheduler:
             out = self.runner.forward(batch)
             rows = self.commit(batch, plan)
             if rows:
-                launched = self._sample(out.logits, [plan[i][0] for i in rows], rows, len(plan))
+                launched = self._sample(out.logits, rows, [plan[i][0] for i in rows])
             self.steps += 1
         prev, self.inflight = self.inflight, launched
         if prev is not None:  # the device is busy with this step meanwhile
@@ -329,8 +329,9 @@ class Scheduler:
             rows.append(i)
         return rows
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req], rows: list[int], num_rows: int) -> Launched:
-        if len(rows) < num_rows:
+    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]) -> Launched:
+        """Sample ``logits[rows]`` (one row per sequence of the step) for ``reqs``, without waiting."""
+        if len(rows) < logits.shape[0]:
             logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
         result = sample(logits, [r.params for r in reqs], [self.generators.get(r.rid, self.default_gen) for r in reqs],
                         [j for j, r in enumerate(reqs) if r.return_logprob],

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, pdl_args, pdl_start, tl, triton, use_triton
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
-from mambaserve.kernels.rmsnorm import rmsnorm
+from mambaserve.kernels.rmsnorm import new_residual, rmsnorm
 
 RESIDUAL, GATED = 1, 2  # the prologue: residual-add RMSNorm, or gated RMSNorm (x * silu(z))
 FUSED = True  # read per call: benchmarks/decode_step.py --unfused clears it before capturing (A/B)
@@ -116,12 +116,9 @@ def rmsnorm_linear(x, residual, norm_weight, eps: float, residual_in_fp32: bool,
     ``config`` overrides the tiles (benchmark sweeps)."""
     if not _fits(x, weight, force_triton, residual) or norm_weight.dtype != x.dtype:
         return rmsnorm_linear_ref(x, residual, norm_weight, eps, residual_in_fp32, weight, bias)
-    rdtype = torch.float32 if residual_in_fp32 else x.dtype
-    if residual is not None and residual.dtype != rdtype:
-        raise ValueError(f"residual is {residual.dtype}, expected {rdtype} (residual_in_fp32={residual_in_fp32})")
-    store = residual is not None or rdtype != x.dtype
-    res_out = torch.empty_like(x, dtype=rdtype) if store else x
-    return _launch(RESIDUAL, x, residual, None, norm_weight, eps, weight, bias, res_out, store, config), res_out
+    res_out = new_residual(x, residual, residual_in_fp32)
+    return _launch(RESIDUAL, x, residual, None, norm_weight, eps, weight, bias, res_out, res_out is not x,
+                   config), res_out
 
 
 def gated_rmsnorm_linear_ref(x, z, norm_weight, eps, group_size, weight, bias=None):

@@ -47,6 +47,15 @@ def _residual_dtype(x: torch.Tensor, residual: torch.Tensor | None, residual_in_
     return dtype
 
 
+def new_residual(x: torch.Tensor, residual: torch.Tensor | None, residual_in_fp32: bool) -> torch.Tensor:
+    """The buffer a kernel writes ``residual + x`` into; ``x`` itself when there is nothing to add and
+    no dtype to change (the kernel then writes nothing: store only when the result ``is not x``)."""
+    rdtype = _residual_dtype(x, residual, residual_in_fp32)
+    if residual is None and rdtype == x.dtype:
+        return x
+    return torch.empty(x.shape, dtype=rdtype, device=x.device)
+
+
 def rmsnorm_ref(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -65,20 +74,18 @@ def rmsnorm(x, residual, weight, eps: float, residual_in_fp32: bool = False, *,
             force_triton: bool | None = None):
     """Residual add + RMSNorm: see the module docstring. One launch; with no residual in x's dtype
     the new residual is ``x`` itself (nothing written)."""
-    rdtype = _residual_dtype(x, residual, residual_in_fp32)
     rows_ok = (x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
                and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1)))
     if not use_triton(x, force_triton) or not rows_ok:
         return rmsnorm_ref(x, residual, weight, eps, residual_in_fp32)
     T, D = x.shape
     out = torch.empty(T, D, dtype=torch.result_type(weight, x), device=x.device)
-    store = residual is not None or rdtype != x.dtype
-    res_out = torch.empty(T, D, dtype=rdtype, device=x.device) if store else x
+    res_out = new_residual(x, residual, residual_in_fp32)
     if T == 0:
         return out, res_out
     BLOCK = next_pow2(D)
     res = residual if residual is not None else x
     _rmsnorm_kernel[(T,)](
         x, res, weight, out, res_out, D, float(eps), x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-        HAS_RES=residual is not None, STORE_RES=store, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)))
+        HAS_RES=residual is not None, STORE_RES=res_out is not x, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)))
     return out, res_out

@@ -127,13 +127,6 @@ INVALID_SESSIONS = [
 ]
 
 
-@pytest.mark.parametrize("name,obj,message", INVALID_SESSIONS, ids=[c[0] for c in INVALID_SESSIONS])
-def test_invalid_sessions_are_rejected(name: str, obj: dict[str, Any], message: str) -> None:
-    _, errors = admit(SESSIONS, obj)
-    assert errors, f"{name} was accepted"
-    assert any(message in e for e in errors), errors
-
-
 INVALID_TIERS = [
     ("storage without size", _tier(storage={"enabled": True}), "needs storage.size"),
     ("size and existing claim", _tier(storage={"enabled": True, "size": "1Gi", "existingClaim": "c"}),
@@ -149,10 +142,13 @@ INVALID_TIERS = [
 ]
 
 
-@pytest.mark.parametrize("name,obj,message", INVALID_TIERS, ids=[c[0] for c in INVALID_TIERS])
-def test_invalid_tiers_are_rejected(name: str, obj: dict[str, Any], message: str) -> None:
-    _, errors = admit(TIERS, obj)
-    assert errors, f"{name} was accepted"
+INVALID = [("session", SESSIONS, *c) for c in INVALID_SESSIONS] + [("tier", TIERS, *c) for c in INVALID_TIERS]
+
+
+@pytest.mark.parametrize("kind,crd,name,obj,message", INVALID, ids=[f"{c[0]}: {c[2]}" for c in INVALID])
+def test_invalid_objects_are_rejected(kind: str, crd, name: str, obj: dict[str, Any], message: str) -> None:
+    _, errors = admit(crd, obj)
+    assert errors, f"{kind} {name!r} was accepted"
     assert any(message in e for e in errors), errors
 
 

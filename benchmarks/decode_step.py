@@ -11,7 +11,8 @@ With --profile: the kernels of one batch-1 step (torch.profiler around one graph
 device time, the number of kernels per step and per layer, and the share of the step spent between
 kernels. With --projections: each projection of the model at batch 1, its norm kernel + cuBLAS against
 the fused kernels.*norm_linear and a sweep of its tiles, as a fraction of copy bandwidth. --unfused
-captures the graphs with norms and projections as separate kernels (the A/B baseline).
+captures the graphs with norms and projections as separate kernels (the A/B baseline). --variants
+times the same graphs again under other kernel knobs (L2 prefetch, tiles, PDL) in the same process.
 
   python3 benchmarks/decode_step.py --size 2.7b --profile
   python3 benchmarks/decode_step.py --size 130m,2.7b --batches 1,8,64 --json decode_step.json
@@ -99,8 +100,14 @@ def profile_step(graph: torch.cuda.CUDAGraph, num_layers: int, step_ms: float, t
               "kernel counts unavailable", flush=True)
         return {}
     by_name: dict[str, list[float]] = collections.defaultdict(list)
+    kernels.sort(key=lambda e: e.time_range.start)
+    n_proj, i = sum("norm_linear" in e.name for e in kernels), 0
     for e in kernels:
-        by_name[e.name].append(e.time_range.elapsed_us())
+        name = e.name
+        if "norm_linear" in name:  # the fused projections run in_proj, out_proj per layer, then lm_head
+            name += " (lm_head)" if i == n_proj - 1 else " (in_proj)" if i % 2 == 0 else " (out_proj)"
+            i += 1
+        by_name[name].append(e.time_range.elapsed_us())
     busy_us = sum(sum(v) for v in by_name.values())
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     print(f"\n{'kernel (one batch-1 step, graph replay)':<88} {'calls':>6} {'total us':>9} {'mean us':>8} {'%':>5}")
@@ -147,7 +154,8 @@ def bench_projections(size: str, bw: float) -> list[dict]:
     H, d_inner = s["hidden_size"], 2 * s["hidden_size"]
     shapes = {"in_proj": (2 * d_inner + 2 * s["state_size"] + s["num_heads"], H),
               "out_proj": (H, d_inner), "lm_head": (s["vocab_size"], H)}
-    sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (2, 4, 8) for bk in (512, 1024) for w in (4, 8)]
+    sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, ACC_2D=acc) for bn in (2, 4, 8) for bk in (512, 1024)
+             for w in (4, 8) for acc in (True, False)]
     rows = []
     for name, (N, K) in shapes.items():
         copies = max(2, -(-200_000_000 // (N * K * 2)))
@@ -169,18 +177,44 @@ def bench_projections(size: str, bw: float) -> list[dict]:
             unfused = lambda w: F.linear(rmsnorm(x, res, nw, 1e-5, True)[0], w)  # noqa: E731
             fused = lambda w, c=None: rmsnorm_linear(x, res, nw, 1e-5, True, w, config=c)  # noqa: E731
         ref = graph_us(call(unfused), calls=copies * 4)
-        ours = {tuple(c.values()): graph_us(call(lambda w, c=c: fused(w, c)), calls=copies * 4) for c in sweep}
-        default = ours[tuple(_tiles(K).values())]
+        ours = {tuple(sorted(c.items())): graph_us(call(lambda w, c=c: fused(w, c)), calls=copies * 4)
+                for c in sweep}
+        default = ours[tuple(sorted(_tiles(K).items()))]
         best_cfg, best = min(ours.items(), key=lambda kv: kv[1])
         frac = lambda us: N * K * 2 / (us * 1e-6) / bw  # noqa: E731
         rows.append({"size": size, "proj": name, "N": N, "K": K, "unfused_us": ref, "fused_us": default,
-                     "best_us": best, "best_tiles": best_cfg})
+                     "best_us": best, "best_tiles": dict(best_cfg),
+                     "sweep": [{"config": dict(c), "us": us} for c, us in ours.items()]})
         print(f"{size} {name:8} {N:6}x{K:5} b=1: norm + cuBLAS {ref:7.2f} us ({frac(ref):4.0%} of copy), fused "
               f"{default:7.2f} us ({frac(default):4.0%}), best {best:7.2f} us ({frac(best):4.0%}) "
-              f"BLOCK_N/K/warps={best_cfg} -> {ref / default:4.2f}x unfused", flush=True)
+              f"{dict(best_cfg)} -> {ref / default:4.2f}x unfused", flush=True)
         del ws
         torch.cuda.empty_cache()
     return rows
+
+
+def apply_variant(v: dict):
+    """Set the knobs of one --variants entry ("module.NAME": value on mambaserve.kernels.module,
+    "mambaserve.package.module.NAME" on that module, or "env.NAME": value in os.environ) and return a
+    function that restores them."""
+    import importlib
+    import os
+
+    undo = []
+    for key, value in v.items():
+        kind, name = key.rsplit(".", 1) if key.startswith("mambaserve.") else key.split(".", 1)
+        if kind == "env":
+            old = os.environ.get(name)
+            os.environ[name] = str(value)
+            undo.append(lambda n=name, o=old: os.environ.pop(n) if o is None else os.environ.__setitem__(n, o))
+        else:  # importlib: mambaserve.kernels.<op> the attribute is the launcher of the same name
+            mod = importlib.import_module(kind if kind.startswith("mambaserve.") else f"mambaserve.kernels.{kind}")
+            if name == "TILES":
+                value = {int(k): t for k, t in value.items()}
+            old = getattr(mod, name)
+            setattr(mod, name, value)
+            undo.append(lambda m=mod, n=name, o=old: setattr(m, n, o))
+    return lambda: [u() for u in reversed(undo)]
 
 
 def bench_size(size: str, batches: list[int], a: argparse.Namespace, bw: float) -> dict:
@@ -199,6 +233,21 @@ def bench_size(size: str, batches: list[int], a: argparse.Namespace, bw: float) 
         res["decode"].append({"batch": b, "step_ms": step_ms, "bound_ms": bound_ms, "ratio": step_ms / bound_ms})
         print(f"{size} decode b={b:3d}: {step_ms:8.3f} ms/step (graph replay, median of {a.replays}), bound "
               f"{bound_ms:8.3f} ms/step -> {step_ms / bound_ms:5.2f}x the bound", flush=True)
+    for v in a.variants:
+        undo = apply_variant(v)
+        runner.enable_cuda_graphs(max(batches))  # the knobs are read at each call: capture again
+        for b in batches:
+            step_ms = replay_ms(prepare(runner, b, SIZES[size]["vocab_size"]), a.replays)
+            base = next(r["step_ms"] for r in res["decode"] if r["batch"] == b)
+            res.setdefault("variants", []).append({"variant": v, "batch": b, "step_ms": step_ms})
+            print(f"{size} decode b={b:3d} {json.dumps(v)}: {step_ms:8.3f} ms/step -> {base / step_ms:5.3f}x "
+                  f"the default ({base:.3f} ms)", flush=True)
+        if a.profile:
+            graph = prepare(runner, 1, SIZES[size]["vocab_size"])
+            profile_step(graph, model.dims.num_layers, replay_ms(graph, a.replays), a.top)
+        undo()
+    if a.variants:
+        runner.enable_cuda_graphs(max(batches))
     if a.profile:
         graph = prepare(runner, 1, SIZES[size]["vocab_size"])
         res["profile_batch1"] = profile_step(graph, model.dims.num_layers, replay_ms(graph, a.replays), a.top)
@@ -221,6 +270,9 @@ def main() -> None:
                    help="norms and projections as separate kernels (norm kernel + cuBLAS) instead of fused (A/B)")
     p.add_argument("--projections", action="store_true",
                    help="also time each batch-1 projection: norm + cuBLAS vs fused (and a tile sweep)")
+    p.add_argument("--variants", type=json.loads, default=[],
+                   help='JSON list of knob settings, each timed after the default with the graphs captured again, '
+                        'e.g. \'[{"norm_linear.PREFETCH_COLS": 0}, {"env.MAMBASERVE_PDL": 0}]\'')
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
     sizes = a.size.split(",")

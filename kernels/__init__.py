@@ -4,7 +4,7 @@ with the same signature (``<op>_ref``). Launchers pick Triton on CUDA and the re
 
 from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
-from mambaserve.kernels.norm_linear import gated_rmsnorm_linear, rmsnorm_linear
+from mambaserve.kernels.norm_linear import ConvStep, gated_rmsnorm_linear, rmsnorm_linear
 from mambaserve.kernels.rmsnorm import rmsnorm
 from mambaserve.kernels.selective_state_update import selective_state_update
 from mambaserve.kernels.ssd_scan import BoundaryStates, ssd_scan_varlen
@@ -12,6 +12,7 @@ from mambaserve.kernels.state_ops import clear_slots, copy_slots, scatter_steps
 
 __all__ = [
     "BoundaryStates",
+    "ConvStep",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "clear_slots",

@@ -88,16 +88,35 @@ if HAS_TRITON:
         """Programmatic dependent launch, called first thing: let the next kernel in the stream start
         launching now (its programs wait here in turn), then wait until the previous kernel has
         finished and its writes are visible. Only the launch latency overlaps; no read moves before
-        the wait, so any kernel order stays correct."""
+        the wait, so any kernel order stays correct. Kernels that prefetch call the two halves,
+        ``pdl_trigger`` and ``pdl_wait``, with ``prefetch_l2`` between them."""
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)
+
+    @triton.jit
+    def pdl_trigger(USE_PDL: tl.constexpr):
         if USE_PDL:
             gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(USE_PDL: tl.constexpr):
+        if USE_PDL:
             gdc_wait()
+
+    @triton.jit
+    def prefetch_l2(ptrs):
+        """Ask L2 to fetch the lines holding ``ptrs`` (valid addresses; one per 128-byte line is enough)
+        without waiting for them. A hint that reads no value into registers, and L2 is where every
+        SM's writes land, so it is safe before ``pdl_wait``: a decode projection starts streaming its
+        weights into L2 while the kernel before it still runs (PTX, GPU only)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 else:  # pragma: no cover
     softplus = None
     dt_prologue = None
     locate_block = None
-    pdl_start = None
+    pdl_start = pdl_trigger = pdl_wait = prefetch_l2 = None
 
 
 def interpreting() -> bool:

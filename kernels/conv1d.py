@@ -98,10 +98,44 @@ if HAS_TRITON:
         return tl.where(i >= K - 1, xv.to(tl.float32), sv.to(tl.float32))
 
     @triton.jit
+    def conv_load(base, w_ptr, bias_ptr, d, m, md, w_d, w_k, st_k, K: tl.constexpr, KP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+        """What one decode conv step of channels ``d`` reads besides its input: the window at ``base``
+        (``K - 1`` columns ``st_k`` apart, oldest first, padded to ``KP`` = a power of two; ``m``:
+        channels whose state is touched), the taps and the bias (``md``: channels that exist).
+        Separate from ``conv_finish`` so a kernel can issue these reads early."""
+        kk = tl.arange(0, KP)
+        mk = (kk < K - 1)[None, :]
+        win = tl.load(base[:, None] + kk[None, :] * st_k, mask=m[:, None] & mk, other=0.0)
+        taps = tl.load(w_ptr + d[:, None] * w_d + kk[None, :] * w_k, mask=md[:, None] & mk, other=0.0).to(tl.float32)
+        last = tl.load(w_ptr + d * w_d + (K - 1) * w_k, mask=md, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + d, mask=md, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros_like(last)
+        return win, taps, last, bias
+
+    @triton.jit
+    def conv_finish(xv, win, taps, last, bias, base, m, st_k, K: tl.constexpr, KP: tl.constexpr,
+                    SILU: tl.constexpr, REPLICATED: tl.constexpr):
+        """The conv output for fp32 input ``xv`` (activated), and the window shifted in place by one
+        column. With ``REPLICATED`` (several warps hold the same channel) a barrier keeps every read
+        of the window (``conv_load``) before any write."""
+        kk = tl.arange(0, KP)
+        acc = tl.sum(win.to(tl.float32) * taps, axis=1) + last * xv + bias
+        if REPLICATED:
+            tl.debug_barrier()
+        tl.store(base[:, None] + (kk[None, :] - 1) * st_k, win, mask=m[:, None] & ((kk >= 1) & (kk < K - 1))[None, :])
+        tl.store(base + (K - 2) * st_k, xv.to(base.dtype.element_ty), mask=m)
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        return acc
+
+    @triton.jit
     def _causal_conv1d_update_kernel(
         x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_ptr, Dm,
         x_b, x_d, st_s, st_d, st_k, w_d, w_k, o_b, o_d,
-        K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+        K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
         USE_PDL: tl.constexpr = False,
     ):
         """Grid (rows, cdiv(D, BLOCK_D)). Slot -1: output 0, no state access."""
@@ -114,20 +148,9 @@ if HAS_TRITON:
         md = d < Dm
         m = d < tl.where(valid, Dm, 0)
         xv = tl.load(x_ptr + b * x_b + d * x_d, mask=m, other=0.0).to(tl.float32)
-        acc = tl.load(w_ptr + d * w_d + (K - 1) * w_k, mask=md, other=0.0).to(tl.float32) * xv
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + d, mask=md, other=0.0).to(tl.float32)
         base = state_ptr + slot * st_s + d * st_d
-        prev = tl.load(base, mask=m, other=0.0)
-        acc += tl.load(w_ptr + d * w_d, mask=md, other=0.0).to(tl.float32) * prev.to(tl.float32)
-        # Shift the window one column left; every column of channel d stays in the thread that owns d.
-        for k in tl.static_range(1, K - 1):
-            cur = tl.load(base + k * st_k, mask=m, other=0.0)
-            acc += tl.load(w_ptr + d * w_d + k * w_k, mask=md, other=0.0).to(tl.float32) * cur.to(tl.float32)
-            tl.store(base + (k - 1) * st_k, cur, mask=m)
-        tl.store(base + (K - 2) * st_k, xv.to(state_ptr.dtype.element_ty), mask=m)
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
+        win, taps, last, bias = conv_load(base, w_ptr, bias_ptr, d, m, md, w_d, w_k, st_k, K, KP, HAS_BIAS)
+        acc = conv_finish(xv, win, taps, last, bias, base, m, st_k, K, KP, SILU, False)
         acc = tl.where(valid, acc, 0.0)
         tl.store(out_ptr + b * o_b + d * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
 
@@ -231,15 +254,18 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices,
     return out
 
 
-def causal_conv1d_update(x, conv_state, weight, bias, state_indices, activation="silu", *,
+def causal_conv1d_update(x, conv_state, weight, bias, state_indices, activation="silu", *, out=None,
                          force_triton: bool | None = None):
-    """Decode conv step for one token per row. Mutates ``conv_state`` in place. One launch."""
+    """Decode conv step for one token per row. Mutates ``conv_state`` in place. One launch.
+    ``out``: where to write the output (``x`` itself is allowed: each channel is read before it is
+    written, by the same thread); a new tensor by default."""
     if not use_triton(x, force_triton):
-        return causal_conv1d_update_ref(x, conv_state, weight, bias, state_indices, activation)
+        y = causal_conv1d_update_ref(x, conv_state, weight, bias, state_indices, activation)
+        return y if out is None else out.copy_(y)
     silu = _silu_flag(activation)
     Bsz, Dm = x.shape
     K = weight.shape[1]
-    out = x.new_empty(x.shape)
+    out = x.new_empty(x.shape) if out is None else out
     if Bsz == 0:
         return out
     if K < 2:
@@ -247,6 +273,7 @@ def causal_conv1d_update(x, conv_state, weight, bias, state_indices, activation=
     b = bias if bias is not None else weight
     _causal_conv1d_update_kernel[(Bsz, triton.cdiv(Dm, _BLOCK_D))](
         x, conv_state, weight, b, state_indices, out, Dm, *x.stride(), *conv_state.stride(),
-        *weight.stride(), *out.stride(), K=K, HAS_BIAS=bias is not None, SILU=silu, BLOCK_D=_BLOCK_D,
+        *weight.stride(), *out.stride(), K=K, KP=next_pow2(K - 1), HAS_BIAS=bias is not None, SILU=silu,
+        BLOCK_D=_BLOCK_D,
         num_warps=_WARPS, **pdl_args(x))
     return out

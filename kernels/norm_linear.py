@@ -19,15 +19,23 @@ kernels, whose results are then exactly the unfused ones.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, pdl_args, pdl_start, tl, triton, use_triton
+from mambaserve.kernels._dispatch import (HAS_TRITON, next_pow2, pdl_args, pdl_trigger, pdl_wait, prefetch_l2, tl,
+                                         triton, use_triton)
+from mambaserve.kernels.conv1d import causal_conv1d_update, conv_finish, conv_load
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
 from mambaserve.kernels.rmsnorm import new_residual, rmsnorm
 
 RESIDUAL, GATED = 1, 2  # the prologue: residual-add RMSNorm, or gated RMSNorm (x * silu(z))
 FUSED = True  # read per call: benchmarks/decode_step.py --unfused clears it before capturing (A/B)
+# Weight columns per row each program asks L2 for before its PDL wait (None: all of them, 0: none).
+# Read per call, like FUSED: benchmarks/decode_step.py --variants sweeps it.
+PREFETCH_COLS: int | None = 1024
+FUSE_CONV = True  # False: the conv step of rmsnorm_linear runs as its own kernel after it (A/B)
 
 if HAS_TRITON:
 
@@ -49,43 +57,89 @@ if HAS_TRITON:
         return h, r
 
     @triton.jit
+    def _dot_step(acc, ss, k0, pid, rk, rn, mn, x_ptr, r_ptr, z_ptr, nw_ptr, w_ptr, res_out_ptr, K,
+                  PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr, ACC_2D: tl.constexpr):
+        """One BLOCK_K step: products into ``acc`` ([BLOCK_N, BLOCK_K] partial sums with ACC_2D, else
+        [BLOCK_N] sums), squares of the normalised input into ``ss``."""
+        k = k0 + rk
+        mk = k < K
+        w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        h, r = _pre_norm(x_ptr, r_ptr, z_ptr, k, mk, PROLOGUE, HAS_RES, res_out_ptr.dtype.element_ty)
+        if STORE_RES:
+            if pid == 0:
+                tl.store(res_out_ptr + k, r, mask=mk)
+        ss += h * h
+        nw = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)
+        if ACC_2D:
+            acc += w.to(tl.float32) * (h * nw)[None, :]
+        else:
+            acc += tl.sum(w.to(tl.float32) * (h * nw)[None, :], axis=1)
+        return acc, ss
+
+    @triton.jit
     def _norm_linear_kernel(x_ptr, r_ptr, z_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, N, K, eps,
+                            cw_ptr, cb_ptr, cs_ptr, slot_ptr, conv_col0, conv_dim, cs_s, cs_d, cs_k, cw_d, cw_k,
                             PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr,
                             HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            USE_PDL: tl.constexpr = False):
+                            USE_PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
+                            ACC_2D: tl.constexpr = False, CONV_K: tl.constexpr = 0,
+                            CONV_KP: tl.constexpr = 1, CONV_BIAS: tl.constexpr = False,
+                            CONV_SILU: tl.constexpr = True):
         """Grid (cdiv(N, BLOCK_N),): one row; program pid owns output columns [pid * BLOCK_N, ...).
 
         One pass: the weight streams from the first iteration while the row's mean square
-        accumulates beside the product; rstd, a per-row scalar, scales the sums at the end."""
-        pdl_start(USE_PDL)
+        accumulates beside the product; rstd, a per-row scalar, scales the sums at the end.
+        PREFETCH_LINES > 0: first ask L2 for that many 128-byte lines of each of the program's weight
+        rows, before waiting for the previous kernel (the weights do not depend on it).
+        ACC_2D: per-column partial sums across the K loop, reduced once at the end. CONV_K > 0: columns [conv_col0, conv_col0 +
+        conv_dim) then take one causal-conv decode step (width CONV_K; state and weights as
+        kernels.conv1d's) of the row in slot ``slot_ptr[0]``: in_proj's xBC leaves the kernel convolved."""
+        pdl_trigger(USE_PDL)
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = rn < N
+        if PREFETCH_LINES > 0:
+            line = tl.arange(0, PREFETCH_LINES) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+            prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * K + tl.minimum(line, K - 1)[None, :])
+        pdl_wait(USE_PDL)
+        if CONV_K > 0:  # the conv's reads go out now: their latency hides behind the weight stream
+            c = rn - conv_col0
+            mc = mn & (c >= 0) & (c < conv_dim)
+            slot = tl.load(slot_ptr).to(tl.int64)
+            touched = mc & (c < tl.where(slot >= 0, conv_dim, 0))  # scalar flag folded into a bound
+            base = cs_ptr + tl.maximum(slot, 0) * cs_s + c * cs_d
+            win, taps, last, cbias = conv_load(base, cw_ptr, cb_ptr, c, touched, mc, cw_d, cw_k, cs_k, CONV_K,
+                                               CONV_KP, CONV_BIAS)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if ACC_2D:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            mk = k < K
-            w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            h, r = _pre_norm(x_ptr, r_ptr, z_ptr, k, mk, PROLOGUE, HAS_RES, res_out_ptr.dtype.element_ty)
-            if STORE_RES:
-                if pid == 0:
-                    tl.store(res_out_ptr + k, r, mask=mk)
-            ss += h * h
-            nw = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * (h * nw)[None, :], axis=1)
+            acc, ss = _dot_step(acc, ss, k0, pid, rk, rn, mn, x_ptr, r_ptr, z_ptr, nw_ptr, w_ptr, res_out_ptr, K,
+                                PROLOGUE, HAS_RES, STORE_RES, ACC_2D)
+        if ACC_2D:
+            acc = tl.sum(acc, axis=1)
         acc *= tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)
+        if CONV_K > 0:
+            xv = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv reads in_proj's rounded output
+            cv = conv_finish(xv, win, taps, last, cbias, base, touched, cs_k, CONV_K, CONV_KP, CONV_SILU, True)
+            acc = tl.where(mc, tl.where(slot >= 0, cv, 0.0), acc)
         tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=mn)
 
 
+TILES: dict[int, dict] = {}  # K -> tile overrides, read per call (benchmarks/decode_step.py --variants)
+
+
 def _tiles(K: int) -> dict:
-    """Tiles from an H100 sweep at batch 1 (benchmarks/decode_step.py --projections): 4 output columns
-    per program; 512-wide K steps and 4 warps for K = 2560, 1024 and 8 warps for K = 5120."""
-    wide = K >= 4096
-    return {"BLOCK_N": 4, "BLOCK_K": min(1024 if wide else 512, max(16, next_pow2(K))), "num_warps": 8 if wide else 4}
+    """Tiles from an H100 sweep of whole mamba2-2.7b decode steps at batch 1 (benchmarks/decode_step.py
+    --variants, 81 tile sets; benchmarks/README.md): 4 output columns per program, 4 warps, per-column
+    partial sums (ACC_2D) reduced once; 512-wide K steps for K = 2560 (in_proj, lm_head), 1024 for 5120."""
+    return {"BLOCK_N": 4, "BLOCK_K": min(1024 if K >= 4096 else 512, max(16, next_pow2(K))), "num_warps": 4,
+            "ACC_2D": True, **TILES.get(K, {})}
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, force_triton: bool | None, *others) -> bool:
@@ -93,32 +147,66 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, force_triton: bool | None, *oth
             and all(t is None or t.is_contiguous() for t in (x, *others)) and use_triton(x, force_triton))
 
 
-def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_res, config):
+class ConvStep(NamedTuple):
+    """A causal-conv decode step (kernels.causal_conv1d_update, SiLU) over output columns ``[col0, col0 +
+    D)`` of a projection: Mamba2's conv over the xBC part of in_proj's output, at decode."""
+    weight: torch.Tensor  # [D, K]
+    bias: torch.Tensor | None  # [D]
+    state: torch.Tensor  # [slots, D, K - 1], updated in place
+    slots: torch.Tensor  # [rows] slot per row, -1 = padding
+    col0: int
+
+
+def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_res, config, conv=None):
     N, K = weight.shape
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     tiles = {**_tiles(K), **(config or {})}
+    pdl = pdl_args(x)
+    if pdl:
+        cols = K if PREFETCH_COLS is None else min(K, PREFETCH_COLS)
+        pdl["PREFETCH_LINES"] = next_pow2(triton.cdiv(cols * weight.element_size(), 128)) if cols > 0 else 0
+    if conv is not None:
+        D, CK = conv.weight.shape
+        conv_args = (conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.state, conv.slots,
+                     conv.col0, D, *conv.state.stride(), *conv.weight.stride())
+        tiles.update(CONV_K=CK, CONV_KP=next_pow2(CK - 1), CONV_BIAS=conv.bias is not None)
+    else:
+        conv_args = (weight, weight, weight, weight, 0, 0, 0, 0, 0, 0, 0)
     _norm_linear_kernel[(triton.cdiv(N, tiles["BLOCK_N"]),)](
         x, r if r is not None else x, z if z is not None else x, norm_weight, weight,
-        bias if bias is not None else weight, y, res_out, N, K, float(eps),
+        bias if bias is not None else weight, y, res_out, N, K, float(eps), *conv_args,
         PROLOGUE=prologue, HAS_RES=r is not None, STORE_RES=store_res, HAS_BIAS=bias is not None, **tiles,
-        **pdl_args(x))
+        **pdl)
     return y
 
 
-def rmsnorm_linear_ref(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None):
-    h, residual = rmsnorm(x, residual, norm_weight, eps, residual_in_fp32)
-    return F.linear(h, weight, bias), residual
+def _conv_columns(y: torch.Tensor, conv: ConvStep | None, force_triton: bool | None = None) -> torch.Tensor:
+    """The unfused conv step over ``y``'s conv columns, in place."""
+    if conv is not None:
+        cols = y[:, conv.col0:conv.col0 + conv.weight.shape[0]]
+        causal_conv1d_update(cols, conv.state, conv.weight, conv.bias, conv.slots, out=cols, force_triton=force_triton)
+    return y
 
 
-def rmsnorm_linear(x, residual, norm_weight, eps: float, residual_in_fp32: bool, weight, bias=None, *,
-                   force_triton: bool | None = None, config: dict | None = None):
-    """``(linear(norm(residual + x)), residual + x)``: kernels.rmsnorm then the projection.
-    ``config`` overrides the tiles (benchmark sweeps)."""
+def rmsnorm_linear_ref(x, residual, norm_weight, eps, residual_in_fp32, weight, bias=None, conv=None):
+    return _unfused(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, conv, None)
+
+
+def _unfused(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, conv, force_triton):
+    h, residual = rmsnorm(x, residual, norm_weight, eps, residual_in_fp32, force_triton=force_triton)
+    return _conv_columns(F.linear(h, weight, bias), conv, force_triton), residual
+
+
+def rmsnorm_linear(x, residual, norm_weight, eps: float, residual_in_fp32: bool, weight, bias=None,
+                   conv: ConvStep | None = None, *, force_triton: bool | None = None, config: dict | None = None):
+    """``(linear(norm(residual + x)), residual + x)``: kernels.rmsnorm then the projection, then
+    ``conv`` over its columns if given. ``config`` overrides the tiles (benchmark sweeps)."""
     if not _fits(x, weight, force_triton, residual) or norm_weight.dtype != x.dtype:
-        return rmsnorm_linear_ref(x, residual, norm_weight, eps, residual_in_fp32, weight, bias)
+        return _unfused(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, conv, force_triton)
     res_out = new_residual(x, residual, residual_in_fp32)
-    return _launch(RESIDUAL, x, residual, None, norm_weight, eps, weight, bias, res_out, res_out is not x,
-                   config), res_out
+    y = _launch(RESIDUAL, x, residual, None, norm_weight, eps, weight, bias, res_out, res_out is not x, config,
+                conv if FUSE_CONV else None)
+    return (y if FUSE_CONV else _conv_columns(y, conv, force_triton)), res_out
 
 
 def gated_rmsnorm_linear_ref(x, z, norm_weight, eps, group_size, weight, bias=None):

@@ -40,10 +40,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.residual_in_fp32 = eps, residual_in_fp32
 
-    def then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Linear):
-        """``(proj(norm(residual + x)), residual + x)``; ``residual`` is None before the first block."""
-        return kernels.rmsnorm_linear(x, residual, self.weight, self.eps, self.residual_in_fp32, proj.weight,
-                                      proj.bias)
+    def then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    bias: torch.Tensor | None, conv: kernels.ConvStep | None = None):
+        """``(linear(norm(residual + x)), residual + x)``; ``residual`` is None before the first block.
+        ``conv``: a conv decode step over some of the output columns, in the same launch at batch 1."""
+        return kernels.rmsnorm_linear(x, residual, self.weight, self.eps, self.residual_in_fp32, weight, bias, conv)
 
 
 class GatedNorm(nn.Module):
@@ -69,37 +70,44 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(d.d_inner, d.hidden_size, bias=d.use_bias)
 
     def forward(self, zxbcdt: torch.Tensor, bt: BatchTensors, conv_state: torch.Tensor, ssm_state: torch.Tensor):
-        """``zxbcdt``: in_proj's output (the block runs the pre-norm and in_proj fused)."""
+        """Prefill (``ForwardMode.EXTEND``); ``zxbcdt``: in_proj's output (the block runs the pre-norm and
+        in_proj fused). Returns the block output and the tracked states asked for in ``bt.track``."""
         d = self.d
         T = zxbcdt.shape[0]
         z, xBC, dt = zxbcdt.split([d.d_inner, d.conv_dim, d.num_heads], dim=-1)
-        conv_w = self.conv1d.weight.squeeze(1)
-        tracked = None
-        # xBC is a column slice of in_proj's output: the conv kernels read it through its row stride.
-        if bt.mode is ForwardMode.EXTEND:
-            conv_windows = self._conv_windows(xBC, conv_state, bt) if bt.track else None
-            xBC = kernels.causal_conv1d_varlen(xBC, conv_w, self.conv1d.bias, conv_state, bt.cu_seqlens,
-                                               bt.slots, bt.has_initial_state)
-            x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
-            y, boundary = kernels.ssd_scan_varlen(
-                x.reshape(T, d.num_heads, d.head_dim), dt, self.A,
-                B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
-                chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
-                has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
-                dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit,
-                return_boundary_states=bool(bt.track))
-            if bt.track:
-                tracked = (conv_windows, self._pick_states(boundary, bt))
-        else:
-            xBC = kernels.causal_conv1d_update(xBC, conv_state, conv_w, self.conv1d.bias, bt.slots)
-            x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
-            y = kernels.selective_state_update(
-                ssm_state, x.reshape(T, d.num_heads, d.head_dim), dt, self.A,
-                B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
-                D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, state_indices=bt.slots)
-        out = kernels.gated_rmsnorm_linear(y.reshape(T, d.d_inner), z, self.norm.weight, self.norm.eps,
-                                           self.norm.group_size, self.out_proj.weight, self.out_proj.bias)
-        return out, tracked
+        # xBC is a column slice of in_proj's output: the conv kernel reads it through its row stride.
+        conv_windows = self._conv_windows(xBC, conv_state, bt) if bt.track else None
+        xBC = kernels.causal_conv1d_varlen(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state,
+                                           bt.cu_seqlens, bt.slots, bt.has_initial_state)
+        x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
+        y, boundary = kernels.ssd_scan_varlen(
+            x.reshape(T, d.num_heads, d.head_dim), dt, self.A,
+            B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
+            chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
+            has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
+            dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, return_boundary_states=bool(bt.track))
+        tracked = (conv_windows, self._pick_states(boundary, bt)) if bt.track else None
+        return self._out(y, z), tracked
+
+    def decode(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, bt: BatchTensors,
+               conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """One token per row, the block's pre-norm included: ``(block output, new residual)``. The conv
+        step runs in in_proj's launch (over its xBC columns) where norm and projection are one kernel."""
+        d = self.d
+        T = x.shape[0]
+        conv = kernels.ConvStep(self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, bt.slots, d.d_inner)
+        zxbcdt, new_residual = norm.then_linear(x, residual, self.in_proj.weight, self.in_proj.bias, conv)
+        z, xBC, dt = zxbcdt.split([d.d_inner, d.conv_dim, d.num_heads], dim=-1)
+        xs, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
+        y = kernels.selective_state_update(
+            ssm_state, xs.reshape(T, d.num_heads, d.head_dim), dt, self.A,
+            B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
+            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, state_indices=bt.slots)
+        return self._out(y, z), new_residual
+
+    def _out(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return kernels.gated_rmsnorm_linear(y.reshape(y.shape[0], self.d.d_inner), z, self.norm.weight, self.norm.eps,
+                                            self.norm.group_size, self.out_proj.weight, self.out_proj.bias)
 
     @torch.no_grad()
     def refresh_A(self) -> None:
@@ -136,7 +144,9 @@ class Mamba2Block(nn.Module):
 
     def forward(self, x, residual, bt: BatchTensors, conv_state: torch.Tensor, ssm_state: torch.Tensor):
         """(block output, new residual, tracked states); ``x`` is the previous block's output."""
-        zxbcdt, residual = self.norm.then_linear(x, residual, self.mixer.in_proj)
+        if bt.mode is ForwardMode.DECODE:
+            return *self.mixer.decode(self.norm, x, residual, bt, conv_state, ssm_state), None
+        zxbcdt, residual = self.norm.then_linear(x, residual, self.mixer.in_proj.weight, self.mixer.in_proj.bias)
         out, tracked = self.mixer(zxbcdt, bt, conv_state, ssm_state)
         return out, residual, tracked
 
@@ -200,5 +210,5 @@ class Mamba2ForCausalLM(nn.Module):
             tracked.append(states)
         if logit_rows is not None:
             x, residual = x[logit_rows], residual[logit_rows]
-        logits, _ = self.backbone.norm_f.then_linear(x, residual, self.lm_head)
+        logits, _ = self.backbone.norm_f.then_linear(x, residual, self.lm_head.weight, self.lm_head.bias)
         return logits.float(), tracked

@@ -54,3 +54,43 @@ def test_what_the_kernel_does_not_take_runs_unfused(dev):
     assert torch.equal(y, y_ref) and torch.equal(res, res_ref)
     grouped = gated_rmsnorm_linear(x[:1], z[:1], nw, 1e-5, 16, w, force_triton=True)
     assert torch.equal(grouped, gated_rmsnorm_linear_ref(x[:1], z[:1], nw, 1e-5, 16, w))
+
+
+@pytest.mark.parametrize("width,conv_bias", [(2, False), (3, True), (4, True)])
+@pytest.mark.parametrize("slot", [2, -1])
+def test_conv_step_in_the_epilogue(dev, width, conv_bias, slot):
+    """in_proj with the decode conv over columns [col0, col0 + D): the projection, then
+    causal_conv1d_update over those columns (padding slot: zeros there and no state touched)."""
+    from mambaserve.kernels.norm_linear import ConvStep
+
+    K, N, col0, D = 96, 29, 5, 17  # conv columns straddle program boundaries at both ends
+    x, w = _rand(1, K, seed=1).to(dev), (_rand(N, K, seed=2) / K ** 0.5).to(dev)
+    nw, residual = (1 + 0.1 * _rand(K, seed=3)).to(dev), _rand(1, K, seed=4).to(dev)
+    cw, cb = _rand(D, width, seed=5).to(dev), _rand(D, seed=6).to(dev) if conv_bias else None
+    state = _rand(4, D, width - 1, seed=7).to(dev)
+    slots = torch.tensor([slot], device=dev)
+    ref_state = state.clone()
+    y, res = rmsnorm_linear(x, residual, nw, 1e-5, True, w, None, ConvStep(cw, cb, state, slots, col0),
+                            force_triton=True, config={"BLOCK_K": 32})
+    y_ref, res_ref = rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w, None, ConvStep(cw, cb, ref_state, slots, col0))
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
+    plain, _ = rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)
+    outside = torch.ones(N, dtype=torch.bool)
+    outside[col0:col0 + D] = False
+    torch.testing.assert_close(y[0, outside], plain[0, outside], rtol=1e-5, atol=1e-5)
+    if slot < 0:
+        assert torch.equal(state, _rand(4, D, width - 1, seed=7).to(dev)) and not y[0, col0:col0 + D].any()
+    else:
+        assert not torch.equal(state[slot], _rand(4, D, width - 1, seed=7).to(dev)[slot])
+
+
+@pytest.mark.parametrize("config", [{"ACC_2D": False}, {"ACC_2D": True}, {"BLOCK_N": 8, "num_warps": 2}])
+def test_loop_variants_agree(dev, config):
+    """The tile and loop knobs the benchmarks sweep compute the same product."""
+    K, N = 1100, 37
+    x, w = _rand(1, K, seed=1).to(dev), (_rand(N, K, seed=2) / K ** 0.5).to(dev)
+    nw, residual = (1 + 0.1 * _rand(K, seed=3)).to(dev), _rand(1, K, seed=4).to(dev)
+    y, _ = rmsnorm_linear(x, residual, nw, 1e-5, True, w, force_triton=True, config={"BLOCK_K": 256, **config})
+    torch.testing.assert_close(y, rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)[0], rtol=1e-5, atol=1e-5)
+

@@ -155,7 +155,7 @@ def bench_projections(size: str, bw: float) -> list[dict]:
     shapes = {"in_proj": (2 * d_inner + 2 * s["state_size"] + s["num_heads"], H),
               "out_proj": (H, d_inner), "lm_head": (s["vocab_size"], H)}
     sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, ACC_2D=acc) for bn in (2, 4, 8) for bk in (512, 1024)
-             for w in (4, 8) for acc in (True, False)]
+             for w in (4, 8) for acc in (True, False)]  # each with the default's other knobs (prefetch)
     rows = []
     for name, (N, K) in shapes.items():
         copies = max(2, -(-200_000_000 // (N * K * 2)))
@@ -177,8 +177,9 @@ def bench_projections(size: str, bw: float) -> list[dict]:
             unfused = lambda w: F.linear(rmsnorm(x, res, nw, 1e-5, True)[0], w)  # noqa: E731
             fused = lambda w, c=None: rmsnorm_linear(x, res, nw, 1e-5, True, w, config=c)  # noqa: E731
         ref = graph_us(call(unfused), calls=copies * 4)
+        configs = [{**_tiles(K), **c} for c in sweep]
         ours = {tuple(sorted(c.items())): graph_us(call(lambda w, c=c: fused(w, c)), calls=copies * 4)
-                for c in sweep}
+                for c in configs}
         default = ours[tuple(sorted(_tiles(K).items()))]
         best_cfg, best = min(ours.items(), key=lambda kv: kv[1])
         frac = lambda us: N * K * 2 / (us * 1e-6) / bw  # noqa: E731
@@ -272,7 +273,7 @@ def main() -> None:
                    help="also time each batch-1 projection: norm + cuBLAS vs fused (and a tile sweep)")
     p.add_argument("--variants", type=json.loads, default=[],
                    help='JSON list of knob settings, each timed after the default with the graphs captured again, '
-                        'e.g. \'[{"norm_linear.PREFETCH_COLS": 0}, {"env.MAMBASERVE_PDL": 0}]\'')
+                        'e.g. \'[{"norm_linear.TILES": {"5120": {"PREFETCH_COLS": 0}}}, {"env.MAMBASERVE_PDL": 0}]\'')
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
     sizes = a.size.split(",")

@@ -32,9 +32,6 @@ from mambaserve.kernels.rmsnorm import new_residual, rmsnorm
 
 RESIDUAL, GATED = 1, 2  # the prologue: residual-add RMSNorm, or gated RMSNorm (x * silu(z))
 FUSED = True  # read per call: benchmarks/decode_step.py --unfused clears it before capturing (A/B)
-# Weight columns per row each program asks L2 for before its PDL wait (None: all of them, 0: none).
-# Read per call, like FUSED: benchmarks/decode_step.py --variants sweeps it.
-PREFETCH_COLS: int | None = 1024
 FUSE_CONV = True  # False: the conv step of rmsnorm_linear runs as its own kernel after it (A/B)
 
 if HAS_TRITON:
@@ -137,9 +134,10 @@ TILES: dict[int, dict] = {}  # K -> tile overrides, read per call (benchmarks/de
 def _tiles(K: int) -> dict:
     """Tiles from an H100 sweep of whole mamba2-2.7b decode steps at batch 1 (benchmarks/decode_step.py
     --variants, 81 tile sets; benchmarks/README.md): 4 output columns per program, 4 warps, per-column
-    partial sums (ACC_2D) reduced once; 512-wide K steps for K = 2560 (in_proj, lm_head), 1024 for 5120."""
+    partial sums (ACC_2D) reduced once; 512-wide K steps for K = 2560 (in_proj, lm_head), 1024 for 5120.
+    PREFETCH_COLS: weight columns per row each program asks L2 for before its PDL wait (0: none)."""
     return {"BLOCK_N": 4, "BLOCK_K": min(1024 if K >= 4096 else 512, max(16, next_pow2(K))), "num_warps": 4,
-            "ACC_2D": True, **TILES.get(K, {})}
+            "ACC_2D": True, "PREFETCH_COLS": 1024, **TILES.get(K, {})}
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, force_triton: bool | None, *others) -> bool:
@@ -161,10 +159,10 @@ def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_re
     N, K = weight.shape
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     tiles = {**_tiles(K), **(config or {})}
+    cols = min(K, tiles.pop("PREFETCH_COLS"))
     pdl = pdl_args(x)
-    if pdl:
-        cols = K if PREFETCH_COLS is None else min(K, PREFETCH_COLS)
-        pdl["PREFETCH_LINES"] = next_pow2(triton.cdiv(cols * weight.element_size(), 128)) if cols > 0 else 0
+    if pdl and cols > 0:
+        pdl["PREFETCH_LINES"] = next_pow2(triton.cdiv(cols * weight.element_size(), 128))
     if conv is not None:
         D, CK = conv.weight.shape
         conv_args = (conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.state, conv.slots,

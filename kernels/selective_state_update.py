@@ -65,14 +65,17 @@ if HAS_TRITON:
         tl.store(out_ptr + b * o_b + h * o_h + p * o_p, y.to(out_ptr.dtype.element_ty), mask=mp)
 
 
+SMALL_BATCH_TILES = (4, 1)  # (BLOCK_P, num_warps) under 256 rows x heads; read per call (decode_step.py --variants)
+
+
 def _config(P: int, N: int, rows_x_heads: int) -> tuple[int, int]:
     """(BLOCK_P, num_warps). 4K state elements per program (32 x 128 at N = 128) and 4 warps: the best
     or within 1% of the best of a 6-config sweep on an H100 for batch x heads >= 2560 in most shapes
-    (benchmarks/README.md). Under 256 rows x heads (batch 1) more, smaller programs fill the GPU:
-    BLOCK_P = 4 took mamba2-2.7b's batch-1 update from 4.9 to 4.0 us (H100, L2-cold states; a one-off
-    sweep of BLOCK_P x warps in CUDA graphs, not a committed benchmark; benchmarks/README.md)."""
+    (benchmarks/README.md). Under 256 rows x heads (batch 1) more, smaller programs fill the GPU: 4-row
+    tiles on one warp gave the fastest whole mamba2-2.7b and -130m decode steps of 9 (BLOCK_P, warps)
+    pairs (H100, benchmarks/decode_step.py --variants; benchmarks/README.md)."""
     if rows_x_heads < 256:
-        return min(4, next_pow2(P)), 4
+        return min(SMALL_BATCH_TILES[0], next_pow2(P)), SMALL_BATCH_TILES[1]
     return max(1, min(next_pow2(P), 4096 // next_pow2(N))), 4
 
 

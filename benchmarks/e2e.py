@@ -50,20 +50,26 @@ def build_checkpoint(size: str, out: Path, device: str, dtype: torch.dtype):
     return model
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
+def copy_bandwidth(device: str, trials: int = 5) -> float:
+    """Bytes read + written per second by a large device-to-device copy: the best of ``trials`` timings
+    (CUDA events, 5 copies each). One wall-clock timing varied from 2.78 to 3.00 TB/s between processes
+    on the same H100, and a low reading makes every "x the bound" ratio look better than it is."""
     if device != "cuda":
         return float("nan")
     a = torch.empty(1 << 28, dtype=torch.float32, device=device)  # 1 GiB
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 4 * 10 / (time.perf_counter() - t)
+    best_ms = float("inf")
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            b.copy_(a)
+        end.record()
+        end.synchronize()
+        best_ms = min(best_ms, start.elapsed_time(end) / 5)
+    return 2 * a.numel() * 4 / (best_ms * 1e-3)
 
 
 async def timed_batch(engine, prompts, max_new: int):

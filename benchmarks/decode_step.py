@@ -7,7 +7,7 @@ graphs through ``ModelRunner.enable_cuda_graphs`` and, for each batch size, prin
   the bandwidth bound: bytes read and written per step (every weight once; each row's conv and ssm
     state read and written once) / device-to-device copy bandwidth measured in this run;
   their ratio (the goal is within 1.3x of the bound).
-With --profile: the kernels of one batch-1 step (torch.profiler around one graph replay) by total
+With --profile: the kernels of one step (batch --profile-batch; torch.profiler around one graph replay) by total
 device time, the number of kernels per step and per layer, and the share of the step spent between
 kernels. With --projections: each projection of the model at batch 1, its norm kernel + cuBLAS against
 the fused kernels.*norm_linear and a sweep of its tiles, as a fraction of copy bandwidth. --unfused
@@ -83,7 +83,7 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, warmup: int = 20) -> fl
     return statistics.median(start.elapsed_time(end) for start, end in marks)
 
 
-def profile_step(graph: torch.cuda.CUDAGraph, num_layers: int, step_ms: float, top: int) -> dict:
+def profile_step(graph: torch.cuda.CUDAGraph, num_layers: int, step_ms: float, top: int, batch: int = 1) -> dict:
     """Kernels of one graph replay, grouped by name; printed as a table, returned as a dict."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -110,7 +110,7 @@ def profile_step(graph: torch.cuda.CUDAGraph, num_layers: int, step_ms: float, t
         by_name[name].append(e.time_range.elapsed_us())
     busy_us = sum(sum(v) for v in by_name.values())
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    print(f"\n{'kernel (one batch-1 step, graph replay)':<88} {'calls':>6} {'total us':>9} {'mean us':>8} {'%':>5}")
+    print(f"\n{f'kernel (one batch-{batch} step, graph replay)':<88} {'calls':>6} {'total us':>9} {'mean us':>8} {'%':>5}")
     for name, times in rows[:top]:
         short = name if len(name) <= 88 else name[:85] + "..."
         print(f"{short:<88} {len(times):6d} {sum(times):9.1f} {sum(times) / len(times):8.2f} "
@@ -244,14 +244,15 @@ def bench_size(size: str, batches: list[int], a: argparse.Namespace, bw: float) 
             print(f"{size} decode b={b:3d} {json.dumps(v)}: {step_ms:8.3f} ms/step -> {base / step_ms:5.3f}x "
                   f"the default ({base:.3f} ms)", flush=True)
         if a.profile:
-            graph = prepare(runner, 1, SIZES[size]["vocab_size"])
-            profile_step(graph, model.dims.num_layers, replay_ms(graph, a.replays), a.top)
+            graph = prepare(runner, a.profile_batch, SIZES[size]["vocab_size"])
+            profile_step(graph, model.dims.num_layers, replay_ms(graph, a.replays), a.top, a.profile_batch)
         undo()
     if a.variants:
         runner.enable_cuda_graphs(max(batches))
     if a.profile:
-        graph = prepare(runner, 1, SIZES[size]["vocab_size"])
-        res["profile_batch1"] = profile_step(graph, model.dims.num_layers, replay_ms(graph, a.replays), a.top)
+        graph = prepare(runner, a.profile_batch, SIZES[size]["vocab_size"])
+        res["profile"] = {"batch": a.profile_batch, **profile_step(graph, model.dims.num_layers,
+                                                                   replay_ms(graph, a.replays), a.top, a.profile_batch)}
     del runner, model, pool
     gc.collect()
     torch.cuda.empty_cache()
@@ -265,7 +266,8 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=200, help="timed graph replays per batch size")
     p.add_argument("--state-dtype", default="float32", choices=sorted(STATE_DTYPES),
                    help="ssm state dtype (the server's --state-dtype; default as the server's)")
-    p.add_argument("--profile", action="store_true", help="profile one batch-1 step: top kernels, kernels per step")
+    p.add_argument("--profile", action="store_true", help="profile one step: top kernels, kernels per step")
+    p.add_argument("--profile-batch", type=int, default=1, help="the batch size --profile profiles (one of --batches)")
     p.add_argument("--top", type=int, default=25, help="kernels listed by --profile")
     p.add_argument("--unfused", action="store_true",
                    help="norms and projections as separate kernels (norm kernel + cuBLAS) instead of fused (A/B)")

@@ -15,6 +15,12 @@ rounded to the input dtype before the product as the unfused path rounds it: res
 it by that rounding (relative ~1e-3 in bf16); the new residual is the same add, bit for bit. Only
 one row (decode batch 1) and a single norm group take this path; anything else runs the unfused
 kernels, whose results are then exactly the unfused ones.
+
+Two more things ride along at batch 1. in_proj's launch also runs Mamba2's conv decode step over its
+xBC columns (``ConvStep``; the conv reads the rounded projection, as the unfused conv kernel would), so
+a layer is three launches. And under programmatic dependent launch each program asks L2 for the start
+of its weight rows before waiting for the previous kernel, so part of them is in L2 when it starts
+(benchmarks/README.md has the A/B of each).
 """
 
 from __future__ import annotations
@@ -88,9 +94,10 @@ if HAS_TRITON:
         accumulates beside the product; rstd, a per-row scalar, scales the sums at the end.
         PREFETCH_LINES > 0: first ask L2 for that many 128-byte lines of each of the program's weight
         rows, before waiting for the previous kernel (the weights do not depend on it).
-        ACC_2D: per-column partial sums across the K loop, reduced once at the end. CONV_K > 0: columns [conv_col0, conv_col0 +
-        conv_dim) then take one causal-conv decode step (width CONV_K; state and weights as
-        kernels.conv1d's) of the row in slot ``slot_ptr[0]``: in_proj's xBC leaves the kernel convolved."""
+        ACC_2D: per-column partial sums across the K loop, reduced once at the end.
+        CONV_K > 0: columns [conv_col0, conv_col0 + conv_dim) then take one causal-conv decode step
+        (width CONV_K; state and weights as kernels.conv1d's) of the row in slot ``slot_ptr[0]``:
+        in_proj's xBC leaves the kernel convolved."""
         pdl_trigger(USE_PDL)
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)

@@ -63,6 +63,22 @@ def test_update_matches_reference(dev, width):
     assert torch.equal(pool, ref_pool)
 
 
+def test_update_in_place(dev):
+    """out=x writes the step over its input (the model's in_proj columns), as a separate output would."""
+    Dm, K = 40, 4
+    g = gen(30)
+    proj = randn(g, 2, 3 + Dm, dev=dev)
+    w, b = randn(g, Dm, K, dev=dev), randn(g, Dm, dev=dev)
+    pool = randn(g, 3, Dm, K - 1, dev=dev)
+    ref_pool = pool.clone()
+    idx = torch.tensor([2, 0], device=dev)
+    ref = causal_conv1d_update_ref(proj[:, 3:], ref_pool, w, b, idx)
+    cols = proj[:, 3:]
+    assert causal_conv1d_update(cols, pool, w, b, idx, out=cols, force_triton=True) is cols
+    assert_close(proj[:, 3:], ref, 1e-6)
+    assert torch.equal(pool, ref_pool)
+
+
 @pytest.mark.parametrize("force_triton", [True, False])
 def test_strided_input_equals_contiguous(dev, force_triton):
     """x as a column slice of a wider projection (the model's xBC): same outputs and states as a copy."""

@@ -110,7 +110,8 @@ def profile_step(graph: torch.cuda.CUDAGraph, num_layers: int, step_ms: float, t
         by_name[name].append(e.time_range.elapsed_us())
     busy_us = sum(sum(v) for v in by_name.values())
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    print(f"\n{f'kernel (one batch-{batch} step, graph replay)':<88} {'calls':>6} {'total us':>9} {'mean us':>8} {'%':>5}")
+    title = f"kernel (one batch-{batch} step, graph replay)"
+    print(f"\n{title:<88} {'calls':>6} {'total us':>9} {'mean us':>8} {'%':>5}")
     for name, times in rows[:top]:
         short = name if len(name) <= 88 else name[:85] + "..."
         print(f"{short:<88} {len(times):6d} {sum(times):9.1f} {sum(times) / len(times):8.2f} "
@@ -208,7 +209,7 @@ def apply_variant(v: dict):
             old = os.environ.get(name)
             os.environ[name] = str(value)
             undo.append(lambda n=name, o=old: os.environ.pop(n) if o is None else os.environ.__setitem__(n, o))
-        else:  # importlib: mambaserve.kernels.<op> the attribute is the launcher of the same name
+        else:  # importlib, not getattr: mambaserve.kernels.<op> may name a launcher function of the same name
             mod = importlib.import_module(kind if kind.startswith("mambaserve.") else f"mambaserve.kernels.{kind}")
             if name == "TILES":
                 value = {int(k): t for k, t in value.items()}
@@ -267,7 +268,7 @@ def main() -> None:
     p.add_argument("--state-dtype", default="float32", choices=sorted(STATE_DTYPES),
                    help="ssm state dtype (the server's --state-dtype; default as the server's)")
     p.add_argument("--profile", action="store_true", help="profile one step: top kernels, kernels per step")
-    p.add_argument("--profile-batch", type=int, default=1, help="the batch size --profile profiles (one of --batches)")
+    p.add_argument("--profile-batch", type=int, default=1, help="the batch --profile profiles (one of --batches)")
     p.add_argument("--top", type=int, default=25, help="kernels listed by --profile")
     p.add_argument("--unfused", action="store_true",
                    help="norms and projections as separate kernels (norm kernel + cuBLAS) instead of fused (A/B)")
@@ -283,6 +284,8 @@ def main() -> None:
     if unknown:
         p.error(f"unknown size {', '.join(unknown)}; choose from {', '.join(SIZES)}")
     batches = [int(x) for x in a.batches.split(",")]
+    if a.profile and a.profile_batch not in batches:
+        p.error(f"--profile-batch {a.profile_batch} is not one of --batches {a.batches}")
     if not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA device (it times CUDA-graph replays); torch.cuda.is_available() "
                  "is False here")

@@ -75,6 +75,7 @@ def test_conv_step_in_the_epilogue(dev, width, conv_bias, slot):
     y_ref, res_ref = rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w, None, ConvStep(cw, cb, ref_state, slots, col0))
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(res, res_ref)
     plain, _ = rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)
     outside = torch.ones(N, dtype=torch.bool)
     outside[col0:col0 + D] = False
@@ -93,4 +94,3 @@ def test_loop_variants_agree(dev, config):
     nw, residual = (1 + 0.1 * _rand(K, seed=3)).to(dev), _rand(1, K, seed=4).to(dev)
     y, _ = rmsnorm_linear(x, residual, nw, 1e-5, True, w, force_triton=True, config={"BLOCK_K": 256, **config})
     torch.testing.assert_close(y, rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)[0], rtol=1e-5, atol=1e-5)
-

@@ -4,7 +4,7 @@ Shapes: x ``[T, D]`` (packed tokens of several sequences, ``cu_seqlens [S+1]`` t
 ``[B, D]`` (one token per row for decode); weight ``[D, K]``; bias ``[D]``; the conv state pool
 ``[slots, D, K-1]`` holds, per slot, the last ``K-1`` inputs seen (oldest first). x may have any
 strides (the model passes a column slice of the in_proj output, read in place); the output is
-contiguous.
+contiguous, except where the decode update is given ``out`` (the model writes it over its input).
 
 Prefill reads each sequence's initial conv state from its slot (or zeros when
 ``has_initial_state`` is false) and writes the last ``K-1`` inputs back to the same slot. Decode rows
@@ -274,6 +274,5 @@ def causal_conv1d_update(x, conv_state, weight, bias, state_indices, activation=
     _causal_conv1d_update_kernel[(Bsz, triton.cdiv(Dm, _BLOCK_D))](
         x, conv_state, weight, b, state_indices, out, Dm, *x.stride(), *conv_state.stride(),
         *weight.stride(), *out.stride(), K=K, KP=next_pow2(K - 1), HAS_BIAS=bias is not None, SILU=silu,
-        BLOCK_D=_BLOCK_D,
-        num_warps=_WARPS, **pdl_args(x))
+        BLOCK_D=_BLOCK_D, num_warps=_WARPS, **pdl_args(x))
     return out

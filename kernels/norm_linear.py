@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import (HAS_TRITON, next_pow2, pdl_args, pdl_trigger, pdl_wait, prefetch_l2, tl,
                                          triton, use_triton)
-from mambaserve.kernels.conv1d import causal_conv1d_update, conv_finish, conv_load
+from mambaserve.kernels.conv1d import MAX_DECODE_WIDTH, causal_conv1d_update, conv_finish, conv_load
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
 from mambaserve.kernels.rmsnorm import new_residual, rmsnorm
 
@@ -86,8 +86,7 @@ if HAS_TRITON:
                             HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             USE_PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
                             ACC_2D: tl.constexpr = False, CONV_K: tl.constexpr = 0,
-                            CONV_KP: tl.constexpr = 1, CONV_BIAS: tl.constexpr = False,
-                            CONV_SILU: tl.constexpr = True):
+                            CONV_BIAS: tl.constexpr = False, CONV_SILU: tl.constexpr = True):
         """Grid (cdiv(N, BLOCK_N),): one row; program pid owns output columns [pid * BLOCK_N, ...).
 
         One pass: the weight streams from the first iteration while the row's mean square
@@ -113,8 +112,7 @@ if HAS_TRITON:
             slot = tl.load(slot_ptr).to(tl.int64)
             touched = mc & (c < tl.where(slot >= 0, conv_dim, 0))  # scalar flag folded into a bound
             base = cs_ptr + tl.maximum(slot, 0) * cs_s + c * cs_d
-            win, taps, last, cbias = conv_load(base, cw_ptr, cb_ptr, c, touched, mc, cw_d, cw_k, cs_k, CONV_K,
-                                               CONV_KP, CONV_BIAS)
+            c1, c2, cacc, last = conv_load(base, cw_ptr, cb_ptr, c, touched, mc, cw_d, cw_k, cs_k, CONV_K, CONV_BIAS)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
         if ACC_2D:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -130,7 +128,7 @@ if HAS_TRITON:
             acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)
         if CONV_K > 0:
             xv = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv reads in_proj's rounded output
-            cv = conv_finish(xv, win, taps, last, cbias, base, touched, cs_k, CONV_K, CONV_KP, CONV_SILU, True)
+            cv = conv_finish(xv, c1, c2, cacc, last, base, touched, cs_k, CONV_K, CONV_SILU, True)
             acc = tl.where(mc, tl.where(slot >= 0, cv, 0.0), acc)
         tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=mn)
 
@@ -172,9 +170,11 @@ def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_re
         pdl["PREFETCH_LINES"] = next_pow2(triton.cdiv(cols * weight.element_size(), 128))
     if conv is not None:
         D, CK = conv.weight.shape
+        if not 2 <= CK <= MAX_DECODE_WIDTH:
+            raise ValueError(f"conv width {CK}: the decode kernel takes 2 to {MAX_DECODE_WIDTH}")
         conv_args = (conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.state, conv.slots,
                      conv.col0, D, *conv.state.stride(), *conv.weight.stride())
-        tiles.update(CONV_K=CK, CONV_KP=next_pow2(CK - 1), CONV_BIAS=conv.bias is not None)
+        tiles.update(CONV_K=CK, CONV_BIAS=conv.bias is not None)
     else:
         conv_args = (weight, weight, weight, weight, 0, 0, 0, 0, 0, 0, 0)
     _norm_linear_kernel[(triton.cdiv(N, tiles["BLOCK_N"]),)](

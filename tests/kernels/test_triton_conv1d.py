@@ -79,6 +79,16 @@ def test_update_in_place(dev):
     assert torch.equal(pool, ref_pool)
 
 
+def test_update_refuses_widths_past_the_register_window(dev):
+    g = gen(31)
+    x, b, idx = randn(g, 2, 8, dev=dev), randn(g, 8, dev=dev), torch.tensor([0, 1], device=dev)
+    pool = randn(g, 2, 8, 5, dev=dev)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="2 to 4"):
+        causal_conv1d_update(x, pool, randn(g, 8, 6, dev=dev), b, idx, force_triton=True)
+    assert torch.equal(pool, before)
+
+
 @pytest.mark.parametrize("force_triton", [True, False])
 def test_strided_input_equals_contiguous(dev, force_triton):
     """x as a column slice of a wider projection (the model's xBC): same outputs and states as a copy."""

@@ -218,7 +218,8 @@ if HAS_TRITON:
     def _ssd_states_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr, start_ptr, ssm_ptr,
                            bnd_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
                            ss_s, ss_h, ss_p, ss_n,
-                           Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr, BLOCK_K: tl.constexpr,
+                           Q: tl.constexpr, QI: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr,
+                           BLOCK_K: tl.constexpr,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
                            BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
                            CHUNK_STAGES: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
@@ -241,14 +242,14 @@ if HAS_TRITON:
             pos = tl.load(pos_ptr + s_idx, mask=ms, other=0)
         else:
             pos = tl.zeros([BLOCK_S], dtype=tl.int64)
-        off_all = (pos % Q).to(tl.int32)
-        nch = tl.where(L_all > 0, (off_all + L_all + Q - 1) // Q, 0)
+        off_all = (pos % QI).to(tl.int32)
+        nch = tl.where(L_all > 0, (off_all + L_all + QI - 1) // QI, 0)
         nbd = ((pos + L_all) // Q - pos // Q).to(tl.int32)
         before, this = s_idx < s, s_idx == s
         c0 = tl.sum(tl.where(before, nch, 0), 0)
         b0 = tl.sum(tl.where(before, nbd, 0), 0)
         n_chunks = tl.sum(tl.where(this, nch, 0), 0)
-        n_bnd = tl.sum(tl.where(this, nbd, 0), 0)
+        pos_s = tl.sum(tl.where(this, pos, 0), 0)
         beg = tl.sum(tl.where(this, beg_all, 0), 0)
         L = tl.sum(tl.where(this, L_all, 0), 0)
         off = tl.sum(tl.where(this, off_all, 0), 0)
@@ -262,14 +263,14 @@ if HAS_TRITON:
         state = tl.load(sptr, mask=(p < tl.where(has_init, P, 0))[:, None] & mn[None, :], other=0.0).to(tl.float32)
         for j in tl.range(0, n_chunks, num_stages=CHUNK_STAGES):
             c = c0 + j
-            tok0 = beg + tl.maximum(j * Q - off, 0)
-            tok1 = beg + tl.minimum((j + 1) * Q - off, L)
+            tok0 = beg + tl.maximum(j * QI - off, 0)
+            tok1 = beg + tl.minimum((j + 1) * QI - off, L)
             tl.store(start_ptr + (c * H + h).to(tl.int64) * P * N + tile, state.to(start_ptr.dtype.element_ty),
                      mask=m_tile)
             cs_end = tl.load(cs_ptr + h * T + tok1 - 1)
             own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
             if UNROLL:
-                for kb in tl.static_range(Q // BLOCK_K):
+                for kb in tl.static_range(QI // BLOCK_K):
                     own = _own_state_block(own, tok0 + kb * BLOCK_K, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr,
                                            h, g, T, p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n,
                                            BLOCK_K, PREC, DOT_T)
@@ -278,9 +279,11 @@ if HAS_TRITON:
                     own = _own_state_block(own, k0, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr, h, g, T, p, n,
                                            mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, BLOCK_K, PREC, DOT_T)
             state = tl.exp(cs_end) * state + own
-            if HAS_BND:  # chunks that end on an absolute multiple of Q: all but maybe the last
-                tl.store(bnd_ptr + ((b0 + j) * H + h).to(tl.int64) * P * N + tile, state,
-                         mask=(p < tl.where(j < n_bnd, P, 0))[:, None] & mn[None, :])
+            if HAS_BND:  # a chunk that ends on an absolute multiple of Q: the state of that position
+                e = pos_s + (tok1 - beg)
+                b = b0 + e // Q - pos_s // Q - 1
+                tl.store(bnd_ptr + (b * H + h).to(tl.int64) * P * N + tile, state,
+                         mask=(p < tl.where(e % Q == 0, P, 0))[:, None] & mn[None, :])
         tl.store(sptr, state.to(ssm_ptr.dtype.element_ty),
                  mask=(p < tl.where(n_chunks > 0, P, 0))[:, None] & mn[None, :])
 
@@ -410,16 +413,18 @@ if HAS_TRITON:
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRITON else {}
 
-# Tiles of the kernels; overridable per call for benchmark sweeps (benchmarks/README.md, run 4, has the H100
-# numbers at 2.7b dims, 8x2048 and 1x16384 tokens, Q = 256: these are the best of its sweep, within ~2%
-# of the next ones). Output kernel: block_m rows x block_p columns per program, block_k tokens per step,
-# the start-state product over N in block_n slices, factored diagonal weights (diag_factor: whole scan
-# 707 vs 790 us at 8x2048).
-# State kernel: a [state_block_p, state_block_n] tile per program, state_block_k tokens per step, the
-# token blocks unrolled and the chunk loop pipelined (state_unroll).
-SCAN_CONFIG = {"block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 2, "num_stages": 3,
-               "diag_factor": True, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
-               "state_warps": 4, "state_stages": 2, "state_unroll": True, "cb_tile": 64, "cb_warps": 4}
+# Tiles of the kernels; overridable per call for benchmark sweeps. Picked from H100 sweeps at 2.7b dims, 8x2048
+# and 1x16384 tokens (benchmarks/README.md, "Run 4" and "Session 4"). chunk: the kernels work on chunks of
+# this many tokens when the model's chunk size is larger (boundary states stay at the model's multiples):
+# half of Q = 256 halves the causal products inside a chunk and doubles the start states written and read,
+# a net gain (scan 723 -> 579 us at 8x2048 with the stages below). Output kernel: block_m rows x block_p
+# columns per program, block_k tokens per step, the start-state product over N in block_n slices,
+# factored diagonal weights (diag_factor: whole scan 707 vs 790 us at 8x2048, Q = 256). State kernel: a
+# [state_block_p, state_block_n] tile per program, state_block_k tokens per step, the token blocks
+# unrolled and the chunk loop pipelined (state_unroll).
+SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 2,
+               "num_stages": 1, "diag_factor": True, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
+               "state_warps": 4, "state_stages": 3, "state_unroll": True, "cb_tile": 64, "cb_warps": 4}
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
@@ -429,9 +434,12 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     G, N = B.shape[1], B.shape[2]
     S = state_indices.numel()
     Q = chunk_size
+    QI = min(cfg["chunk"], Q)  # the kernels' chunks; boundary states stay at multiples of Q
+    if QI < 16 or QI & (QI - 1):
+        raise ValueError(f"scan config chunk={cfg['chunk']}: a power of two >= 16 is needed")
     dev = x.device
     y = torch.empty(T, H, P, dtype=x.dtype, device=dev)
-    NC = T // Q + 2 * S
+    NC = T // QI + 2 * S
     BLOCK_S = seq_block(S)
     BP, BN = max(16, next_pow2(P)), max(16, next_pow2(N))
     has_pos = seq_start_pos is not None
@@ -450,7 +458,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     cs = torch.empty(H, T, dtype=torch.float32, device=dev)
     meta = torch.empty(NC, 2, dtype=torch.int32, device=dev)
     start = torch.empty(NC, H, P, N, dtype=op_dtype, device=dev)
-    cb = torch.empty(NC, G, Q, Q, dtype=op_dtype, device=dev)
+    cb = torch.empty(NC, G, QI, QI, dtype=op_dtype, device=dev)
 
     boundary = None
     bnd = start  # placeholder pointer when no boundary output
@@ -471,26 +479,26 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     _ssd_prep_kernel[(NC, H)](
         dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, S, T,
         float(lo), float(min(hi, 3.0e38)), *dt.stride(),
-        Q=Q, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
-        BLOCK_Q=Q, BLOCK_S=BLOCK_S, num_warps=4)
+        Q=QI, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
+        BLOCK_Q=QI, BLOCK_S=BLOCK_S, num_warps=4)
     SBP, SBN = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN)
     _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
         x, B, dtp, cs, cu_seqlens, pos, state_indices, has_initial_state, start, ssm_state, bnd, S, T, H, P, N,
-        H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, HAS_POS=has_pos,
-        HAS_BND=return_boundary_states, BLOCK_K=min(cfg["state_block_k"], Q), BLOCK_P=SBP, BLOCK_N=SBN,
+        H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, QI=QI, HAS_POS=has_pos,
+        HAS_BND=return_boundary_states, BLOCK_K=min(cfg["state_block_k"], QI), BLOCK_P=SBP, BLOCK_N=SBN,
         N_BLOCKS=triton.cdiv(N, SBN), BLOCK_S=BLOCK_S, UNROLL=cfg["state_unroll"], STAGES=cfg["state_stages"],
         CHUNK_STAGES=cfg["state_stages"] if cfg["state_unroll"] else 1,
         PREC=prec, DOT_T=dot_t, num_warps=cfg["state_warps"])
-    TILE = min(cfg["cb_tile"], Q)
-    _ssd_bmm_kernel[(NC * (Q // TILE) ** 2, G)](
-        C, B, meta, cb, G, N, *C.stride(), *B.stride(), Q=Q, TILE=TILE, N_TILES=Q // TILE, BLOCK_N=BN,
+    TILE = min(cfg["cb_tile"], QI)
+    _ssd_bmm_kernel[(NC * (QI // TILE) ** 2, G)](
+        C, B, meta, cb, G, N, *C.stride(), *B.stride(), Q=QI, TILE=TILE, N_TILES=QI // TILE, BLOCK_N=BN,
         PREC=prec, DOT_T=dot_t, num_warps=cfg["cb_warps"])
-    BM = min(cfg["block_m"], Q)
+    BM = min(cfg["block_m"], QI)
     OBP, OBN = min(cfg["block_p"], BP), min(cfg["block_n"], BN)
-    _ssd_chunk_scan_kernel[(H * triton.cdiv(P, OBP) * NC * (Q // BM),)](
+    _ssd_chunk_scan_kernel[(H * triton.cdiv(P, OBP) * NC * (QI // BM),)](
         x, C, cb, D if D is not None else A, dtp, cs, meta, start, y, T, H, G, P, N, H // G,
         *x.stride(), *C.stride(), *y.stride(),
-        HAS_D=D is not None, Q=Q, M_BLOCKS=Q // BM, P_BLOCKS=triton.cdiv(P, OBP), BLOCK_M=BM,
+        HAS_D=D is not None, Q=QI, M_BLOCKS=QI // BM, P_BLOCKS=triton.cdiv(P, OBP), BLOCK_M=BM,
         BLOCK_K=min(cfg["block_k"], BM), BLOCK_P=OBP, BLOCK_N=OBN, N_BLOCKS=triton.cdiv(N, OBN),
         STAGES=cfg["num_stages"], DIAG_FACTOR=cfg["diag_factor"], PREC=prec,
         DOT_T=dot_t, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -36,9 +36,11 @@ def _cu(lengths):
 
 
 # the default tiles; 32-token k blocks and the start-state product over N in two slices; 4 warps, exact
-# diagonal weights, the state tile over all of N
+# diagonal weights, the state tile over all of N; the kernels' chunks the model's (the tiles of run 4) and a
+# quarter of it
 SCAN_CONFIGS = [None, dict(block_k=32, block_n=64, num_stages=2),
-                dict(num_warps=4, diag_factor=False, state_block_n=128)]
+                dict(num_warps=4, diag_factor=False, state_block_n=128),
+                dict(chunk=256, num_stages=3, state_stages=2), dict(chunk=64)]
 
 
 @pytest.mark.parametrize("config", SCAN_CONFIGS)

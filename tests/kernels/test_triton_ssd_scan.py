@@ -97,7 +97,8 @@ def test_prefill_then_decode_equals_long_prefill(dev):
 
 
 @pytest.mark.parametrize("chunk,config", [(Q, None), (4 * Q, dict(block_m=16, block_k=16)),
-                                          (4 * Q, dict(block_m=32, block_k=16, diag_factor=True))])
+                                          (4 * Q, dict(block_m=32, block_k=16, diag_factor=True)),
+                                          (4 * Q, dict(chunk=2 * Q, block_m=16, block_k=16))])
 def test_extreme_decay_and_dt_range_are_finite(dev, chunk, config):
     """Decays down to exp(-480) per token, also across the row blocks of a chunk (second case: the
     output kernel's factored weights for tokens before a row block)."""
@@ -145,6 +146,9 @@ def test_bf16_inputs_and_state(dev):
     # unrolled, its chunk loop pipelined
     dict(block_m=32, block_k=16, num_stages=3, diag_factor=True, state_block_k=16, state_unroll=True,
          state_stages=2),
+    # the kernels' chunks half the model's: boundary states after every other chunk
+    dict(chunk=Q, block_m=16, block_k=16, state_block_k=16, state_unroll=False),
+    dict(chunk=Q, block_m=16, block_k=16, state_block_k=16),
 ])
 def test_tile_configs_match_reference(dev, config):
     Q2 = 2 * Q
@@ -165,3 +169,11 @@ def test_tile_configs_match_reference(dev, config):
     assert_close(pool, ref_pool, 1e-5)
     assert torch.equal(bnd.positions, bnd_ref.positions) and torch.equal(bnd.seq_idx, bnd_ref.seq_idx)
     assert_close(bnd.states, bnd_ref.states, 1e-5)
+
+
+def test_kernel_chunk_must_be_a_power_of_two(dev):
+    x, dt, A, B, C, D, bias = _inputs(5, 2, 4, 1, 4, 1, dev)
+    pool = torch.zeros(2, 2, 4, 4, device=dev)
+    with pytest.raises(ValueError, match="power of two"):
+        _run(ssd_scan_varlen, x, dt, A, B, C, [5], pool, torch.tensor([1], device=dev),
+             torch.tensor([False], device=dev), None, D, bias, force_triton=True, config=dict(chunk=12))

@@ -161,8 +161,9 @@ def ssd_scan_varlen_ref(
 
 # ---------------------------------------------------------------------------------------------------
 # Triton: four launches, no host synchronisation (one when boundary states are asked for: their count
-# sizes the output). "Chunk" below is a block of one sequence cut at absolute multiples of Q
-# (``locate_block``); chunk c of the call is one of at most NC = T // Q + 2 S.
+# sizes the output). "Chunk" below is a block of one sequence cut at absolute multiples of the kernels' chunk
+# size QI (``locate_block``; QI = SCAN_CONFIG["chunk"] when it is smaller than the model's Q, which then
+# divides Q; boundary states stay at multiples of Q); chunk c of the call is one of at most NC = T // QI + 2 S.
 #   1. _ssd_prep_kernel        [NC, H]            dt -> softplus(dt + bias), clamp; dA cumsum within
 #                                                  each chunk; the chunk table (first token, end token)
 #   2. _ssd_states_kernel      [P/bp * N/bn, H, S] one program walks one sequence's chunks in order over a

@@ -27,11 +27,14 @@ if HAS_TRITON:
         SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_PDL: tl.constexpr = False,
     ):
-        """Grid (cdiv(P, BLOCK_P), rows, H). One program: a [BLOCK_P, N] tile of one row's head state,
-        read once and written once (the state is >95% of the bytes). Padding rows (slot -1) mask every
-        state access, so they cost no bandwidth and leave all slots untouched; their output is 0."""
+        """Grid (cdiv(P, BLOCK_P), H, rows). One program: a [BLOCK_P, N] tile of one row's head state,
+        read once and written once (the state is >95% of the bytes). Heads before rows in launch order,
+        so programs running together stream one slot's contiguous [H, P, N] block: with rows first they
+        hit one head's tile in many slots at once (mamba2-2.7b, slots 2.6 MB apart: 77-82% of copy
+        bandwidth at batch 128-512 against 96-98%, H100). Padding rows (slot -1) mask every state access,
+        so they cost no bandwidth and leave all slots untouched; their output is 0."""
         pdl_start(USE_PDL)
-        pid_p, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pid_p, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(idx_ptr + b).to(tl.int64)
         valid = slot >= 0
         if HAS_DST:
@@ -146,7 +149,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     clamp = lo > 0.0 or hi != float("inf")
     dst = dst_state_indices if dst_state_indices is not None else state_indices
     zz = z if z is not None else x
-    grid = (triton.cdiv(P, BP), Bsz, H)
+    grid = (triton.cdiv(P, BP), H, Bsz)
     _selective_state_update_kernel[grid](
         state, x, dt, A, B, C, D if D is not None else A, zz, dt_bias if dt_bias is not None else A,
         state_indices, dst, out, P, N, H // G, float(lo), float(min(hi, 3.0e38)),

@@ -21,23 +21,33 @@ from mambaserve.kernels._dispatch import (HAS_TRITON, locate_block, pdl_args, pd
 
 MAX_DECODE_WIDTH = 4  # the decode step keeps the window in registers: Mamba2 and Nemotron-H use 4
 _BLOCK_D = 256
-# The prefill conv's tiles, read per call (sweeps). 32 tokens x 256 channels on 4 warps were the best of 9 on an
-# H100 at 2.7b dims; larger tiles (64 x 256 on 4 warps, 128 x 256, 32 x 512) ran 15-20x slower.
-VARLEN_TILES = {"BLOCK_T": 32, "BLOCK_D": 256, "num_warps": 4}
+# The prefill conv's tiles, read per call (sweeps): the best of 10 on an H100 at 2.7b dims (benchmarks/README.md).
+VARLEN_TILES = {"BLOCK_T": 64, "BLOCK_D": 512, "num_warps": 4, "STAGES": 3}
 _WARPS = 4  # 128 threads over 256 channels: no replicated element, so in-place state updates are safe
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _window_input(x_ptr, state_ptr, u, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k,
+                      K: tl.constexpr):
+        """Input at position u of the sequence starting at beg, channels d (``m``: those to read): x, or
+        before the sequence the slot's conv state (zeros without an initial state), in fp32."""
+        xv = tl.load(x_ptr + u * x_t + d * x_d, mask=m & (d < tl.where(u >= beg, Dm, 0)), other=0.0)
+        sv = tl.load(state_ptr + slot * st_s + d * st_d + (u - beg + K - 1) * st_k,
+                     mask=m & (d < tl.where((u < beg) & has_init, Dm, 0)), other=0.0)
+        return xv.to(tl.float32) + sv.to(tl.float32)
 
     @triton.jit
     def _causal_conv1d_varlen_kernel(
         x_ptr, w_ptr, bias_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr, out_ptr, S, Dm,
         x_t, x_d, w_d, w_k, st_s, st_d, st_k, o_t, o_d,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr,
     ):
         """Grid (T // BLOCK_T + S, cdiv(D, BLOCK_D)): one block of one sequence's tokens (blocks never
-        cross sequences). Taps before the sequence's first token read its slot's conv state; only the
-        block at a sequence's start has such taps, so only it issues those reads."""
+        cross sequences), walked token by token with the last K - 1 inputs in registers, so each input
+        is read once. The window starts from the K - 1 inputs before the block: x, or before the
+        sequence's first token its slot's conv state."""
         seq, _j, tok0, tok1 = locate_block(tl.program_id(0), cu_ptr, cu_ptr, S, BLOCK_T, False, BLOCK_S)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         md = d < Dm
@@ -45,28 +55,30 @@ if HAS_TRITON:
         beg = tl.load(cu_ptr + seq_c).to(tl.int32)
         slot = tl.maximum(tl.load(slot_ptr + seq_c).to(tl.int64), 0)
         has_init = tl.load(init_ptr + seq_c) != 0
-        t = tok0 + tl.arange(0, BLOCK_T)
-        mt = t < tok1
-        mt_init = t < tl.where(has_init, tok1, 0)  # scalar flags fold into bounds (see _dispatch)
-        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        live = d < tl.where(tok1 > tok0, Dm, 0)  # an empty block past the last sequence reads nothing
+        # taps by lag (the input t - lag); lags past the width have zero taps and never-read inputs
+        tap = w_ptr + d * w_d
+        w0 = tl.load(tap + (K - 1) * w_k, mask=md, other=0.0).to(tl.float32)
+        w1 = tl.load(tap + (K - 2) * w_k, mask=md, other=0.0).to(tl.float32)
+        w2 = tl.load(tap + (K - 3) * w_k, mask=md & (K > 2), other=0.0).to(tl.float32)
+        w3 = tl.load(tap + (K - 4) * w_k, mask=md & (K > 3), other=0.0).to(tl.float32)
+        r1 = _window_input(x_ptr, state_ptr, tok0 - 1, beg, slot, has_init, d, live, Dm, x_t, x_d,
+                           st_s, st_d, st_k, K)
+        r2 = _window_input(x_ptr, state_ptr, tok0 - 2, beg, slot, has_init, d, live & (K > 2), Dm, x_t, x_d,
+                           st_s, st_d, st_k, K)
+        r3 = _window_input(x_ptr, state_ptr, tok0 - 3, beg, slot, has_init, d, live & (K > 3), Dm, x_t, x_d,
+                           st_s, st_d, st_k, K)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + d, mask=md, other=0.0).to(tl.float32)[None, :]
-        for k in tl.static_range(K):
-            u = t - (K - 1) + k  # input position of tap k
-            xv = tl.load(x_ptr + u[:, None] * x_t + d[None, :] * x_d,
-                         mask=(mt & (u >= beg))[:, None] & md[None, :], other=0.0).to(tl.float32)
-            acc += xv * tl.load(w_ptr + d * w_d + k * w_k, mask=md, other=0.0).to(tl.float32)[None, :]
-        if tok0 - beg < K - 1:  # the sequence's first block: taps before its first token
-            for k in tl.static_range(K - 1):
-                u = t - (K - 1) + k
-                col = u - beg + (K - 1)  # column of the conv state, oldest first
-                sv = tl.load(state_ptr + slot * st_s + d[None, :] * st_d + col[:, None] * st_k,
-                             mask=(mt_init & (u < beg))[:, None] & md[None, :], other=0.0).to(tl.float32)
-                acc += sv * tl.load(w_ptr + d * w_d + k * w_k, mask=md, other=0.0).to(tl.float32)[None, :]
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        tl.store(out_ptr + t[:, None] * o_t + d[None, :] * o_d, acc.to(out_ptr.dtype.element_ty),
-                 mask=mt[:, None] & md[None, :])
+            b = tl.load(bias_ptr + d, mask=md, other=0.0).to(tl.float32)
+        else:
+            b = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for t in tl.range(tok0, tok1, num_stages=STAGES):
+            xv = tl.load(x_ptr + t * x_t + d * x_d, mask=md, other=0.0).to(tl.float32)
+            acc = b + w3 * r3 + w2 * r2 + w1 * r1 + w0 * xv
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(out_ptr + t * o_t + d * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
+            r3, r2, r1 = r2, r1, xv
 
     @triton.jit
     def _conv_state_write_kernel(

@@ -9,8 +9,15 @@ from tests.kernels.helpers import TOL, assert_close, gen, randn
 
 
 @pytest.mark.parametrize("width", [2, 3, 4])
-def test_varlen_matches_reference_incl_sequences_shorter_than_width(dev, width):
-    lengths, Dm = [1, 2, 5, 40, 3], 12  # 40 spans several token blocks
+@pytest.mark.parametrize("tiles", [None, {"BLOCK_T": 8, "BLOCK_D": 8, "num_warps": 1, "STAGES": 2}])
+def test_varlen_matches_reference_incl_sequences_shorter_than_width(dev, width, tiles, monkeypatch):
+    """Small tiles: several token blocks per sequence (each starts its window from x) and several
+    channel blocks, the last partial."""
+    from mambaserve.kernels import conv1d
+
+    if tiles:
+        monkeypatch.setattr(conv1d, "VARLEN_TILES", tiles)
+    lengths, Dm = [1, 2, 5, 40, 3], 12
     g = gen(width)
     x = randn(g, sum(lengths), Dm, dev=dev)
     w, b = randn(g, Dm, width, dev=dev), randn(g, Dm, dev=dev)

@@ -181,23 +181,27 @@ def ssd_scan_varlen_ref(
 if HAS_TRITON:
 
     @triton.jit
-    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, meta_ptr, S, T,
+    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, meta_ptr, S, T, H,
                          dt_lo, dt_hi, dt_t, dt_h,
                          Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_Q: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
-        c, h = tl.program_id(0), tl.program_id(1)
+                         BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Chunk c, BLOCK_H heads: a [tokens, heads] tile of dt, read along its rows (dt is [T, H])."""
+        c, hb = tl.program_id(0), tl.program_id(1)
         _seq, _j, tok0, tok1 = locate_block(c, cu_ptr, pos_ptr, S, Q, HAS_POS, BLOCK_S)
-        if h == 0:  # chunk table for the later kernels: (first token, end token)
+        if hb == 0:  # chunk table for the later kernels: (first token, end token)
             tl.store(meta_ptr + 2 * c, tok0)
             tl.store(meta_ptr + 2 * c + 1, tok1)
         t = tok0 + tl.arange(0, BLOCK_Q)
-        m = t < tok1
-        dt = tl.load(dt_ptr + t * dt_t + h * dt_h, mask=m, other=0.0).to(tl.float32)
-        dt = tl.where(m, dt_prologue(dt, bias_ptr + h, dt_lo, dt_hi, HAS_BIAS, SOFTPLUS, CLAMP), 0.0)
-        cs = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0)
-        tl.store(dtp_ptr + h * T + t, dt, mask=m)
-        tl.store(cs_ptr + h * T + t, cs, mask=m)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        mh = h < H
+        m = (t < tok1)[:, None] & mh[None, :]
+        dt = tl.load(dt_ptr + t[:, None] * dt_t + h[None, :] * dt_h, mask=m, other=0.0).to(tl.float32)
+        bias = bias_ptr + tl.minimum(h, H - 1)[None, :]
+        dt = tl.where(m, dt_prologue(dt, bias, dt_lo, dt_hi, HAS_BIAS, SOFTPLUS, CLAMP), 0.0)
+        cs = tl.cumsum(dt * tl.load(A_ptr + h, mask=mh, other=0.0).to(tl.float32)[None, :], 0)
+        tl.store(dtp_ptr + h[None, :] * T + t[:, None], dt, mask=m)
+        tl.store(cs_ptr + h[None, :] * T + t[:, None], cs, mask=m)
 
     @triton.jit
     def _own_state_block(acc, k0, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr, h, g, T, p, n, mp, mn,
@@ -425,7 +429,8 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRI
 # unrolled and the chunk loop pipelined (state_unroll).
 SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 2,
                "num_stages": 1, "diag_factor": True, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
-               "state_warps": 4, "state_stages": 3, "state_unroll": True, "cb_tile": 64, "cb_warps": 4}
+               "state_warps": 4, "state_stages": 3, "state_unroll": True, "cb_tile": 64, "cb_warps": 4,
+               "prep_heads": 16}
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
@@ -477,11 +482,12 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         bnd = torch.empty(len(b_pos), H, P, N, dtype=torch.float32, device=dev)
         boundary = BoundaryStates(states=bnd, seq_idx=torch.tensor(b_seq, dtype=torch.long),
                                   positions=torch.tensor(b_pos, dtype=torch.long))
-    _ssd_prep_kernel[(NC, H)](
-        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, S, T,
+    PH = cfg["prep_heads"]
+    _ssd_prep_kernel[(NC, triton.cdiv(H, PH))](
+        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, S, T, H,
         float(lo), float(min(hi, 3.0e38)), *dt.stride(),
         Q=QI, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
-        BLOCK_Q=QI, BLOCK_S=BLOCK_S, num_warps=4)
+        BLOCK_Q=QI, BLOCK_S=BLOCK_S, BLOCK_H=PH, num_warps=4)
     SBP, SBN = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN)
     _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
         x, B, dtp, cs, cu_seqlens, pos, state_indices, has_initial_state, start, ssm_state, bnd, S, T, H, P, N,

@@ -146,8 +146,9 @@ def test_bf16_inputs_and_state(dev):
     # unrolled, its chunk loop pipelined
     dict(block_m=32, block_k=16, num_stages=3, diag_factor=True, state_block_k=16, state_unroll=True,
          state_stages=2),
-    # the kernels' chunks half the model's: boundary states after every other chunk
-    dict(chunk=Q, block_m=16, block_k=16, state_block_k=16, state_unroll=False),
+    # the kernels' chunks half the model's: boundary states after every other chunk (and the prep kernel's
+    # heads in two blocks)
+    dict(chunk=Q, block_m=16, block_k=16, state_block_k=16, state_unroll=False, prep_heads=2),
     dict(chunk=Q, block_m=16, block_k=16, state_block_k=16),
 ])
 def test_tile_configs_match_reference(dev, config):

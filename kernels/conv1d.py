@@ -31,11 +31,12 @@ if HAS_TRITON:
     def _window_input(x_ptr, state_ptr, u, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k,
                       K: tl.constexpr):
         """Input at position u of the sequence starting at beg, channels d (``m``: those to read): x, or
-        before the sequence the slot's conv state (zeros without an initial state), in fp32."""
+        before the sequence the slot's conv state (column ``u - beg + K - 1``, oldest first; zeros without
+        an initial state), in fp32."""
         xv = tl.load(x_ptr + u * x_t + d * x_d, mask=m & (d < tl.where(u >= beg, Dm, 0)), other=0.0)
         sv = tl.load(state_ptr + slot * st_s + d * st_d + (u - beg + K - 1) * st_k,
                      mask=m & (d < tl.where((u < beg) & has_init, Dm, 0)), other=0.0)
-        return xv.to(tl.float32) + sv.to(tl.float32)
+        return tl.where(u >= beg, xv.to(tl.float32), sv.to(tl.float32))
 
     @triton.jit
     def _causal_conv1d_varlen_kernel(
@@ -94,26 +95,20 @@ if HAS_TRITON:
         has_init = tl.load(init_ptr + s) != 0
         m = d < tl.where(L > 0, Dm, 0)
         base = state_ptr + slot * st_s + d * st_d
-        # Load every new column before storing any: the new column j is old column L + j when the
-        # sequence is shorter than the window. 1-D tiles keep all columns of channel d in one thread.
-        n0 = _new_column(x_ptr, base, beg, L, d, m, has_init, 0, x_t, x_d, st_k, K)
+        # Load every new column before storing any: new column j is the input at position L + j - (K - 1),
+        # an old column when the sequence is shorter than the window. 1-D tiles keep all columns of
+        # channel d in one thread.
+        u = beg + L - (K - 1)
+        n0 = _window_input(x_ptr, state_ptr, u, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k, K)
         if K > 2:
-            n1 = _new_column(x_ptr, base, beg, L, d, m, has_init, 1, x_t, x_d, st_k, K)
+            n1 = _window_input(x_ptr, state_ptr, u + 1, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k, K)
         if K > 3:
-            n2 = _new_column(x_ptr, base, beg, L, d, m, has_init, 2, x_t, x_d, st_k, K)
+            n2 = _window_input(x_ptr, state_ptr, u + 2, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k, K)
         tl.store(base, n0.to(state_ptr.dtype.element_ty), mask=m)
         if K > 2:
             tl.store(base + st_k, n1.to(state_ptr.dtype.element_ty), mask=m)
         if K > 3:
             tl.store(base + 2 * st_k, n2.to(state_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _new_column(x_ptr, base, beg, L, d, m, has_init, j: tl.constexpr, x_t, x_d, st_k, K: tl.constexpr):
-        i = L + j  # index into [old state (K-1 columns), x (L tokens)]
-        xv = tl.load(x_ptr + (beg + i - (K - 1)) * x_t + d * x_d, mask=m & (d < tl.where(i >= K - 1, 1 << 30, 0)),
-                     other=0.0)
-        sv = tl.load(base + i * st_k, mask=m & (d < tl.where((i < K - 1) & has_init, 1 << 30, 0)), other=0.0)
-        return tl.where(i >= K - 1, xv.to(tl.float32), sv.to(tl.float32))
 
     @triton.jit
     def conv_load(base, w_ptr, bias_ptr, d, m, md, w_d, w_k, st_k, K: tl.constexpr, HAS_BIAS: tl.constexpr):

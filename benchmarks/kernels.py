@@ -196,9 +196,9 @@ def scan_inputs(nseq: int, L: int):
 
 # Tile sweeps of the scan, one kernel at a time over the defaults (kernels/ssd_scan.py's SCAN_CONFIG).
 SCAN_SWEEP = {
-    "output": [{}, dict(block_n=64), dict(num_stages=2), dict(num_warps=4), dict(diag_factor=False),
-               dict(block_n=64, num_stages=4), dict(block_k=64), dict(num_warps=4, block_n=64)],
-    "state": [dict(state_block_n=64), dict(state_block_p=64, state_block_n=128, state_unroll=False)],
+    "output": [{}, dict(block_n=64), dict(num_stages=1), dict(maxnreg=72), dict(maxnreg=96), dict(tma=False),
+               dict(block_k=32), dict(num_warps=2, maxnreg=None, num_stages=1)],
+    "state": [dict(state_tma=False), dict(state_wide_per_sm=1 << 20), dict(state_wide_per_sm=0)],
 }
 
 

@@ -143,11 +143,16 @@ def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def hopper_or_newer(device: torch.device) -> bool:
+    """Compute capability 9 or more (wgmma, TMA, programmatic dependent launch)."""
+    return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def use_pdl(t: torch.Tensor) -> bool:
     """Launch decode kernels with programmatic dependent launch: CUDA on Hopper or newer, a Triton
     with griddepcontrol, not the interpreter; ``MAMBASERVE_PDL=0`` turns it off (A/B, debugging)."""
     return (t.is_cuda and gdc_wait is not None and os.environ.get("MAMBASERVE_PDL", "1") != "0"
-            and _hopper_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+            and hopper_or_newer(t.device))
 
 
 def pdl_args(t: torch.Tensor) -> dict:

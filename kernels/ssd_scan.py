@@ -17,13 +17,14 @@ first ``k`` tokens of the history.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, interpreting, locate_block, next_pow2, seq_block,
-                                          tl, triton, use_triton)
+from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, hopper_or_newer, interpreting, locate_block,
+                                          next_pow2, seq_block, tl, triton, use_triton)
 
 
 @dataclass
@@ -174,9 +175,13 @@ def ssd_scan_varlen_ref(
 #                                                  the final state: no fp32 chunk states round-trip
 #                                                  through memory
 #   3. _ssd_bmm_kernel         [NC*t*t, G]         C B^T within each chunk, once per (chunk, group), lower
-#                                                  triangle of tiles only (shared by the group's heads)
+#                                                  triangle of tiles only (shared by the group's heads), zero
+#                                                  above the diagonal: the causal mask comes with it
 #   4. _ssd_chunk_scan_kernel  [H*P/bp*NC*Q/BM]    y = C S_start decay + causal (CB * decay * dt) x + D x,
-#                                                  heads fastest so concurrent programs share CB and C in L2
+#                                                  the decays factored into row and token scales; heads
+#                                                  fastest so concurrent programs share CB and C in L2
+# On Hopper the big tiles are read through TMA tensor descriptors (``_descriptor``): no per-element address
+# arithmetic (the output kernel: 311 vs 364 us through pointers, same tiles, 2.7b 8x2048).
 # ---------------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
@@ -204,30 +209,36 @@ if HAS_TRITON:
         tl.store(cs_ptr + h[None, :] * T + t[:, None], cs, mask=m)
 
     @triton.jit
-    def _own_state_block(acc, k0, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr, h, g, T, p, n, mp, mn,
-                         x_t, x_h, x_p, B_t, B_g, B_n,
-                         BLOCK_K: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+    def _own_state_block(acc, k0, tok1, cs_end, x_ptr, B_ptr, x_desc, B_desc, dtp_ptr, cs_ptr, h, g, T, P, N, p0, n0,
+                         p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n,
+                         BLOCK_K: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
         """acc + sum over tokens k0..k0+BLOCK_K (< tok1) of exp(cs_end - cs_k) dt_k x_k B_k^T: [bp, bn]."""
         k = k0 + tl.arange(0, BLOCK_K)
         mk = k < tok1
-        xk = tl.load(x_ptr + k[None, :] * x_t + h * x_h + p[:, None] * x_p, mask=mp[:, None] & mk[None, :],
-                     other=0.0)  # [bp, K]
-        Bk = tl.load(B_ptr + k[:, None] * B_t + g * B_g + n[None, :] * B_n, mask=mk[:, None] & mn[None, :],
-                     other=0.0)  # [K, bn]
+        if TMA:  # rows past tok1 are read (they get weight 0 below), past T they read as 0
+            xk = tl.trans(x_desc.load([k0, h * P + p0]))  # [bp, K]
+            Bk = B_desc.load([k0, g * N + n0])  # [K, bn]
+        else:
+            xk = tl.load(x_ptr + k[None, :] * x_t + h * x_h + p[:, None] * x_p, mask=mp[:, None] & mk[None, :],
+                         other=0.0)  # [bp, K]
+            Bk = tl.load(B_ptr + k[:, None] * B_t + g * B_g + n[None, :] * B_n, mask=mk[:, None] & mn[None, :],
+                         other=0.0)  # [K, bn]
         cs_k = tl.load(cs_ptr + h * T + k, mask=mk, other=0.0)
         dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
         w = tl.where(mk, tl.exp(tl.minimum(cs_end - cs_k, 0.0)) * dt_k, 0.0)
         return tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), acc, input_precision=PREC)
 
     @triton.jit
-    def _ssd_states_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr, start_ptr, ssm_ptr,
+    def _ssd_states_kernel(x_ptr, B_ptr, x_desc, B_desc, dtp_ptr, cs_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
+                           start_ptr, ssm_ptr,
                            bnd_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
                            ss_s, ss_h, ss_p, ss_n,
                            Q: tl.constexpr, QI: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr,
                            BLOCK_K: tl.constexpr,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
                            BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
-                           CHUNK_STAGES: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+                           CHUNK_STAGES: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr,
+                           DOT_T: tl.constexpr):
         """Sequence s, head h, a [BLOCK_P, BLOCK_N] tile of the state, chunk after chunk:
         start[c] = state; state = exp(cs_end) state + own(c), own(c) = sum_t exp(cs_end - cs_t) dt_t x_t B_t^T.
 
@@ -235,8 +246,9 @@ if HAS_TRITON:
         token blocks (``UNROLL`` off, an inner loop of ``STAGES`` stages) or over whole chunks (``UNROLL``
         on: the token blocks unrolled, the chunk loop pipelined)."""
         pid, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        p = (pid // N_BLOCKS) * BLOCK_P + tl.arange(0, BLOCK_P)
-        n = (pid % N_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        p0, n0 = (pid // N_BLOCKS) * BLOCK_P, (pid % N_BLOCKS) * BLOCK_N
+        p = p0 + tl.arange(0, BLOCK_P)
+        n = n0 + tl.arange(0, BLOCK_N)
         mp, mn = p < P, n < N
         # sequence s and its chunks, numbered as locate_block numbers them
         s_idx = tl.arange(0, BLOCK_S)
@@ -276,13 +288,15 @@ if HAS_TRITON:
             own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
             if UNROLL:
                 for kb in tl.static_range(QI // BLOCK_K):
-                    own = _own_state_block(own, tok0 + kb * BLOCK_K, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr,
-                                           h, g, T, p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n,
-                                           BLOCK_K, PREC, DOT_T)
+                    own = _own_state_block(own, tok0 + kb * BLOCK_K, tok1, cs_end, x_ptr, B_ptr, x_desc, B_desc,
+                                           dtp_ptr, cs_ptr, h, g, T, P, N, p0, n0, p, n, mp, mn,
+                                           x_t, x_h, x_p, B_t, B_g,
+                                           B_n, BLOCK_K, TMA, PREC, DOT_T)
             else:
                 for k0 in tl.range(tok0, tok1, BLOCK_K, num_stages=STAGES):
-                    own = _own_state_block(own, k0, tok1, cs_end, x_ptr, B_ptr, dtp_ptr, cs_ptr, h, g, T, p, n,
-                                           mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, BLOCK_K, PREC, DOT_T)
+                    own = _own_state_block(own, k0, tok1, cs_end, x_ptr, B_ptr, x_desc, B_desc, dtp_ptr, cs_ptr, h,
+                                           g, T, P, N, p0, n0, p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, BLOCK_K, TMA,
+                                           PREC, DOT_T)
             state = tl.exp(cs_end) * state + own
             if HAS_BND:  # a chunk that ends on an absolute multiple of Q: the state of that position
                 e = pos_s + (tok1 - beg)
@@ -296,8 +310,8 @@ if HAS_TRITON:
     def _ssd_bmm_kernel(C_ptr, B_ptr, meta_ptr, cb_ptr, G, N, C_t, C_g, C_n, B_t, B_g, B_n,
                         Q: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
                         PREC: tl.constexpr, DOT_T: tl.constexpr):
-        """cb[c, g, i, j] = C_i . B_j for chunk-local i, j < the chunk's length, tiles with j-tile <= i-tile
-        (the output kernel reads only j <= i, which lie in those)."""
+        """cb[c, g, i, j] = C_i . B_j for chunk-local j <= i < the chunk's length (else 0), tiles with
+        j-tile <= i-tile (the output kernel reads only those)."""
         pid, g = tl.program_id(0), tl.program_id(1)
         c = pid // (N_TILES * N_TILES)
         ib = (pid // N_TILES) % N_TILES
@@ -314,39 +328,56 @@ if HAS_TRITON:
             Bj = tl.load(B_ptr + (tok0 + j)[None, :] * B_t + g * B_g + n[:, None] * B_n,
                          mask=mn[:, None] & mj[None, :], other=0.0)  # [N, TILE]
             cb = tl.dot(Ci.to(DOT_T), Bj.to(DOT_T), input_precision=PREC)
+            # zeros above the diagonal and past the chunk's end: the output kernel's factored path takes
+            # these tiles as they are (causal mask included)
+            cb = tl.where((j[None, :] <= i[:, None]) & mi[:, None] & mj[None, :], cb, 0.0)
             out = cb_ptr + (c * G + g).to(tl.int64) * Q * Q
-            tl.store(out + i[:, None] * Q + j[None, :], cb.to(cb_ptr.dtype.element_ty),
-                     mask=mi[:, None] & mj[None, :])
+            tl.store(out + i[:, None] * Q + j[None, :], cb.to(cb_ptr.dtype.element_ty))
 
     @triton.jit
-    def _diag_weights(cb, cs_t, cs_k, dt_k, ref, factored):
-        """cb * exp(cs_t - cs_k) * dt_k on the diagonal block ([M, K], before the causal mask).
-
-        ``factored`` (cs spans less than 60 over the block): exp(cs_t - ref) exp(ref - cs_k) with ref = cs
-        at the block's first row: M + K exps instead of M K, each factor below e^60."""
-        if factored:
-            w = cb * (tl.exp(cs_t - ref)[:, None] * (dt_k * tl.exp(ref - cs_k))[None, :])
+    def _tile(desc, ptrs, mask, row, col, TMA: tl.constexpr):
+        """A tile through its tensor descriptor at [row, col] (TMA: no per-element address work, rows past
+        the tensor read as 0) or through ``ptrs`` under ``mask``."""
+        if TMA:
+            return desc.load([row, col])
         else:
-            w = cb * tl.exp(tl.minimum(cs_t[:, None] - cs_k[None, :], 0.0)) * dt_k[None, :]
-        return w
+            return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _scaled_x(x_desc, xh, dtp_ptr, cs_ptr, at, r, tok0, k0, L, x_t, x_col, mp, MAX_E,
+                  BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+        """Tokens k0..k0+BLOCK_K of the chunk: x [K, bp] and x scaled per token by dt_k exp(min(r - cs_k, MAX_E))
+        (0 past the chunk's end)."""
+        kk = k0 + tl.arange(0, BLOCK_K)
+        mk = kk < L
+        xk = _tile(x_desc, xh + (tok0 + kk)[:, None] * x_t, mk[:, None] & mp[None, :], tok0 + k0, x_col, TMA)
+        dt = tl.load(dtp_ptr + at + kk, mask=mk, other=0.0)
+        cs = tl.load(cs_ptr + at + kk, mask=mk, other=0.0)
+        s = tl.where(mk, dt * tl.exp(tl.minimum(r - cs, MAX_E)), 0.0)
+        return xk, xk.to(tl.float32) * s[:, None]
 
     @triton.jit
     def _ssd_chunk_scan_kernel(x_ptr, C_ptr, cb_ptr, D_ptr, dtp_ptr, cs_ptr, meta_ptr, start_ptr, y_ptr,
+                               x_desc, xm_desc, C_desc, cb_desc, st_desc,
                                T, H, G, P, N, heads_per_group, x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p,
                                HAS_D: tl.constexpr, Q: tl.constexpr, M_BLOCKS: tl.constexpr,
                                P_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-                               STAGES: tl.constexpr, DIAG_FACTOR: tl.constexpr, PREC: tl.constexpr,
-                               DOT_T: tl.constexpr):
+                               STAGES: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
         """Rows i0..i0+BLOCK_M of a chunk, one head, BLOCK_P columns of P.
 
-        Decay weights exp(cs_i - cs_k) (cs: dA cumsum within the chunk, non-increasing). Tokens k
-        before the row block (k < i0) are factored through r = cs[i0 - 1]: exp(cs_i - r) exp(r - cs_k),
-        both factors <= 1, so neither overflows, and one underflows only where the weight itself is
-        below fp32's range. That leaves a plain matrix product over those tokens (a [K] vector of
-        exps per block instead of an [M, K] tile), and the start-state term joins the same
-        accumulator (exp(cs_i) = exp(r) exp(cs_i - r)). Only the diagonal block (k in the row block)
-        needs the causal mask and pairwise weights (``_diag_weights``)."""
+        y_i = exp(cs_i) C_i S_start + sum_{k <= i} (C_i . B_k) exp(cs_i - cs_k) dt_k x_k (+ D x_i), with cs
+        the dA cumsum within the chunk (non-increasing). Every weight is factored through one reference r:
+        exp(cs_i - cs_k) = exp(cs_i - r) exp(r - cs_k) and exp(cs_i) = exp(cs_i - r) exp(r). The first
+        factor scales the accumulator's rows once at the end, the second x's rows, so each k block is a
+        plain product of a C B^T tile as stored (zeros above the diagonal and past the chunk's end,
+        ``_ssd_bmm_kernel``) with scaled x, and the start-state term joins the same accumulator.
+
+        r is cs at the row block's middle row where cs spans less than 60 on either side of it over the
+        block's rows: then every factor is below e^60, and exp(r - cs_k) for tokens before the block and
+        exp(r), both <= 1, underflow only for weights below e^-27 of the others. Otherwise (decay faster
+        than e^-60 over half a block) r is cs before the block, the earlier tokens and the start state
+        keep factors <= 1, and the diagonal block takes exact pairwise weights."""
         pid = tl.program_id(0)
         h = pid % H
         rest = pid // H
@@ -356,62 +387,72 @@ if HAS_TRITON:
         i0 = (cm % M_BLOCKS) * BLOCK_M
         tok0 = tl.load(meta_ptr + 2 * c)
         L = tl.load(meta_ptr + 2 * c + 1) - tok0
+        if i0 >= L:  # a row block past the chunk's end, or an empty tail chunk of the grid
+            return
         g = h // heads_per_group
-        p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        p0 = pb * BLOCK_P
+        p = p0 + tl.arange(0, BLOCK_P)
         mp = p < P
         i = i0 + tl.arange(0, BLOCK_M)  # chunk-local rows
         mi = i < L
         t = tok0 + i
-        # rows = False: a row block past the chunk's end, or an empty tail chunk of the grid. Such a
-        # program loads and stores nothing (masks and empty loops; an early `if` around the whole body
-        # measured slower on the H100 with 4 warps and exact diagonal weights: 707 vs 571 us)
-        rows = i0 < L
-        csh = cs_ptr + h * T + tok0
-        cs_t = tl.load(csh + i, mask=mi, other=0.0)
-        r = tl.load(csh + i0 - 1, mask=rows & (i0 > 0), other=0.0)
+        at = h * T + tok0  # this chunk in the [H, T] dt and cs
+        r_mid = tl.load(cs_ptr + at + tl.minimum(i0 + BLOCK_M // 2, L) - 1)
+        cs_t = tl.load(cs_ptr + at + i, mask=mi, other=r_mid)  # rows past the end: factor 1
+        factored = tl.maximum(tl.max(cs_t, 0) - r_mid, r_mid - tl.min(cs_t, 0)) < 60.0
+        r = tl.where(factored, r_mid, tl.load(cs_ptr + at + i0 - 1, mask=i0 > 0, other=0.0))
         # start-state term, over N in BLOCK_N slices (fewer live registers and less shared memory)
         acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-        stp = start_ptr + (c * H + h).to(tl.int64) * P * N + p[None, :] * N
         for nb in tl.static_range(N_BLOCKS):
             n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             mn = n < N
-            Ct = tl.load(C_ptr + t[:, None] * C_t + g * C_g + n[None, :] * C_n, mask=mi[:, None] & mn[None, :],
-                         other=0.0)  # [M, n]
-            st = tl.load(stp + n[:, None], mask=(n < tl.where(rows, N, 0))[:, None] & mp[None, :], other=0.0)
+            Ct = _tile(C_desc, C_ptr + t[:, None] * C_t + g * C_g + n[None, :] * C_n, mi[:, None] & mn[None, :],
+                       tok0 + i0, g * N + nb * BLOCK_N, TMA)  # [M, n]
+            if TMA:  # start states are [.., H, P, N]: the [p, n] tile, transposed
+                st = tl.trans(st_desc.load([(c * H + h) * P + p0, nb * BLOCK_N]))
+            else:
+                st = tl.load(start_ptr + (c * H + h).to(tl.int64) * P * N + p[None, :] * N + n[:, None],
+                             mask=mn[:, None] & mp[None, :], other=0.0)  # [n, bp]
             acc = tl.dot(Ct.to(DOT_T), st.to(DOT_T), acc, input_precision=PREC)
         acc *= tl.exp(r)
-        cbp = cb_ptr + (c * G + g).to(tl.int64) * Q * Q
+        cbp = cb_ptr + (c * G + g).to(tl.int64) * Q * Q + i[:, None] * Q
+        cb_row = (c * G + g) * Q + i0
         xh = x_ptr + h * x_h + p[None, :] * x_p
-        # tokens before the row block: all inside the chunk and causal for every row, so the loads are
-        # unmasked along k (16 bytes wide); C B^T rows past the chunk's end were never written
-        for k0 in tl.range(0, tl.where(rows, i0, 0), BLOCK_K, num_stages=STAGES):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            cb = tl.load(cbp + i[:, None] * Q + kk[None, :], mask=mi[:, None], other=0.0).to(tl.float32)  # [M, K]
-            s_k = tl.load(dtp_ptr + h * T + tok0 + kk) * tl.exp(tl.minimum(r - tl.load(csh + kk), 0.0))
-            xk = tl.load(xh + (tok0 + kk)[:, None] * x_t, mask=mp[None, :], other=0.0)  # [K, bp]
-            acc = tl.dot((cb * s_k[None, :]).to(DOT_T), xk.to(DOT_T), acc, input_precision=PREC)
-        acc *= tl.exp(tl.minimum(cs_t - r, 0.0))[:, None]
-        # the diagonal block, causal
-        ref = tl.load(csh + i0, mask=rows, other=0.0)
-        if DIAG_FACTOR:
-            # both factors stay under e^60 when cs spans less than 60 over the block's rows
-            factored = tl.max(tl.where(mi, cs_t, ref), 0) - tl.min(tl.where(mi, cs_t, ref), 0) < 60.0
+        x_col = h * P + p0
+        # tokens before the row block: exp(r - cs_k) <= 1
+        for k0 in tl.range(0, i0, BLOCK_K, num_stages=STAGES):
+            cb = _tile(cb_desc, cbp + k0 + tl.arange(0, BLOCK_K)[None, :], mi[:, None], cb_row, k0, TMA)  # [M, K]
+            _, xs = _scaled_x(x_desc, xh, dtp_ptr, cs_ptr, at, r, tok0, k0, L, x_t, x_col, mp, 0.0, BLOCK_K, TMA)
+            acc = tl.dot(cb.to(DOT_T), xs.to(DOT_T), acc, input_precision=PREC)
+        if factored:  # the diagonal block like the rest
+            if BLOCK_K == BLOCK_M:  # one k block: its x tile is also the D term's
+                cb = _tile(cb_desc, cbp + i0 + tl.arange(0, BLOCK_K)[None, :], mi[:, None], cb_row, i0, TMA)
+                xd, xs = _scaled_x(x_desc, xh, dtp_ptr, cs_ptr, at, r, tok0, i0, L, x_t, x_col, mp, 60.0, BLOCK_K,
+                                   TMA)
+                acc = tl.dot(cb.to(DOT_T), xs.to(DOT_T), acc, input_precision=PREC)
+            else:
+                for k0 in range(i0, tl.minimum(i0 + BLOCK_M, L), BLOCK_K):
+                    cb = _tile(cb_desc, cbp + k0 + tl.arange(0, BLOCK_K)[None, :], mi[:, None], cb_row, k0, TMA)
+                    _, xs = _scaled_x(x_desc, xh, dtp_ptr, cs_ptr, at, r, tok0, k0, L, x_t, x_col, mp, 60.0, BLOCK_K,
+                                      TMA)
+                    acc = tl.dot(cb.to(DOT_T), xs.to(DOT_T), acc, input_precision=PREC)
+                xd = _tile(xm_desc, xh + t[:, None] * x_t, mi[:, None] & mp[None, :], tok0 + i0, x_col, TMA)
+            acc *= tl.exp(cs_t - r)[:, None]
         else:
-            factored = False
-        for k0 in range(i0, tl.minimum(i0 + BLOCK_M, L), BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            mk = kk < L
-            # unmasked along k: i, kk < Q stay inside this chunk's Q x Q slab; entries the bmm kernel did
-            # not write above the diagonal are dropped by the where
-            cb = tl.load(cbp + i[:, None] * Q + kk[None, :], mask=mi[:, None], other=0.0).to(tl.float32)
-            cs_k = tl.load(csh + kk, mask=mk, other=0.0)
-            dt_k = tl.load(dtp_ptr + h * T + tok0 + kk, mask=mk, other=0.0)
-            w = tl.where(i[:, None] >= kk[None, :], _diag_weights(cb, cs_t, cs_k, dt_k, ref, factored), 0.0)
-            xk = tl.load(xh + (tok0 + kk)[:, None] * x_t, mask=mk[:, None] & mp[None, :], other=0.0)  # [K, bp]
-            acc = tl.dot(w.to(DOT_T), xk.to(DOT_T), acc, input_precision=PREC)
-        xt = tl.load(xh + t[:, None] * x_t, mask=mi[:, None] & mp[None, :], other=0.0)
+            acc *= tl.exp(tl.minimum(cs_t - r, 0.0))[:, None]
+            for k0 in range(i0, tl.minimum(i0 + BLOCK_M, L), BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                mk = kk < L
+                cb = _tile(cb_desc, cbp + kk[None, :], mi[:, None], cb_row, k0, TMA).to(tl.float32)
+                cs_k = tl.load(cs_ptr + at + kk, mask=mk, other=0.0)
+                dt_k = tl.load(dtp_ptr + at + kk, mask=mk, other=0.0)
+                w = tl.where((i[:, None] >= kk[None, :]) & mk[None, :],
+                             cb * tl.exp(tl.minimum(cs_t[:, None] - cs_k[None, :], 0.0)) * dt_k[None, :], 0.0)
+                xk = _tile(x_desc, xh + (tok0 + kk)[:, None] * x_t, mk[:, None] & mp[None, :], tok0 + k0, x_col, TMA)
+                acc = tl.dot(w.to(DOT_T), xk.to(DOT_T), acc, input_precision=PREC)
+            xd = _tile(xm_desc, xh + t[:, None] * x_t, mi[:, None] & mp[None, :], tok0 + i0, x_col, TMA)
         if HAS_D:
-            acc += tl.load(D_ptr + h).to(tl.float32) * xt.to(tl.float32)
+            acc += tl.load(D_ptr + h).to(tl.float32) * xd.to(tl.float32)
         tl.store(y_ptr + t[:, None] * y_t + h * y_h + p[None, :] * y_p, acc.to(y_ptr.dtype.element_ty),
                  mask=mi[:, None] & mp[None, :])
 
@@ -419,18 +460,50 @@ if HAS_TRITON:
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRITON else {}
 
 # Tiles of the kernels; overridable per call for benchmark sweeps. Picked from H100 sweeps at 2.7b dims, 8x2048
-# and 1x16384 tokens (benchmarks/README.md, "Run 4" and "Session 4"). chunk: the kernels work on chunks of
-# this many tokens when the model's chunk size is larger (boundary states stay at the model's multiples):
-# half of Q = 256 halves the causal products inside a chunk and doubles the start states written and read,
-# a net gain (scan 723 -> 579 us at 8x2048 with the stages below). Output kernel: block_m rows x block_p
-# columns per program, block_k tokens per step, the start-state product over N in block_n slices,
-# factored diagonal weights (diag_factor: whole scan 707 vs 790 us at 8x2048, Q = 256). State kernel: a
-# [state_block_p, state_block_n] tile per program, state_block_k tokens per step, the token blocks
-# unrolled and the chunk loop pipelined (state_unroll).
-SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 2,
-               "num_stages": 1, "diag_factor": True, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
-               "state_warps": 4, "state_stages": 3, "state_unroll": True, "cb_tile": 64, "cb_warps": 4,
-               "prep_heads": 16}
+# and 1x16384 tokens (benchmarks/README.md, "Run 4", "Session 4" and "Session 5"). chunk: the kernels work on
+# chunks of this many tokens when the model's chunk size is larger (boundary states stay at the model's
+# multiples): half of Q = 256 halves the causal products inside a chunk and doubles the start states written
+# and read, a net gain. Output kernel: block_m rows x block_p columns per program, block_k tokens per step, the
+# start-state product over N in block_n slices, 4 warps capped at maxnreg registers (80: 5-6 programs per SM
+# instead of 4 at the uncapped 128, no spills; 244 vs 309 us at 8x2048). State kernel: a [state_block_p,
+# state_block_n] tile per program, state_block_k tokens per step, the token blocks unrolled and the chunk loop
+# pipelined (state_unroll); the tile spans state_wide_n columns of N when that still gives state_wide_per_sm
+# programs per SM (many sequences: x read once and B half as often, 175 vs 203 us at 8x2048; with few
+# sequences the narrower tile keeps more programs walking). tma / state_tma: tiles read through TMA tensor
+# descriptors where the layout allows (Hopper or newer, and the interpreter).
+SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4,
+               "num_stages": 2, "maxnreg": 80, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
+               "state_warps": 4, "state_stages": 3, "state_unroll": True, "state_wide_n": 128,
+               "state_wide_per_sm": 4, "cb_tile": 64, "cb_warps": 4, "prep_heads": 16, "tma": True,
+               "state_tma": True}
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int, row_stride: int, block: list[int]):
+    """A 2-D TMA tensor descriptor [rows, cols] over ``t``'s storage (columns contiguous), or None where
+    the layout does not allow one (16-byte aligned base and row stride) or TMA is unavailable."""
+    if not HAS_TRITON or not (interpreting() or (t.is_cuda and hopper_or_newer(t.device))):
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - Triton < 3.4
+        return None
+    if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16 or block[-1] * t.element_size() < 16:
+        return None
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], block)
+
+
+def _rows_of(t: torch.Tensor, inner: int):
+    """[T, A, inner] with the last two dims packed (stride inner, 1): its row stride, else None."""
+    return t.stride(0) if t.stride(2) == 1 and t.stride(1) == inner else None
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
@@ -489,26 +562,46 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         Q=QI, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
         BLOCK_Q=QI, BLOCK_S=BLOCK_S, BLOCK_H=PH, num_warps=4)
     SBP, SBN = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN)
+    wide_programs = S * H * triton.cdiv(P, SBP) * triton.cdiv(N, cfg["state_wide_n"])
+    if dev.type == "cuda" and wide_programs >= cfg["state_wide_per_sm"] * _sm_count(dev):
+        SBN = min(cfg["state_wide_n"], BN)  # enough sequences to fill the GPU with the wider tile
+    SBK = min(cfg["state_block_k"], QI)
+    x_rows, B_rows, C_rows = _rows_of(x, P), _rows_of(B, N), _rows_of(C, N)
+    sx_desc = sB_desc = None
+    if cfg["state_tma"] and x_rows and B_rows and P % SBP == 0 and N % SBN == 0:
+        sx_desc = _descriptor(x, T, H * P, x_rows, [SBK, SBP])
+        sB_desc = _descriptor(B, T, G * N, B_rows, [SBK, SBN])
+    state_tma = sx_desc is not None and sB_desc is not None
     _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
-        x, B, dtp, cs, cu_seqlens, pos, state_indices, has_initial_state, start, ssm_state, bnd, S, T, H, P, N,
+        x, B, sx_desc if state_tma else x, sB_desc if state_tma else B, dtp, cs, cu_seqlens, pos, state_indices,
+        has_initial_state, start, ssm_state, bnd, S, T, H, P, N,
         H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, QI=QI, HAS_POS=has_pos,
-        HAS_BND=return_boundary_states, BLOCK_K=min(cfg["state_block_k"], QI), BLOCK_P=SBP, BLOCK_N=SBN,
+        HAS_BND=return_boundary_states, BLOCK_K=SBK, BLOCK_P=SBP, BLOCK_N=SBN,
         N_BLOCKS=triton.cdiv(N, SBN), BLOCK_S=BLOCK_S, UNROLL=cfg["state_unroll"], STAGES=cfg["state_stages"],
-        CHUNK_STAGES=cfg["state_stages"] if cfg["state_unroll"] else 1,
+        CHUNK_STAGES=cfg["state_stages"] if cfg["state_unroll"] else 1, TMA=state_tma,
         PREC=prec, DOT_T=dot_t, num_warps=cfg["state_warps"])
-    TILE = min(cfg["cb_tile"], QI)
+    BM = min(cfg["block_m"], QI)
+    BK = min(cfg["block_k"], BM)
+    OBP, OBN = min(cfg["block_p"], BP), min(cfg["block_n"], BN)
+    # the output kernel reads C B^T up to each row block's end: tiles no smaller than the row blocks
+    TILE = min(max(cfg["cb_tile"], BM), QI)
     _ssd_bmm_kernel[(NC * (QI // TILE) ** 2, G)](
         C, B, meta, cb, G, N, *C.stride(), *B.stride(), Q=QI, TILE=TILE, N_TILES=QI // TILE, BLOCK_N=BN,
         PREC=prec, DOT_T=dot_t, num_warps=cfg["cb_warps"])
-    BM = min(cfg["block_m"], QI)
-    OBP, OBN = min(cfg["block_p"], BP), min(cfg["block_n"], BN)
+    descs = None
+    if cfg["tma"] and x_rows and C_rows and P % OBP == 0 and N % OBN == 0:
+        descs = [_descriptor(x, T, H * P, x_rows, [BK, OBP]), _descriptor(x, T, H * P, x_rows, [BM, OBP]),
+                 _descriptor(C, T, G * N, C_rows, [BM, OBN]), _descriptor(cb, NC * G * QI, QI, QI, [BM, BK]),
+                 _descriptor(start, NC * H * P, N, N, [OBP, OBN])]
+        if any(d is None for d in descs):
+            descs = None
     _ssd_chunk_scan_kernel[(H * triton.cdiv(P, OBP) * NC * (QI // BM),)](
-        x, C, cb, D if D is not None else A, dtp, cs, meta, start, y, T, H, G, P, N, H // G,
-        *x.stride(), *C.stride(), *y.stride(),
+        x, C, cb, D if D is not None else A, dtp, cs, meta, start, y, *(descs or (x, x, C, cb, start)),
+        T, H, G, P, N, H // G, *x.stride(), *C.stride(), *y.stride(),
         HAS_D=D is not None, Q=QI, M_BLOCKS=QI // BM, P_BLOCKS=triton.cdiv(P, OBP), BLOCK_M=BM,
-        BLOCK_K=min(cfg["block_k"], BM), BLOCK_P=OBP, BLOCK_N=OBN, N_BLOCKS=triton.cdiv(N, OBN),
-        STAGES=cfg["num_stages"], DIAG_FACTOR=cfg["diag_factor"], PREC=prec,
-        DOT_T=dot_t, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=BK, BLOCK_P=OBP, BLOCK_N=OBN, N_BLOCKS=triton.cdiv(N, OBN), STAGES=cfg["num_stages"],
+        TMA=descs is not None, PREC=prec, DOT_T=dot_t, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return y, boundary
 
 

@@ -97,7 +97,7 @@ def test_prefill_then_decode_equals_long_prefill(dev):
 
 
 @pytest.mark.parametrize("chunk,config", [(Q, None), (4 * Q, dict(block_m=16, block_k=16)),
-                                          (4 * Q, dict(block_m=32, block_k=16, diag_factor=True)),
+                                          (4 * Q, dict(block_m=32, block_k=16)),
                                           (4 * Q, dict(chunk=2 * Q, block_m=16, block_k=16))])
 def test_extreme_decay_and_dt_range_are_finite(dev, chunk, config):
     """Decays down to exp(-480) per token, also across the row blocks of a chunk (second case: the
@@ -137,15 +137,12 @@ def test_bf16_inputs_and_state(dev):
 
 
 @pytest.mark.parametrize("config", [
-    # several output row blocks per chunk, C.B^T tiles smaller than them, k blocks smaller still, P
-    # split over two output programs, N over two slices there, the state split over 2 x 2 programs (the
-    # last ones partial), exact diagonal weights
+    # several output row blocks per chunk, C.B^T tiles as small as them, P split over two output programs,
+    # N over two slices there, the state split over 2 x 2 programs (the last ones partial)
     dict(block_m=16, block_k=16, block_p=16, block_n=16, cb_tile=16, state_block_p=16, state_block_n=16,
-         state_block_k=16, diag_factor=False),
-    # several k blocks in the diagonal, factored weights there; the state kernel's token blocks
-    # unrolled, its chunk loop pipelined
-    dict(block_m=32, block_k=16, num_stages=3, diag_factor=True, state_block_k=16, state_unroll=True,
-         state_stages=2),
+         state_block_k=16),
+    # several k blocks in the diagonal; the state kernel's token blocks unrolled, its chunk loop pipelined
+    dict(block_m=32, block_k=16, num_stages=3, state_block_k=16, state_unroll=True, state_stages=2),
     # the kernels' chunks half the model's: boundary states after every other chunk (and the prep kernel's
     # heads in two blocks)
     dict(chunk=Q, block_m=16, block_k=16, state_block_k=16, state_unroll=False, prep_heads=2),
@@ -178,3 +175,39 @@ def test_kernel_chunk_must_be_a_power_of_two(dev):
     with pytest.raises(ValueError, match="power of two"):
         _run(ssd_scan_varlen, x, dt, A, B, C, [5], pool, torch.tensor([1], device=dev),
              torch.tensor([False], device=dev), None, D, bias, force_triton=True, config=dict(chunk=12))
+
+
+@pytest.mark.parametrize("config", [
+    # tiles through TMA tensor descriptors (the interpreter emulates them), two row blocks per chunk and the
+    # diagonal's x tile reused for the D term; then the same through pointers; then k blocks smaller than
+    # the row blocks and a C.B^T tile larger than them
+    dict(block_m=16, block_k=16, block_p=16, block_n=16, state_block_p=16, state_block_n=16, state_block_k=16),
+    dict(block_m=16, block_k=16, block_p=16, block_n=16, state_block_p=16, state_block_n=16, state_block_k=16,
+         tma=False, state_tma=False),
+    dict(block_m=32, block_k=16, block_p=16, block_n=32, cb_tile=32, state_block_p=16, state_block_n=16,
+         state_block_k=16),
+])
+def test_output_weights_factored_or_exact_per_block(dev, config):
+    """Heads from slow to fast decay, so row blocks take both output paths: weights factored through the
+    block's middle row (cs spans < 60 on each side of it) and exact pairwise weights (it does not), with
+    blocks where only the span across the middle row or only one side decides."""
+    Q2, H, P, G, N = 2 * Q, 4, 16, 2, 32
+    lengths = [2 * Q2 + 5, Q2 - 3, 9]
+    T = sum(lengths)
+    x, dt, A, B, C, D, bias = _inputs(T, H, P, G, N, 21, dev)
+    A = torch.tensor([-0.05, -1.0, -3.5, -8.0], device=dev)
+    dt = dt.abs() * torch.tensor([1.0, 1.5, 1.0, 1.2], device=dev)  # with bias 0 below: dt = softplus(|n|) > 0.69
+    pool = torch.randn(len(lengths) + 1, H, P, N, generator=gen(22)).to(dev)
+    before = pool.clone()
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    kw = dict(chunk_size=Q2, cu_seqlens=cu, state_indices=torch.tensor([2, 0, 3], device=dev),
+              has_initial_state=torch.tensor([True, False, True], device=dev),
+              seq_start_pos=torch.tensor([0, 7, Q2 + 1], device=dev), D=D, dt_bias=torch.zeros(H, device=dev))
+    y, _ = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, force_triton=True, config=config, **kw)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        slot = kw["state_indices"][i].item()
+        init = before[slot].cpu() if kw["has_initial_state"][i] else None
+        ry, rs = ssm_recurrence(x[s:e].cpu(), dt[s:e].cpu(), A.cpu(), B[s:e].cpu(), C[s:e].cpu(), D.cpu(), init,
+                                kw["dt_bias"].cpu())
+        assert_close(y[s:e].cpu(), ry, 1e-5)
+        assert_close(pool[slot].cpu(), rs[-1], 1e-5)

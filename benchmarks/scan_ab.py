@@ -1,0 +1,96 @@
+"""A/B of chunked-scan variants in one process (CUDA): per-kernel device time, differences, mamba_ssm.
+
+    python benchmarks/scan_ab.py --configs '{"default": {}, "pointers": {"tma": false}}' \
+        [--baseline old_ssd_scan.py] [--shapes '[[8, 2048], [1, 16384]]'] [--boundary] [--third-party third_party]
+
+Each named config (over kernels/ssd_scan.py's SCAN_CONFIG) runs on `kernels.py`'s 2.7b inputs with initial
+states; names starting with "baseline" run the file given by --baseline instead (a previous version of
+ssd_scan.py, e.g. from `git show REV:kernels/ssd_scan.py`). Printed per config and shape: the summed device
+time of each kernel over 10 calls (torch profiler), the relative difference of y and the final state to the
+first config's, the relative error of both against the fp32 torch reference, and the ratio of
+`mamba_chunk_scan_combined`'s summed device time (same inputs, same process) to ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernels as kb  # noqa: E402  (this folder's kernels.py: inputs, helpers, the third-party loader)
+
+
+def device_time(fn, n=10):
+    """Summed device time per call (µs) and its split per kernel."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per = {e.key[:28]: round(e.self_device_time_total / n, 1) for e in prof.key_averages()
+           if e.self_device_time_total > 0}
+    return sum(per.values()), per
+
+
+def load_file(path):
+    spec = importlib.util.spec_from_file_location("ssd_scan_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default='{"default": {}}')
+    ap.add_argument("--shapes", default="[[8, 2048], [1, 16384]]")
+    ap.add_argument("--baseline", help="a previous ssd_scan.py, run for configs named baseline*")
+    ap.add_argument("--boundary", action="store_true", help="also return the boundary states")
+    ap.add_argument("--third-party", default="third_party")
+    a = ap.parse_args()
+    configs = json.loads(a.configs)
+    baseline = load_file(a.baseline) if a.baseline else None
+    ext = kb.load_third_party(a.third_party)
+    H, P, N, G, _ = kb.MODELS["mamba2-2.7b"]
+    for nseq, L in json.loads(a.shapes):
+        x, dt, A, B, C, D, bias, pool, kw = kb.scan_inputs(nseq, L)
+        kw.update(has_initial_state=torch.ones(nseq, dtype=torch.bool, device="cuda"),
+                  return_boundary_states=a.boundary)
+        init = pool.normal_().clone()
+        ref_pool = init.clone()
+        y_ref, _ = kb.ssd_scan.ssd_scan_varlen_ref(x, dt, A, B, C, **dict(kw, ssm_state=ref_pool))
+        first, totals = None, {}
+        for name, cfg in configs.items():
+            mod = baseline if name.startswith("baseline") else kb.ssd_scan
+            run = lambda: mod.ssd_scan_varlen(x, dt, A, B, C, config=cfg, **kw)  # noqa: E731
+            pool.copy_(init)
+            y, _ = run()
+            out = (y.clone(), pool.clone())
+            first = first or out
+            diff = [kb.rel(o, f) for o, f in zip(out, first)]
+            err = [kb.rel(y, y_ref), kb.rel(pool, ref_pool)]
+            totals[name], per = device_time(run)
+            print(f"{nseq}x{L} {name}: {totals[name]:.1f} us, diff to first (y, state) {diff[0]:.1e} {diff[1]:.1e}, "
+                  f"error to reference {err[0]:.1e} {err[1]:.1e}, finite {bool(torch.isfinite(y).all())}: "
+                  f"{json.dumps(per)}", flush=True)
+        if "scan" in ext:
+            xb, dtb = x.view(nseq, L, H, P), dt.view(nseq, L, H)
+            Bb, Cb = B.view(nseq, L, G, N), C.view(nseq, L, G, N)
+            ini = init[kw["state_indices"]]
+            t_ext, per = device_time(lambda: ext["scan"](xb, dtb, A, Bb, Cb, 256, D=D, dt_bias=bias, dt_softplus=True,
+                                                         initial_states=ini, return_final_states=True))
+            print(f"{nseq}x{L} mamba_ssm: {t_ext:.1f} us: {json.dumps(per)}", flush=True)
+            print(f"{nseq}x{L} x mamba_ssm (device time):", {k: round(t_ext / v, 3) for k, v in totals.items()},
+                  flush=True)
+        del pool
+
+
+if __name__ == "__main__":
+    main()

@@ -465,17 +465,19 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRI
 # multiples): half of Q = 256 halves the causal products inside a chunk and doubles the start states written
 # and read, a net gain. Output kernel: block_m rows x block_p columns per program, block_k tokens per step, the
 # start-state product over N in block_n slices, 4 warps capped at maxnreg registers (80: 5-6 programs per SM
-# instead of 4 at the uncapped 128, no spills; 244 vs 309 us at 8x2048). State kernel: a [state_block_p,
+# instead of 4 at the uncapped 128; 275 vs 309 us at 8x2048). State kernel: a [state_block_p,
 # state_block_n] tile per program, state_block_k tokens per step, the token blocks unrolled and the chunk loop
 # pipelined (state_unroll); the tile spans state_wide_n columns of N when that still gives state_wide_per_sm
-# programs per SM (many sequences: x read once and B half as often, 175 vs 203 us at 8x2048; with few
+# programs per SM (many sequences: x read once and B half as often, 178 vs 205 us at 8x2048; with few
 # sequences the narrower tile keeps more programs walking). tma / state_tma: tiles read through TMA tensor
-# descriptors where the layout allows (Hopper or newer, and the interpreter).
+# descriptors where the layout allows (Hopper or newer, and the interpreter) and the call has at least
+# tma_min_tokens tokens: the descriptors' host time per launch made the 2.7b 2k-token TTFT 52.5 ms against 43.4
+# through pointers, while from 8k tokens up the GPU time dominates (prefill 8x2048: 82.6k vs 76.9k tok/s).
 SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4,
                "num_stages": 2, "maxnreg": 80, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
                "state_warps": 4, "state_stages": 3, "state_unroll": True, "state_wide_n": 128,
                "state_wide_per_sm": 4, "cb_tile": 64, "cb_warps": 4, "prep_heads": 16, "tma": True,
-               "state_tma": True}
+               "state_tma": True, "tma_min_tokens": 4096}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -568,7 +570,9 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     SBK = min(cfg["state_block_k"], QI)
     x_rows, B_rows, C_rows = _rows_of(x, P), _rows_of(B, N), _rows_of(C, N)
     sx_desc = sB_desc = None
-    if cfg["state_tma"] and x_rows and B_rows and P % SBP == 0 and N % SBN == 0:
+    # TMA descriptors cost host time per launch (~20 us each on the H100 machine): only where the GPU work is big
+    tma_ok = T >= cfg["tma_min_tokens"]
+    if tma_ok and cfg["state_tma"] and x_rows and B_rows and P % SBP == 0 and N % SBN == 0:
         sx_desc = _descriptor(x, T, H * P, x_rows, [SBK, SBP])
         sB_desc = _descriptor(B, T, G * N, B_rows, [SBK, SBN])
     state_tma = sx_desc is not None and sB_desc is not None
@@ -589,7 +593,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         C, B, meta, cb, G, N, *C.stride(), *B.stride(), Q=QI, TILE=TILE, N_TILES=QI // TILE, BLOCK_N=BN,
         PREC=prec, DOT_T=dot_t, num_warps=cfg["cb_warps"])
     descs = None
-    if cfg["tma"] and x_rows and C_rows and P % OBP == 0 and N % OBN == 0:
+    if tma_ok and cfg["tma"] and x_rows and C_rows and P % OBP == 0 and N % OBN == 0:
         descs = [_descriptor(x, T, H * P, x_rows, [BK, OBP]), _descriptor(x, T, H * P, x_rows, [BM, OBP]),
                  _descriptor(C, T, G * N, C_rows, [BM, OBN]), _descriptor(cb, NC * G * QI, QI, QI, [BM, BK]),
                  _descriptor(start, NC * H * P, N, N, [OBP, OBN])]

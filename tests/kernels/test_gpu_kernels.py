@@ -35,12 +35,12 @@ def _cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
 
-# the default tiles (TMA loads); 32-token k blocks and the start-state product over N in two slices; every
-# tile through pointers on 2 warps without a register cap, the state tile over all of N; the kernels' chunks
-# the model's and a quarter of it
-SCAN_CONFIGS = [None, dict(block_k=32, block_n=64, num_stages=2),
-                dict(tma=False, state_tma=False, num_warps=2, num_stages=1, maxnreg=None, state_block_n=128),
-                dict(chunk=256, num_stages=3, state_stages=2), dict(chunk=64)]
+# the default tiles (pointer loads at these token counts), and through TMA descriptors; 32-token k blocks and
+# the start-state product over N in two slices (TMA); 2 warps without a register cap, the state tile over all
+# of N; the kernels' chunks the model's and a quarter of it
+SCAN_CONFIGS = [None, dict(tma_min_tokens=0), dict(block_k=32, block_n=64, num_stages=2, tma_min_tokens=0),
+                dict(num_warps=2, num_stages=1, maxnreg=None, state_block_n=128),
+                dict(chunk=256, num_stages=3, state_stages=2, tma_min_tokens=0), dict(chunk=64)]
 
 
 @pytest.mark.parametrize("config", SCAN_CONFIGS)

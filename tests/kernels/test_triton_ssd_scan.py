@@ -181,11 +181,11 @@ def test_kernel_chunk_must_be_a_power_of_two(dev):
     # tiles through TMA tensor descriptors (the interpreter emulates them), two row blocks per chunk and the
     # diagonal's x tile reused for the D term; then the same through pointers; then k blocks smaller than
     # the row blocks and a C.B^T tile larger than them
-    dict(block_m=16, block_k=16, block_p=16, block_n=16, state_block_p=16, state_block_n=16, state_block_k=16),
     dict(block_m=16, block_k=16, block_p=16, block_n=16, state_block_p=16, state_block_n=16, state_block_k=16,
-         tma=False, state_tma=False),
+         tma_min_tokens=0),
+    dict(block_m=16, block_k=16, block_p=16, block_n=16, state_block_p=16, state_block_n=16, state_block_k=16),
     dict(block_m=32, block_k=16, block_p=16, block_n=32, cb_tile=32, state_block_p=16, state_block_n=16,
-         state_block_k=16),
+         state_block_k=16, tma_min_tokens=0),
 ])
 def test_output_weights_factored_or_exact_per_block(dev, config):
     """Heads from slow to fast decay, so row blocks take both output paths: weights factored through the

@@ -120,7 +120,9 @@ def ssd_scan_varlen_ref(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     return_boundary_states: bool = False,
+    track: list[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, BoundaryStates | None]:
+    return_boundary_states = return_boundary_states or track is not None
     T, H, P = x.shape
     G = B.shape[1]
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
@@ -156,7 +158,23 @@ def ssd_scan_varlen_ref(
             seq_idx=torch.tensor(b_seq, dtype=torch.long),
             positions=torch.tensor(b_pos, dtype=torch.long),
         )
+        if track is not None:
+            boundary = BoundaryStates(states=boundary.states[_track_index(b_seq, b_pos, track)],
+                                      seq_idx=torch.tensor([int(i) for i, _ in track], dtype=torch.long),
+                                      positions=torch.tensor([int(q) for _, q in track], dtype=torch.long))
     return y, boundary
+
+
+def _track_index(b_seq: list[int], b_pos: list[int], track: list[tuple[int, int]]) -> list[int]:
+    """Where each tracked (sequence, absolute position) is among a call's boundaries (b_seq, b_pos)."""
+    index = {(i, q): k for k, (i, q) in enumerate(zip(b_seq, b_pos))}
+    ks = [index.get((int(i), int(q)), -1) for i, q in track]
+    for (i, q), k in zip(track, ks):
+        if k < 0:
+            raise ValueError(f"tracked state ({i}, {q}): not a chunk boundary this call crosses")
+    if len(set(ks)) < len(ks):
+        raise ValueError("tracked states listed twice")
+    return ks
 
 
 
@@ -231,7 +249,7 @@ if HAS_TRITON:
     @triton.jit
     def _ssd_states_kernel(x_ptr, B_ptr, x_desc, B_desc, dtp_ptr, cs_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
                            start_ptr, ssm_ptr,
-                           bnd_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
+                           bnd_ptr, bnd_dest_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
                            ss_s, ss_h, ss_p, ss_n,
                            Q: tl.constexpr, QI: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr,
                            BLOCK_K: tl.constexpr,
@@ -298,11 +316,12 @@ if HAS_TRITON:
                                            g, T, P, N, p0, n0, p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, BLOCK_K, TMA,
                                            PREC, DOT_T)
             state = tl.exp(cs_end) * state + own
-            if HAS_BND:  # a chunk that ends on an absolute multiple of Q: the state of that position
+            if HAS_BND:  # a chunk that ends on an absolute multiple of Q: the state of that position, if asked
                 e = pos_s + (tok1 - beg)
                 b = b0 + e // Q - pos_s // Q - 1
-                tl.store(bnd_ptr + (b * H + h).to(tl.int64) * P * N + tile, state,
-                         mask=(p < tl.where(e % Q == 0, P, 0))[:, None] & mn[None, :])
+                d = tl.load(bnd_dest_ptr + b, mask=e % Q == 0, other=-1)
+                tl.store(bnd_ptr + (d * H + h).to(tl.int64) * P * N + tile, state,
+                         mask=(p < tl.where(d >= 0, P, 0))[:, None] & mn[None, :])
         tl.store(sptr, state.to(ssm_ptr.dtype.element_ty),
                  mask=(p < tl.where(n_chunks > 0, P, 0))[:, None] & mn[None, :])
 
@@ -509,7 +528,7 @@ def _rows_of(t: torch.Tensor, inner: int):
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
-                     seq_start_pos, D, dt_bias, dt_softplus, dt_limit, return_boundary_states, config):
+                     seq_start_pos, D, dt_bias, dt_softplus, dt_limit, return_boundary_states, track, config):
     cfg = {**SCAN_CONFIG, **(config or {})}
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -542,7 +561,8 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     cb = torch.empty(NC, G, QI, QI, dtype=op_dtype, device=dev)
 
     boundary = None
-    bnd = start  # placeholder pointer when no boundary output
+    bnd = bnd_dest = start  # placeholder pointers when no boundary output
+    return_boundary_states = return_boundary_states or track is not None
     if return_boundary_states:
         # The one host synchronisation: the number of boundaries sizes the output.
         bounds = cu_seqlens.tolist()
@@ -554,6 +574,14 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
             for q in range(first, starts[i] + L + 1, Q):
                 b_seq.append(i)
                 b_pos.append(q)
+        # where each boundary's state goes: all of them, or only the tracked ones (the others are not written)
+        dest = list(range(len(b_pos)))
+        if track is not None:
+            dest = [-1] * len(b_pos)
+            for j, k in enumerate(_track_index(b_seq, b_pos, track)):
+                dest[k] = j
+            b_seq, b_pos = [int(i) for i, _ in track], [int(q) for _, q in track]
+        bnd_dest = torch.tensor(dest, dtype=torch.int32).to(dev, non_blocking=True)
         bnd = torch.empty(len(b_pos), H, P, N, dtype=torch.float32, device=dev)
         boundary = BoundaryStates(states=bnd, seq_idx=torch.tensor(b_seq, dtype=torch.long),
                                   positions=torch.tensor(b_pos, dtype=torch.long))
@@ -578,7 +606,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     state_tma = sx_desc is not None and sB_desc is not None
     _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
         x, B, sx_desc if state_tma else x, sB_desc if state_tma else B, dtp, cs, cu_seqlens, pos, state_indices,
-        has_initial_state, start, ssm_state, bnd, S, T, H, P, N,
+        has_initial_state, start, ssm_state, bnd, bnd_dest, S, T, H, P, N,
         H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, QI=QI, HAS_POS=has_pos,
         HAS_BND=return_boundary_states, BLOCK_K=SBK, BLOCK_P=SBP, BLOCK_N=SBN,
         N_BLOCKS=triton.cdiv(N, SBN), BLOCK_S=BLOCK_S, UNROLL=cfg["state_unroll"], STAGES=cfg["state_stages"],
@@ -611,19 +639,21 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
 
 def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices,
                     has_initial_state, seq_start_pos=None, D=None, dt_bias=None, dt_softplus=True,
-                    dt_limit=(0.0, float("inf")), return_boundary_states=False,
+                    dt_limit=(0.0, float("inf")), return_boundary_states=False, track=None,
                     force_triton: bool | None = None, config: dict | None = None):
     """Prefill scan: see the module docstring. Mutates ``ssm_state`` in place.
 
-    Triton path: no host synchronisation unless ``return_boundary_states`` (one, to size the output).
-    Sequences must have distinct slots. ``config`` overrides ``SCAN_CONFIG`` (benchmark sweeps).
+    ``track``: (sequence, absolute position) pairs, each a multiple of ``chunk_size`` that the call crosses:
+    only those boundary states are returned (in that order) and written. Triton path: no host
+    synchronisation unless boundary states are asked for (one, to size the output). Sequences must have
+    distinct slots. ``config`` overrides ``SCAN_CONFIG`` (benchmark sweeps).
     """
     if x.shape[1] % B.shape[1]:
         raise ValueError(f"heads {x.shape[1]} not divisible by groups {B.shape[1]}")
     kwargs = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens, ssm_state=ssm_state,
                   state_indices=state_indices, has_initial_state=has_initial_state,
                   seq_start_pos=seq_start_pos, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                  dt_limit=dt_limit, return_boundary_states=return_boundary_states)
+                  dt_limit=dt_limit, return_boundary_states=return_boundary_states, track=track)
     pow2 = chunk_size >= 16 and not chunk_size & (chunk_size - 1)  # tl.dot tiles need >= 16
     if not use_triton(x, force_triton) or not pow2 or x.shape[0] == 0 or state_indices.numel() == 0:
         return ssd_scan_varlen_ref(x, dt, A, B, C, **kwargs)

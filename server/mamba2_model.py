@@ -85,8 +85,8 @@ class Mamba2Mixer(nn.Module):
             B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
             chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
             has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
-            dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, return_boundary_states=bool(bt.track))
-        tracked = (conv_windows, self._pick_states(boundary, bt)) if bt.track else None
+            dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, track=bt.track or None)
+        tracked = (conv_windows, boundary.states) if bt.track else None
         return self._out(y, z), tracked
 
     def decode(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, bt: BatchTensors,
@@ -129,11 +129,6 @@ class Mamba2Mixer(nn.Module):
             full = torch.cat([init.to(seq.dtype), seq], dim=1)  # absolute positions s-K1 .. s+n-1
             out.append(full[:, pos - s:pos - s + K1])
         return torch.stack(out)
-
-    @staticmethod
-    def _pick_states(boundary, bt: BatchTensors) -> torch.Tensor:
-        where = {(int(i), int(p)): k for k, (i, p) in enumerate(zip(boundary.seq_idx, boundary.positions))}
-        return boundary.states[[where[(i, p)] for i, p in bt.track]]
 
 
 class Mamba2Block(nn.Module):

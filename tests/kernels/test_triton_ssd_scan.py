@@ -211,3 +211,26 @@ def test_output_weights_factored_or_exact_per_block(dev, config):
                                 kw["dt_bias"].cpu())
         assert_close(y[s:e].cpu(), ry, 1e-5)
         assert_close(pool[slot].cpu(), rs[-1], 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_tracked_boundary_states_only(dev, impl):
+    """``track`` returns (and writes) only the asked boundary states, in the asked order, equal to the full
+    set's; a position that is not a boundary of the call is refused."""
+    lengths = [3 * Q + 5, 2 * Q, 7]
+    H, P, G, N = 2, 4, 1, 4
+    x, dt, A, B, C, D, bias = _inputs(sum(lengths), H, P, G, N, 31, dev)
+    fn = (lambda *a, **k: ssd_scan_varlen(*a, force_triton=True, **k)) if impl == "triton" else ssd_scan_varlen_ref
+    slots, has = torch.tensor([1, 2, 3], device=dev), torch.tensor([True, False, True], device=dev)
+    starts = torch.tensor([Q - 2, 0, 3 * Q - 1], device=dev)
+    pool = torch.randn(4, H, P, N, generator=gen(32)).to(dev)
+    y_all, all_ = _run(fn, x, dt, A, B, C, lengths, pool.clone(), slots, has, starts, D, bias,
+                       return_boundary_states=True)
+    pairs = list(zip(all_.seq_idx.tolist(), all_.positions.tolist()))
+    track = [pairs[3], pairs[0], pairs[-1]]  # 3 of the call's boundaries, out of order, in two sequences
+    y, some = _run(fn, x, dt, A, B, C, lengths, pool.clone(), slots, has, starts, D, bias, track=track)
+    assert len(pairs) > len(track)
+    assert list(zip(some.seq_idx.tolist(), some.positions.tolist())) == track
+    assert torch.equal(some.states, all_.states[[3, 0, len(pairs) - 1]]) and torch.equal(y, y_all)
+    with pytest.raises(ValueError, match="not a chunk boundary"):
+        _run(fn, x, dt, A, B, C, lengths, pool.clone(), slots, has, starts, D, bias, track=[(0, Q + 1)])

@@ -12,6 +12,7 @@ modules are loaded, without running the packages' ``__init__`` (which needs comp
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -61,6 +62,34 @@ def graph_time(fn, n=20):
         for _ in range(n):
             fn()
     return bench(g.replay) / n
+
+
+def device_time(fn, n=10, key_len=48):
+    """Summed device time per call (µs) of ``fn``'s kernels and its split per kernel (torch profiler, ``n``
+    calls after 3 warm-ups)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        t_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / n
+        if t_us > 0:
+            per[e.key[:key_len]] = round(t_us, 1)
+    return sum(per.values()), per
+
+
+def load_file(path: str, name: str = "ssd_scan_baseline"):
+    """A Python file as a module (a previous version of a kernel file, for same-process A/Bs)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def record(kernel, shape, t, *, nbytes=None, flops=None, ref_t=None, ext_t=None, ext_name="", note=""):
@@ -276,8 +305,6 @@ def scan_breakdown(ext, configs=({},)):
     mamba_ssm's), through the torch profiler. The ratio of summed device times is the fair comparison:
     `mamba_chunk_scan_combined`'s wall time per call (bench_scan) sometimes includes host time (seen on the
     H100: 1045 us wall for 732 us of kernels), ours stays within ~3% of its device time."""
-    from torch.profiler import ProfilerActivity, profile
-
     H, P, N, G, _ = MODELS["mamba2-2.7b"]
     for nseq, L in [(8, 2048), (1, 16384)]:
         x, dt, A, B, C, D, bias, pool, kw = scan_inputs(nseq, L)
@@ -291,23 +318,10 @@ def scan_breakdown(ext, configs=({},)):
                                                    return_final_states=True)
         totals = {}
         for who, fn in fns.items():
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    fn()
-                torch.cuda.synchronize()
-            per = {}
-            for e in prof.key_averages():
-                if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
-                    t_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 10
-                    if t_us > 0:
-                        per[e.key[:48]] = round(t_us, 1)
+            totals[who], per = device_time(fn)
             print(f"breakdown {who} {nseq}x{L} (us per call):", json.dumps(per), flush=True)
-            ROWS.append(dict(kernel="scan breakdown " + who, shape=f"{nseq}x{L}", us=sum(per.values()),
+            ROWS.append(dict(kernel="scan breakdown " + who, shape=f"{nseq}x{L}", us=totals[who],
                              note=json.dumps(per)))
-            totals[who] = sum(per.values())
         if "mamba_ssm" in totals:
             print(f"breakdown {nseq}x{L}: device time x mamba_ssm =",
                   {who: round(totals["mamba_ssm"] / t, 3) for who, t in totals.items() if who != "mamba_ssm"},

@@ -6,14 +6,14 @@
 Each variant is a SCAN_CONFIG override for kernels/ssd_scan.py; a variant named "baseline*" runs the file
 given by --baseline (a previous ssd_scan.py) instead. Per round and variant: prefill tokens/s of 8 x 2048
 tokens, TTFT of one 2048- and one 8192-token prompt (each after a warm-up of the same shape), and the host
-time of one scan call at 2048 tokens (launch only, no synchronisation); medians over the rounds at the end.
+time of one scan call at 2048 tokens (launch only, no synchronisation; rough, since the engine's scheduler
+thread shares the interpreter); medians over the rounds at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import statistics
@@ -54,10 +54,7 @@ def main():
     ssd = kb.ssd_scan
     base_fn = None
     if a.baseline:
-        spec = importlib.util.spec_from_file_location("ssd_scan_baseline", a.baseline)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        base_fn = mod.ssd_scan_varlen
+        base_fn = kb.load_file(a.baseline).ssd_scan_varlen
     defaults, new_fn = dict(ssd.SCAN_CONFIG), K.ssd_scan_varlen
     tmp = Path(tempfile.mkdtemp(prefix="mambaserve-prefill-ab-"))
     e2e.build_checkpoint(a.size, tmp, "cuda", torch.bfloat16)

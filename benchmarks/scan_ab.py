@@ -14,37 +14,14 @@ first config's, the relative error of both against the fp32 torch reference, and
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as kb  # noqa: E402  (this folder's kernels.py: inputs, helpers, the third-party loader)
-
-
-def device_time(fn, n=10):
-    """Summed device time per call (µs) and its split per kernel."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    per = {e.key[:28]: round(e.self_device_time_total / n, 1) for e in prof.key_averages()
-           if e.self_device_time_total > 0}
-    return sum(per.values()), per
-
-
-def load_file(path):
-    spec = importlib.util.spec_from_file_location("ssd_scan_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main():
@@ -56,7 +33,7 @@ def main():
     ap.add_argument("--third-party", default="third_party")
     a = ap.parse_args()
     configs = json.loads(a.configs)
-    baseline = load_file(a.baseline) if a.baseline else None
+    baseline = kb.load_file(a.baseline) if a.baseline else None
     ext = kb.load_third_party(a.third_party)
     H, P, N, G, _ = kb.MODELS["mamba2-2.7b"]
     for nseq, L in json.loads(a.shapes):
@@ -76,7 +53,7 @@ def main():
             first = first or out
             diff = [kb.rel(o, f) for o, f in zip(out, first)]
             err = [kb.rel(y, y_ref), kb.rel(pool, ref_pool)]
-            totals[name], per = device_time(run)
+            totals[name], per = kb.device_time(run, key_len=28)
             print(f"{nseq}x{L} {name}: {totals[name]:.1f} us, diff to first (y, state) {diff[0]:.1e} {diff[1]:.1e}, "
                   f"error to reference {err[0]:.1e} {err[1]:.1e}, finite {bool(torch.isfinite(y).all())}: "
                   f"{json.dumps(per)}", flush=True)
@@ -84,8 +61,9 @@ def main():
             xb, dtb = x.view(nseq, L, H, P), dt.view(nseq, L, H)
             Bb, Cb = B.view(nseq, L, G, N), C.view(nseq, L, G, N)
             ini = init[kw["state_indices"]]
-            t_ext, per = device_time(lambda: ext["scan"](xb, dtb, A, Bb, Cb, 256, D=D, dt_bias=bias, dt_softplus=True,
-                                                         initial_states=ini, return_final_states=True))
+            theirs = lambda: ext["scan"](xb, dtb, A, Bb, Cb, 256, D=D, dt_bias=bias, dt_softplus=True,  # noqa: E731
+                                         initial_states=ini, return_final_states=True)
+            t_ext, per = kb.device_time(theirs, key_len=28)
             print(f"{nseq}x{L} mamba_ssm: {t_ext:.1f} us: {json.dumps(per)}", flush=True)
             print(f"{nseq}x{L} x mamba_ssm (device time):", {k: round(t_ext / v, 3) for k, v in totals.items()},
                   flush=True)

@@ -138,6 +138,10 @@ def use_triton(t: torch.Tensor, force_triton: bool | None) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
@@ -145,7 +149,17 @@ def _hopper_or_newer(index: int) -> bool:
 
 def hopper_or_newer(device: torch.device) -> bool:
     """Compute capability 9 or more (wgmma, TMA, programmatic dependent launch)."""
-    return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+    return _hopper_or_newer(_index(device))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (sizes the grids that must fill the GPU)."""
+    return _sm_count(_index(device))
 
 
 def use_pdl(t: torch.Tensor) -> bool:

@@ -17,14 +17,13 @@ first ``k`` tokens of the history.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, hopper_or_newer, interpreting, locate_block,
-                                          next_pow2, seq_block, tl, triton, use_triton)
+                                          next_pow2, seq_block, sm_count, tl, triton, use_triton)
 
 
 @dataclass
@@ -499,15 +498,6 @@ SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block
                "state_tma": True, "tma_min_tokens": 4096}
 
 
-def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _descriptor(t: torch.Tensor, rows: int, cols: int, row_stride: int, block: list[int]):
     """A 2-D TMA tensor descriptor [rows, cols] over ``t``'s storage (columns contiguous), or None where
     the layout does not allow one (16-byte aligned base and row stride) or TMA is unavailable."""
@@ -593,12 +583,12 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         BLOCK_Q=QI, BLOCK_S=BLOCK_S, BLOCK_H=PH, num_warps=4)
     SBP, SBN = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN)
     wide_programs = S * H * triton.cdiv(P, SBP) * triton.cdiv(N, cfg["state_wide_n"])
-    if dev.type == "cuda" and wide_programs >= cfg["state_wide_per_sm"] * _sm_count(dev):
+    if dev.type == "cuda" and wide_programs >= cfg["state_wide_per_sm"] * sm_count(dev):
         SBN = min(cfg["state_wide_n"], BN)  # enough sequences to fill the GPU with the wider tile
     SBK = min(cfg["state_block_k"], QI)
     x_rows, B_rows, C_rows = _rows_of(x, P), _rows_of(B, N), _rows_of(C, N)
     sx_desc = sB_desc = None
-    # TMA descriptors cost host time per launch (~20 us each on the H100 machine): only where the GPU work is big
+    # TMA descriptors cost host time per launch (SCAN_CONFIG's note): only where the GPU work is big
     tma_ok = T >= cfg["tma_min_tokens"]
     if tma_ok and cfg["state_tma"] and x_rows and B_rows and P % SBP == 0 and N % SBN == 0:
         sx_desc = _descriptor(x, T, H * P, x_rows, [SBK, SBP])

@@ -489,8 +489,9 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRI
 # programs per SM (many sequences: x read once and B half as often, 178 vs 205 us at 8x2048; with few
 # sequences the narrower tile keeps more programs walking). tma / state_tma: tiles read through TMA tensor
 # descriptors where the layout allows (Hopper or newer, and the interpreter) and the call has at least
-# tma_min_tokens tokens: the descriptors' host time per launch made the 2.7b 2k-token TTFT 52.5 ms against 43.4
-# through pointers, while from 8k tokens up the GPU time dominates (prefill 8x2048: 82.6k vs 76.9k tok/s).
+# tma_min_tokens tokens: with descriptors at every size the 2.7b 2k-token TTFT was 52.5 ms against 43.4
+# through pointers (most likely their host time per launch), while from 8k tokens up TMA wins (prefill
+# 8x2048: 82.6k vs 76.9k tok/s).
 SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4,
                "num_stages": 2, "maxnreg": 80, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
                "state_warps": 4, "state_stages": 3, "state_unroll": True, "state_wide_n": 128,
@@ -588,7 +589,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     SBK = min(cfg["state_block_k"], QI)
     x_rows, B_rows, C_rows = _rows_of(x, P), _rows_of(B, N), _rows_of(C, N)
     sx_desc = sB_desc = None
-    # TMA descriptors cost host time per launch (SCAN_CONFIG's note): only where the GPU work is big
+    # TMA descriptors only where the GPU work is big (SCAN_CONFIG's note: short prompts' TTFT)
     tma_ok = T >= cfg["tma_min_tokens"]
     if tma_ok and cfg["state_tma"] and x_rows and B_rows and P % SBP == 0 and N % SBN == 0:
         sx_desc = _descriptor(x, T, H * P, x_rows, [SBK, SBP])

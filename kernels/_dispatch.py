@@ -88,8 +88,9 @@ if HAS_TRITON:
         """Programmatic dependent launch, called first thing: let the next kernel in the stream start
         launching now (its programs wait here in turn), then wait until the previous kernel has
         finished and its writes are visible. Only the launch latency overlaps; no read moves before
-        the wait, so any kernel order stays correct. Kernels that prefetch call the two halves,
-        ``pdl_trigger`` and ``pdl_wait``, with ``prefetch_l2`` between them."""
+        the wait, so any kernel order stays correct. Kernels that do work in between call the two halves,
+        ``pdl_trigger`` and ``pdl_wait``: the projections' ``prefetch_l2``, the state update's read of
+        its own state (safe for the reason its docstring gives)."""
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)
 

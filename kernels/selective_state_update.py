@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, next_pow2, pdl_args, pdl_start, tl, triton,
-                                         use_triton)
+from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, next_pow2, pdl_args, pdl_trigger, pdl_wait, tl,
+                                         triton, use_triton)
 from mambaserve.kernels.ssd_scan import process_dt
 
 if HAS_TRITON:
@@ -25,15 +25,23 @@ if HAS_TRITON:
         z_b, z_h, z_p, o_b, o_h, o_p,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DST: tl.constexpr,
         SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_PDL: tl.constexpr = False,
+        USE_PDL: tl.constexpr = False, EARLY_STATE: tl.constexpr = False,
     ):
         """Grid (cdiv(P, BLOCK_P), H, rows). One program: a [BLOCK_P, N] tile of one row's head state,
         read once and written once (the state is >95% of the bytes). Heads before rows in launch order,
         so programs running together stream one slot's contiguous [H, P, N] block: with rows first they
         hit one head's tile in many slots at once (mamba2-2.7b, slots 2.6 MB apart: 77-82% of copy
         bandwidth at batch 128-512 against 96-98%, H100). Padding rows (slot -1) mask every state access,
-        so they cost no bandwidth and leave all slots untouched; their output is 0."""
-        pdl_start(USE_PDL)
+        so they cost no bandwidth and leave all slots untouched; their output is 0.
+
+        EARLY_STATE (under PDL): the slot index and the state tile are read before waiting for the previous
+        kernel, so their latency overlaps its tail. Safe because nothing that can still be running then
+        writes them: the kernels before this one in the PDL chain (projections, conv steps, other layers'
+        state updates) never touch this layer's state pool, slot copies and clears run as ordinary launches
+        that the chain's first kernel waited for, and the slot indices are written before the step."""
+        pdl_trigger(USE_PDL)
+        if not EARLY_STATE:
+            pdl_wait(USE_PDL)
         pid_p, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(idx_ptr + b).to(tl.int64)
         valid = slot >= 0
@@ -49,6 +57,8 @@ if HAS_TRITON:
         tile = (p[:, None] * s_p + n[None, :] * s_n)
         mask2 = (p < tl.where(valid, P, 0))[:, None] & mn[None, :]  # scalar flag folded into a bound
         s = tl.load(state_ptr + slot * s_slot + h * s_h + tile, mask=mask2, other=0.0).to(tl.float32)
+        if EARLY_STATE:
+            pdl_wait(USE_PDL)
         x = tl.load(x_ptr + b * x_b + h * x_h + p * x_p, mask=mp, other=0.0).to(tl.float32)
         dt = dt_prologue(tl.load(dt_ptr + b * dt_b + h * dt_h).to(tl.float32), bias_ptr + h, dt_lo, dt_hi,
                          HAS_BIAS, SOFTPLUS, CLAMP)
@@ -68,6 +78,9 @@ if HAS_TRITON:
         tl.store(out_ptr + b * o_b + h * o_h + p * o_p, y.to(out_ptr.dtype.element_ty), mask=mp)
 
 
+# Read the slot's state before the PDL wait (the kernel's docstring says why that is safe); False for an A/B
+# (decode_step.py --variants, two calls: 2.7b batch-1 step 2.533-2.542 ms against 2.548-2.561; benchmarks/README.md).
+EARLY_STATE = True
 SMALL_BATCH_TILES = (4, 1)  # (BLOCK_P, num_warps) under 256 rows x heads; read per call (decode_step.py --variants)
 
 
@@ -150,11 +163,14 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     dst = dst_state_indices if dst_state_indices is not None else state_indices
     zz = z if z is not None else x
     grid = (triton.cdiv(P, BP), H, Bsz)
+    pdl = pdl_args(x)
+    if pdl and EARLY_STATE:
+        pdl["EARLY_STATE"] = True
     _selective_state_update_kernel[grid](
         state, x, dt, A, B, C, D if D is not None else A, zz, dt_bias if dt_bias is not None else A,
         state_indices, dst, out, P, N, H // G, float(lo), float(min(hi, 3.0e38)),
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *zz.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None,
         HAS_DST=dst_state_indices is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
-        BLOCK_P=BP, BLOCK_N=next_pow2(N), num_warps=warps, **pdl_args(x))
+        BLOCK_P=BP, BLOCK_N=next_pow2(N), num_warps=warps, **pdl)
     return out

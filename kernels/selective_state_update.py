@@ -79,7 +79,7 @@ if HAS_TRITON:
 
 
 # Read the slot's state before the PDL wait (the kernel's docstring says why that is safe); False for an A/B
-# (decode_step.py --variants, two calls: 2.7b batch-1 step 2.533-2.542 ms against 2.548-2.561; benchmarks/README.md).
+# (decode_step.py --variants, three calls: 2.7b batch-1 step median 2.540 ms against 2.554; benchmarks/README.md).
 EARLY_STATE = True
 SMALL_BATCH_TILES = (4, 1)  # (BLOCK_P, num_warps) under 256 rows x heads; read per call (decode_step.py --variants)
 

@@ -90,7 +90,7 @@ if HAS_TRITON:
         finished and its writes are visible. Only the launch latency overlaps; no read moves before
         the wait, so any kernel order stays correct. Kernels that do work in between call the two halves,
         ``pdl_trigger`` and ``pdl_wait``: the projections' ``prefetch_l2``, the state update's read of
-        its own state (safe for the reason its docstring gives)."""
+        its own state and in_proj's conv-step reads (safe for the reason the state update's docstring gives)."""
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)
 

@@ -39,6 +39,10 @@ from mambaserve.kernels.rmsnorm import new_residual, rmsnorm
 RESIDUAL, GATED = 1, 2  # the prologue: residual-add RMSNorm, or gated RMSNorm (x * silu(z))
 FUSED = True  # read per call: benchmarks/decode_step.py --unfused clears it before capturing (A/B)
 FUSE_CONV = True  # False: the conv step of rmsnorm_linear runs as its own kernel after it (A/B)
+# The conv step's slot, window and taps read before the PDL wait (safe for the reason the state update's
+# EARLY_STATE is: nothing that can still be running writes this layer's conv state). False for an A/B
+# (decode_step.py --variants: 2.7b batch-1 step 2.533-2.535 ms against 2.539, benchmarks/README.md).
+EARLY_CONV = True
 
 if HAS_TRITON:
 
@@ -86,7 +90,8 @@ if HAS_TRITON:
                             HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             USE_PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
                             ACC_2D: tl.constexpr = False, CONV_K: tl.constexpr = 0,
-                            CONV_BIAS: tl.constexpr = False, CONV_SILU: tl.constexpr = True):
+                            CONV_BIAS: tl.constexpr = False, CONV_SILU: tl.constexpr = True,
+                            EARLY_CONV: tl.constexpr = False):
         """Grid (cdiv(N, BLOCK_N),): one row; program pid owns output columns [pid * BLOCK_N, ...).
 
         One pass: the weight streams from the first iteration while the row's mean square
@@ -96,7 +101,8 @@ if HAS_TRITON:
         ACC_2D: per-column partial sums across the K loop, reduced once at the end.
         CONV_K > 0: columns [conv_col0, conv_col0 + conv_dim) then take one causal-conv decode step
         (width CONV_K; state and weights as kernels.conv1d's) of the row in slot ``slot_ptr[0]``:
-        in_proj's xBC leaves the kernel convolved."""
+        in_proj's xBC leaves the kernel convolved. EARLY_CONV: the conv's reads go out before the PDL wait
+        (the kernels that can still be running never write this layer's conv state)."""
         pdl_trigger(USE_PDL)
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
@@ -105,7 +111,8 @@ if HAS_TRITON:
         if PREFETCH_LINES > 0:
             line = tl.arange(0, PREFETCH_LINES) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
             prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * K + tl.minimum(line, K - 1)[None, :])
-        pdl_wait(USE_PDL)
+        if not EARLY_CONV:
+            pdl_wait(USE_PDL)
         if CONV_K > 0:  # the conv's reads go out now: their latency hides behind the weight stream
             c = rn - conv_col0
             mc = mn & (c >= 0) & (c < conv_dim)
@@ -113,6 +120,8 @@ if HAS_TRITON:
             touched = mc & (c < tl.where(slot >= 0, conv_dim, 0))  # scalar flag folded into a bound
             base = cs_ptr + tl.maximum(slot, 0) * cs_s + c * cs_d
             c1, c2, cacc, last = conv_load(base, cw_ptr, cb_ptr, c, touched, mc, cw_d, cw_k, cs_k, CONV_K, CONV_BIAS)
+        if EARLY_CONV:
+            pdl_wait(USE_PDL)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
         if ACC_2D:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -174,7 +183,7 @@ def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_re
             raise ValueError(f"conv width {CK}: the decode kernel takes 2 to {MAX_DECODE_WIDTH}")
         conv_args = (conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.state, conv.slots,
                      conv.col0, D, *conv.state.stride(), *conv.weight.stride())
-        tiles.update(CONV_K=CK, CONV_BIAS=conv.bias is not None)
+        tiles.update(CONV_K=CK, CONV_BIAS=conv.bias is not None, EARLY_CONV=EARLY_CONV and bool(pdl))
     else:
         conv_args = (weight, weight, weight, weight, 0, 0, 0, 0, 0, 0, 0)
     _norm_linear_kernel[(triton.cdiv(N, tiles["BLOCK_N"]),)](

@@ -183,7 +183,9 @@ def _track_index(b_seq: list[int], b_pos: list[int], track: list[tuple[int, int]
 # size QI (``locate_block``; QI = SCAN_CONFIG["chunk"] when it is smaller than the model's Q, which then
 # divides Q; boundary states stay at multiples of Q); chunk c of the call is one of at most NC = T // QI + 2 S.
 #   1. _ssd_prep_kernel        [NC, H]            dt -> softplus(dt + bias), clamp; dA cumsum within
-#                                                  each chunk; the chunk table (first token, end token)
+#                                                  each chunk; the state kernel's token weights
+#                                                  exp(cs_end - cs_t) dt_t; the chunk table (first token,
+#                                                  end token)
 #   2. _ssd_states_kernel      [P/bp * N/bn, H, S] one program walks one sequence's chunks in order over a
 #                                                  [bp, bn] tile of the state: each chunk's own state from
 #                                                  zero (a matrix product over its tokens), then the
@@ -203,7 +205,7 @@ def _track_index(b_seq: list[int], b_pos: list[int], track: list[tuple[int, int]
 if HAS_TRITON:
 
     @triton.jit
-    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, meta_ptr, S, T, H,
+    def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, ws_ptr, meta_ptr, S, T, H,
                          dt_lo, dt_hi, dt_t, dt_h,
                          Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -224,12 +226,17 @@ if HAS_TRITON:
         cs = tl.cumsum(dt * tl.load(A_ptr + h, mask=mh, other=0.0).to(tl.float32)[None, :], 0)
         tl.store(dtp_ptr + h[None, :] * T + t[:, None], dt, mask=m)
         tl.store(cs_ptr + h[None, :] * T + t[:, None], cs, mask=m)
+        # the state kernel's token weights exp(cs_end - cs_t) dt_t, cs_end the chunk's last cs
+        cs_end = tl.sum(tl.where((t == tok1 - 1)[:, None], cs, 0.0), 0)
+        w = tl.where(m, tl.exp(tl.minimum(cs_end[None, :] - cs, 0.0)) * dt, 0.0)
+        tl.store(ws_ptr + h[None, :] * T + t[:, None], w, mask=m)
 
     @triton.jit
-    def _own_state_block(acc, k0, tok1, cs_end, x_ptr, B_ptr, x_desc, B_desc, dtp_ptr, cs_ptr, h, g, T, P, N, p0, n0,
+    def _own_state_block(acc, k0, tok1, x_ptr, B_ptr, x_desc, B_desc, ws_ptr, h, g, T, P, N, p0, n0,
                          p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n,
                          BLOCK_K: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
-        """acc + sum over tokens k0..k0+BLOCK_K (< tok1) of exp(cs_end - cs_k) dt_k x_k B_k^T: [bp, bn]."""
+        """acc + sum over tokens k0..k0+BLOCK_K (< tok1) of w_k x_k B_k^T: [bp, bn], w_k = exp(cs_end - cs_k) dt_k
+        from the prep kernel (one load instead of cs and dt and an exp on the walk's path)."""
         k = k0 + tl.arange(0, BLOCK_K)
         mk = k < tok1
         if TMA:  # rows past tok1 are read (they get weight 0 below), past T they read as 0
@@ -240,13 +247,11 @@ if HAS_TRITON:
                          other=0.0)  # [bp, K]
             Bk = tl.load(B_ptr + k[:, None] * B_t + g * B_g + n[None, :] * B_n, mask=mk[:, None] & mn[None, :],
                          other=0.0)  # [K, bn]
-        cs_k = tl.load(cs_ptr + h * T + k, mask=mk, other=0.0)
-        dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
-        w = tl.where(mk, tl.exp(tl.minimum(cs_end - cs_k, 0.0)) * dt_k, 0.0)
+        w = tl.load(ws_ptr + h * T + k, mask=mk, other=0.0)  # 0 past the chunk's end (prep kernel)
         return tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), acc, input_precision=PREC)
 
     @triton.jit
-    def _ssd_states_kernel(x_ptr, B_ptr, x_desc, B_desc, dtp_ptr, cs_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
+    def _ssd_states_kernel(x_ptr, B_ptr, x_desc, B_desc, ws_ptr, cs_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
                            start_ptr, ssm_ptr,
                            bnd_ptr, bnd_dest_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
                            ss_s, ss_h, ss_p, ss_n,
@@ -305,15 +310,13 @@ if HAS_TRITON:
             own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
             if UNROLL:
                 for kb in tl.static_range(QI // BLOCK_K):
-                    own = _own_state_block(own, tok0 + kb * BLOCK_K, tok1, cs_end, x_ptr, B_ptr, x_desc, B_desc,
-                                           dtp_ptr, cs_ptr, h, g, T, P, N, p0, n0, p, n, mp, mn,
-                                           x_t, x_h, x_p, B_t, B_g,
-                                           B_n, BLOCK_K, TMA, PREC, DOT_T)
+                    own = _own_state_block(own, tok0 + kb * BLOCK_K, tok1, x_ptr, B_ptr, x_desc, B_desc, ws_ptr, h, g,
+                                           T, P, N, p0, n0, p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, BLOCK_K, TMA,
+                                           PREC, DOT_T)
             else:
                 for k0 in tl.range(tok0, tok1, BLOCK_K, num_stages=STAGES):
-                    own = _own_state_block(own, k0, tok1, cs_end, x_ptr, B_ptr, x_desc, B_desc, dtp_ptr, cs_ptr, h,
-                                           g, T, P, N, p0, n0, p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, BLOCK_K, TMA,
-                                           PREC, DOT_T)
+                    own = _own_state_block(own, k0, tok1, x_ptr, B_ptr, x_desc, B_desc, ws_ptr, h, g, T, P, N, p0, n0,
+                                           p, n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, BLOCK_K, TMA, PREC, DOT_T)
             state = tl.exp(cs_end) * state + own
             if HAS_BND:  # a chunk that ends on an absolute multiple of Q: the state of that position, if asked
                 e = pos_s + (tok1 - beg)
@@ -484,19 +487,21 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRI
 # and read, a net gain. Output kernel: block_m rows x block_p columns per program, block_k tokens per step, the
 # start-state product over N in block_n slices, 4 warps capped at maxnreg registers (80: 5-6 programs per SM
 # instead of 4 at the uncapped 128; 275 vs 309 us at 8x2048). State kernel: a [state_block_p,
-# state_block_n] tile per program, state_block_k tokens per step, the token blocks unrolled and the chunk loop
-# pipelined (state_unroll); the tile spans state_wide_n columns of N when that still gives state_wide_per_sm
-# programs per SM (many sequences: x read once and B half as often, 178 vs 205 us at 8x2048; with few
-# sequences the narrower tile keeps more programs walking). tma / state_tma: tiles read through TMA tensor
-# descriptors where the layout allows (Hopper or newer, and the interpreter) and the call has at least
-# tma_min_tokens tokens: with descriptors at every size the 2.7b 2k-token TTFT was 52.5 ms against 43.4
-# through pointers (most likely their host time per launch), while from 8k tokens up TMA wins (prefill
-# 8x2048: 82.6k vs 76.9k tok/s).
+# state_block_n] tile per program on state_warps warps, state_block_k tokens per step, the token blocks unrolled and
+# the chunk loop pipelined (state_unroll). The tile follows the number of walks: with fewer than
+# state_small_per_sm programs per SM at state_small_p rows (one or two long sequences) it is state_small_p rows on
+# state_small_warps warps (1x16384: 439 vs 460 us for the scan at 64 rows); with at least state_wide_per_sm per SM
+# at state_wide_n columns (many sequences) it spans those columns (x read once and B half as often); between, the
+# default tile (session 6 sweep: benchmarks/README.md); a config naming the tile or the warps gets exactly that.
+# tma / state_tma: tiles read through TMA tensor descriptors where the layout allows (Hopper or newer, and the
+# interpreter) and the call has at least tma_min_tokens tokens: with descriptors at every size the 2.7b 2k-token
+# TTFT was 52.5 ms against 43.4 through pointers (most likely their host time per launch), while from 8k tokens
+# up TMA wins (prefill 8x2048: 82.6k vs 76.9k tok/s).
 SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4,
-               "num_stages": 2, "maxnreg": 80, "state_block_p": 32, "state_block_n": 64, "state_block_k": 64,
+               "num_stages": 2, "maxnreg": 80, "state_block_p": 64, "state_block_n": 64, "state_block_k": 64,
                "state_warps": 4, "state_stages": 3, "state_unroll": True, "state_wide_n": 128,
-               "state_wide_per_sm": 4, "cb_tile": 64, "cb_warps": 4, "prep_heads": 16, "tma": True,
-               "state_tma": True, "tma_min_tokens": 4096}
+               "state_wide_per_sm": 4, "state_small_p": 16, "state_small_warps": 1, "state_small_per_sm": 8,
+               "cb_tile": 64, "cb_warps": 4, "prep_heads": 16, "tma": True, "state_tma": True, "tma_min_tokens": 4096}
 
 
 def _descriptor(t: torch.Tensor, rows: int, cols: int, row_stride: int, block: list[int]):
@@ -577,15 +582,20 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         boundary = BoundaryStates(states=bnd, seq_idx=torch.tensor(b_seq, dtype=torch.long),
                                   positions=torch.tensor(b_pos, dtype=torch.long))
     PH = cfg["prep_heads"]
+    ws = torch.empty(H, T, dtype=torch.float32, device=dev)
     _ssd_prep_kernel[(NC, triton.cdiv(H, PH))](
-        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, meta, S, T, H,
+        dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, ws, meta, S, T, H,
         float(lo), float(min(hi, 3.0e38)), *dt.stride(),
         Q=QI, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
         BLOCK_Q=QI, BLOCK_S=BLOCK_S, BLOCK_H=PH, num_warps=4)
-    SBP, SBN = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN)
-    wide_programs = S * H * triton.cdiv(P, SBP) * triton.cdiv(N, cfg["state_wide_n"])
-    if dev.type == "cuda" and wide_programs >= cfg["state_wide_per_sm"] * sm_count(dev):
-        SBN = min(cfg["state_wide_n"], BN)  # enough sequences to fill the GPU with the wider tile
+    SBP, SBN, state_warps = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN), cfg["state_warps"]
+    if dev.type == "cuda" and not {"state_block_p", "state_block_n", "state_warps"} & set(config or {}):
+        small_p = min(cfg["state_small_p"], BP)
+        sms = sm_count(dev)
+        if S * H * triton.cdiv(P, small_p) * triton.cdiv(N, SBN) < cfg["state_small_per_sm"] * sms:
+            SBP, state_warps = small_p, cfg["state_small_warps"]  # few sequences: many small one-warp walks
+        elif S * H * triton.cdiv(P, SBP) * triton.cdiv(N, cfg["state_wide_n"]) >= cfg["state_wide_per_sm"] * sms:
+            SBN = min(cfg["state_wide_n"], BN)  # enough sequences to fill the GPU with the wider tile
     SBK = min(cfg["state_block_k"], QI)
     x_rows, B_rows, C_rows = _rows_of(x, P), _rows_of(B, N), _rows_of(C, N)
     sx_desc = sB_desc = None
@@ -596,13 +606,13 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         sB_desc = _descriptor(B, T, G * N, B_rows, [SBK, SBN])
     state_tma = sx_desc is not None and sB_desc is not None
     _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
-        x, B, sx_desc if state_tma else x, sB_desc if state_tma else B, dtp, cs, cu_seqlens, pos, state_indices,
+        x, B, sx_desc if state_tma else x, sB_desc if state_tma else B, ws, cs, cu_seqlens, pos, state_indices,
         has_initial_state, start, ssm_state, bnd, bnd_dest, S, T, H, P, N,
         H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, QI=QI, HAS_POS=has_pos,
         HAS_BND=return_boundary_states, BLOCK_K=SBK, BLOCK_P=SBP, BLOCK_N=SBN,
         N_BLOCKS=triton.cdiv(N, SBN), BLOCK_S=BLOCK_S, UNROLL=cfg["state_unroll"], STAGES=cfg["state_stages"],
         CHUNK_STAGES=cfg["state_stages"] if cfg["state_unroll"] else 1, TMA=state_tma,
-        PREC=prec, DOT_T=dot_t, num_warps=cfg["state_warps"])
+        PREC=prec, DOT_T=dot_t, num_warps=state_warps)
     BM = min(cfg["block_m"], QI)
     BK = min(cfg["block_k"], BM)
     OBP, OBN = min(cfg["block_p"], BP), min(cfg["block_n"], BN)

@@ -35,7 +35,8 @@ def _cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
 
-# the default tiles (pointer loads at these token counts), and through TMA descriptors; 32-token k blocks and
+# the default tiles (pointer loads at these token counts; the work-per-SM rule gives six packed sequences
+# 64-row state tiles and one sequence the 16-row one-warp tiles), and through TMA descriptors; 32-token k blocks and
 # the start-state product over N in two slices (TMA); 2 warps without a register cap, the state tile over all
 # of N; the kernels' chunks the model's and a quarter of it
 SCAN_CONFIGS = [None, dict(tma_min_tokens=0), dict(block_k=32, block_n=64, num_stages=2, tma_min_tokens=0),

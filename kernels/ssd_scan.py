@@ -552,6 +552,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     op_dtype = x.dtype if x.dtype in _TL_DTYPES else torch.float32
     dtp = torch.empty(H, T, dtype=torch.float32, device=dev)
     cs = torch.empty(H, T, dtype=torch.float32, device=dev)
+    ws = torch.empty(H, T, dtype=torch.float32, device=dev)
     meta = torch.empty(NC, 2, dtype=torch.int32, device=dev)
     start = torch.empty(NC, H, P, N, dtype=op_dtype, device=dev)
     cb = torch.empty(NC, G, QI, QI, dtype=op_dtype, device=dev)
@@ -582,7 +583,6 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         boundary = BoundaryStates(states=bnd, seq_idx=torch.tensor(b_seq, dtype=torch.long),
                                   positions=torch.tensor(b_pos, dtype=torch.long))
     PH = cfg["prep_heads"]
-    ws = torch.empty(H, T, dtype=torch.float32, device=dev)
     _ssd_prep_kernel[(NC, triton.cdiv(H, PH))](
         dt, dt_bias if dt_bias is not None else A, A, cu_seqlens, pos, dtp, cs, ws, meta, S, T, H,
         float(lo), float(min(hi, 3.0e38)), *dt.stride(),

@@ -91,7 +91,7 @@ if HAS_TRITON:
                             USE_PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
                             ACC_2D: tl.constexpr = False, CONV_K: tl.constexpr = 0,
                             CONV_BIAS: tl.constexpr = False, CONV_SILU: tl.constexpr = True,
-                            EARLY_CONV: tl.constexpr = False):
+                            EARLY_CONV: tl.constexpr = False, STAGES: tl.constexpr = 1):
         """Grid (cdiv(N, BLOCK_N),): one row; program pid owns output columns [pid * BLOCK_N, ...).
 
         One pass: the weight streams from the first iteration while the row's mean square
@@ -127,7 +127,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             acc, ss = _dot_step(acc, ss, k0, pid, rk, rn, mn, x_ptr, r_ptr, z_ptr, nw_ptr, w_ptr, res_out_ptr, K,
                                 PROLOGUE, HAS_RES, STORE_RES, ACC_2D)
         if ACC_2D:
@@ -146,12 +146,22 @@ TILES: dict[int, dict] = {}  # K -> tile overrides, read per call (benchmarks/de
 
 
 def _tiles(K: int) -> dict:
-    """Tiles from an H100 sweep of whole mamba2-2.7b decode steps at batch 1 (benchmarks/decode_step.py
-    --variants, 81 tile sets; benchmarks/README.md): 4 output columns per program, 4 warps, per-column
-    partial sums (ACC_2D) reduced once; 512-wide K steps for K = 2560 (in_proj, lm_head), 1024 for 5120.
-    PREFETCH_COLS: weight columns per row each program asks L2 for before its PDL wait (0: none)."""
-    return {"BLOCK_N": 4, "BLOCK_K": min(1024 if K >= 4096 else 512, max(16, next_pow2(K))), "num_warps": 4,
-            "ACC_2D": True, "PREFETCH_COLS": 1024, **TILES.get(K, {})}
+    """Tiles from H100 sweeps of whole decode steps at batch 1 (benchmarks/decode_step.py --variants;
+    benchmarks/README.md, sessions 3 and 8), per-column partial sums (ACC_2D) reduced once everywhere.
+    From K = 2048 (mamba2-2.7b: in_proj and lm_head 2560, out_proj 5120) two warps per program and the
+    weight tiles pipelined through shared memory four K steps deep (STAGES: cp.async keeps three tiles in
+    flight per program without holding them in registers): 8 columns x 512-wide steps below K = 4096,
+    4 x 1024 from it. Shorter rows (mamba2-130m: 768, 1536) run two to three K steps, too few to
+    pipeline: 4 columns x 512, unpipelined, two warps up to K = 1024. PREFETCH_COLS: weight columns per
+    row each program asks L2 for before its PDL wait."""
+    if K >= 4096:
+        tiles = {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 2, "STAGES": 4, "PREFETCH_COLS": 2048}
+    elif K >= 2048:
+        tiles = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "STAGES": 4, "PREFETCH_COLS": 1024}
+    else:
+        tiles = {"BLOCK_N": 4, "BLOCK_K": min(512, max(16, next_pow2(K))), "num_warps": 2 if K <= 1024 else 4,
+                 "STAGES": 1, "PREFETCH_COLS": 1024}
+    return {**tiles, "ACC_2D": True, **TILES.get(K, {})}
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, force_triton: bool | None, *others) -> bool:

@@ -86,7 +86,8 @@ def test_conv_step_in_the_epilogue(dev, width, conv_bias, slot):
         assert not torch.equal(state[slot], _rand(4, D, width - 1, seed=7).to(dev)[slot])
 
 
-@pytest.mark.parametrize("config", [{"ACC_2D": False}, {"ACC_2D": True}, {"BLOCK_N": 8, "num_warps": 2}])
+@pytest.mark.parametrize("config", [{"ACC_2D": False}, {"ACC_2D": True}, {"BLOCK_N": 8, "num_warps": 2},
+                                    {"STAGES": 3}])
 def test_loop_variants_agree(dev, config):
     """The tile and loop knobs the benchmarks sweep compute the same product."""
     K, N = 1100, 37

@@ -155,8 +155,8 @@ def bench_projections(size: str, bw: float) -> list[dict]:
     H, d_inner = s["hidden_size"], 2 * s["hidden_size"]
     shapes = {"in_proj": (2 * d_inner + 2 * s["state_size"] + s["num_heads"], H),
               "out_proj": (H, d_inner), "lm_head": (s["vocab_size"], H)}
-    sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, ACC_2D=acc) for bn in (2, 4, 8) for bk in (512, 1024)
-             for w in (4, 8) for acc in (True, False)]  # each with the default's other knobs (prefetch)
+    sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, STAGES=st) for bn in (4, 8) for bk in (512, 1024)
+             for w in (2, 4) for st in (1, 4)]  # each with the default's other knobs (prefetch, ACC_2D)
     rows = []
     for name, (N, K) in shapes.items():
         copies = max(2, -(-200_000_000 // (N * K * 2)))
@@ -178,7 +178,7 @@ def bench_projections(size: str, bw: float) -> list[dict]:
             unfused = lambda w: F.linear(rmsnorm(x, res, nw, 1e-5, True)[0], w)  # noqa: E731
             fused = lambda w, c=None: rmsnorm_linear(x, res, nw, 1e-5, True, w, config=c)  # noqa: E731
         ref = graph_us(call(unfused), calls=copies * 4)
-        configs = [{**_tiles(K), **c} for c in sweep]
+        configs = [_tiles(K)] + [{**_tiles(K), **c} for c in sweep]
         ours = {tuple(sorted(c.items())): graph_us(call(lambda w, c=c: fused(w, c)), calls=copies * 4)
                 for c in configs}
         default = ours[tuple(sorted(_tiles(K).items()))]

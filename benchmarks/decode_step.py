@@ -211,7 +211,7 @@ def apply_variant(v: dict):
             undo.append(lambda n=name, o=old: os.environ.pop(n) if o is None else os.environ.__setitem__(n, o))
         else:  # importlib, not getattr: mambaserve.kernels.<op> may name a launcher function of the same name
             mod = importlib.import_module(kind if kind.startswith("mambaserve.") else f"mambaserve.kernels.{kind}")
-            if name == "TILES":
+            if name.endswith("TILES"):  # keyed by K: JSON keys are strings
                 value = {int(k): t for k, t in value.items()}
             old = getattr(mod, name)
             setattr(mod, name, value)

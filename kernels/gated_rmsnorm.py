@@ -12,15 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, tl, triton, use_triton
+from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, pdl_args, pdl_start, tl, triton, use_triton
+
+# Launch under programmatic dependent launch (the decode state update ahead of it lets it launch early); read
+# per call, False for an A/B (benchmarks/decode_step.py --variants).
+PDL = True
 
 if HAS_TRITON:
 
     @triton.jit
     def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, x_t, z_t, o_t,
-                              HAS_Z: tl.constexpr, BLOCK: tl.constexpr):
+                              HAS_Z: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Grid (T, D // group_size): one group of one row, normalised in fp32. Rounds like the
         reference: the normalised value is cast to x's dtype before the weight multiplies it."""
+        pdl_start(USE_PDL)
         t, g = tl.program_id(0), tl.program_id(1)
         c = g * group_size + tl.arange(0, BLOCK)
         m = tl.arange(0, BLOCK) < group_size
@@ -66,5 +71,5 @@ def gated_rmsnorm(x, z, weight, eps: float, group_size: int, *, force_triton: bo
     zz = z if z is not None else x
     _gated_rmsnorm_kernel[(T, D // group_size)](
         x, zz, weight, out, group_size, float(eps), x.stride(0), zz.stride(0), out.stride(0),
-        HAS_Z=z is not None, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)))
+        HAS_Z=z is not None, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **(pdl_args(x) if PDL else {}))
     return out

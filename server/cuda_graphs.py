@@ -2,7 +2,8 @@
 
 Decode is launch-bound at small batch (dozens of kernels per layer, each a few µs of work), so the
 whole decode forward is captured once per bucket and replayed. Padded rows carry slot ``-1``: the
-state kernels skip them, so no slot is touched. Inputs are copied into static buffers before replay.
+state kernels skip them, so no slot is touched. Inputs are copied into static buffers before replay, the
+slots only when they changed since the last replay (between most decode steps they do not).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class DecodeGraphs:
         bmax = self.buckets[-1]
         self.ids = torch.zeros(bmax, dtype=torch.long, device=device)
         self.slots = torch.full((bmax,), -1, dtype=torch.long, device=device)
+        self._uploaded: tuple[int, list[int]] | None = None  # (bucket, slots) now in self.slots
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -63,8 +65,10 @@ class DecodeGraphs:
         n = len(slots)
         b = next(x for x in self.buckets if x >= n)
         self.ids[:n].copy_(token_ids)
-        self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long).pin_memory(), non_blocking=True)
-        if b > n:
-            self.slots[n:b].fill_(-1)
+        if self._uploaded != (b, slots):  # unchanged between most decode steps: skip the upload
+            self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long).pin_memory(), non_blocking=True)
+            if b > n:
+                self.slots[n:b].fill_(-1)
+            self._uploaded = (b, list(slots))
         self.graphs[b].replay()
         return self.outputs[b][:n].clone()  # the static buffer is overwritten by the next replay

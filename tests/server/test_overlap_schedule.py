@@ -4,6 +4,7 @@ the timing (same tokens, same logprobs, every slot accounted for)."""
 import asyncio
 
 import pytest
+import torch
 
 from mambaserve.server.sampling import DeviceSample
 from tests.server.conftest import accounting, make_engine, run, serving
@@ -82,3 +83,24 @@ def test_overlap_changes_nothing_but_timing(tiny_ckpt):
     acc = got[3]  # the open streaming session keeps its live slot
     assert acc["held_by_sessions"] == 1 and acc["running"] == acc["waiting"] == acc["held_by_requests"] == 0
     assert acc["free"] + acc["held_by_tree"] + 1 == acc["capacity"], acc
+
+
+def test_token_ids_come_from_the_previous_samples_on_the_device():
+    """Steady decode (every row continues its own row) takes the previous step's samples as they are; any
+    other mapping uploads the host tokens and fills the continuing rows in."""
+    from mambaserve.server.forward_batch import ForwardBatch, ForwardMode, StateOps
+    from mambaserve.server.model_runner import ModelRunner
+
+    runner = ModelRunner(None, None, torch.device("cpu"))
+    prev = torch.tensor([41, 42, 43])
+
+    def batch(tokens, from_prev):
+        n = len(tokens)
+        return ForwardBatch(ForwardMode.DECODE, tokens, [1] * n, [0] * n, list(range(n)), StateOps(),
+                            from_prev=from_prev, prev_tokens=prev)
+
+    steady = runner._token_ids(batch([0, 0, 0], [(0, 0), (1, 1), (2, 2)]))
+    assert steady.tolist() == [41, 42, 43] and steady.data_ptr() == prev.data_ptr()  # no copy
+    assert runner._token_ids(batch([0, 0], [(0, 0), (1, 1)])).tolist() == [41, 42]  # the last row finished
+    assert runner._token_ids(batch([0, 0], [(0, 0), (1, 2)])).tolist() == [41, 43]  # a middle row finished
+    assert runner._token_ids(batch([7, 0, 0], [(1, 0), (2, 1)])).tolist() == [7, 41, 42]  # a new row first

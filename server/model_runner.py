@@ -78,7 +78,7 @@ class ModelRunner:
 
     def _token_ids(self, batch: ForwardBatch) -> torch.Tensor:
         n = len(batch.token_ids)
-        if n and len(batch.from_prev) == n and all(p == i and r == i for i, (p, r) in enumerate(batch.from_prev)):
+        if n and batch.from_prev == [(i, i) for i in range(n)]:
             # every row continues the same row of the step before (steady decode): no uploads, no index kernels
             return batch.prev_tokens[:n]
         ids = to_device(batch.token_ids, torch.long, self.device)

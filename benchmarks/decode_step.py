@@ -40,9 +40,9 @@ STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def build_runner(size: str, max_batch: int, state_dtype: torch.dtype):
     """A ModelRunner over a random-weight model of ``size`` with decode graphs up to ``max_batch``."""
-    from mambaserve.server.model_loader import load_model
-    from mambaserve.server.model_runner import ModelRunner
-    from mambaserve.server.state_pool import MambaStatePool
+    from mambaserve.server.model.loader import load_model
+    from mambaserve.server.engine.model_runner import ModelRunner
+    from mambaserve.server.engine.state_pool import MambaStatePool
 
     tmp = Path(tempfile.mkdtemp(prefix="mambaserve-decode-step-"))
     try:

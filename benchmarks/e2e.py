@@ -74,7 +74,7 @@ def copy_bandwidth(device: str, trials: int = 5) -> float:
 
 async def timed_batch(engine, prompts, max_new: int):
     """Run requests together; returns (first-token times, finish times) relative to the start."""
-    from mambaserve.server.request import SamplingParams
+    from mambaserve.server.engine.request import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -121,7 +121,7 @@ def main() -> None:
     a = p.parse_args()
 
     from mambaserve.server.config import ServerConfig
-    from mambaserve.server.engine import Engine
+    from mambaserve.server.engine.engine import Engine
 
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     batches = [int(x) for x in a.batches.split(",")]

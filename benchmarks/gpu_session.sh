@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 cd /tmp  # the repo's top-level kernels/ must not shadow anything when run from the root
-python3 -c "import mambaserve.server.engine, fastapi, triton, torch; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -c "import mambaserve.server.engine.engine, fastapi, triton, torch; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 cd - >/dev/null
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 if [ "${TESTS:-1}" = 1 ]; then

@@ -49,7 +49,7 @@ def main():
     a = ap.parse_args()
     import mambaserve.kernels as K
     from mambaserve.server.config import ServerConfig
-    from mambaserve.server.engine import Engine
+    from mambaserve.server.engine.engine import Engine
 
     ssd = kb.ssd_scan
     base_fn = None

@@ -61,9 +61,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def serve(cfg: ServerConfig) -> None:
     import uvicorn
 
-    from mambaserve.server.engine import Engine
-    from mambaserve.server.http_server import create_app
-    from mambaserve.server.model_config import ModelLoadError
+    from mambaserve.server.engine.engine import Engine
+    from mambaserve.server.api.app import create_app
+    from mambaserve.server.model.config import ModelLoadError
 
     try:
         engine = Engine(cfg)

@@ -13,8 +13,8 @@ import pytest
 import uvicorn
 
 from mambaserve.server.config import ServerConfig
-from mambaserve.server.engine import Engine
-from mambaserve.server.http_server import create_app
+from mambaserve.server.engine.engine import Engine
+from mambaserve.server.api.app import create_app
 from tests.server.tiny_models import make_checkpoint
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"

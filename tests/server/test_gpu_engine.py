@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from mambaserve.server.forward_batch import ForwardBatch, ForwardMode
-from mambaserve.server.model_loader import load_model
-from mambaserve.server.model_runner import ModelRunner
-from mambaserve.server.state_pool import MambaStatePool
+from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
+from mambaserve.server.model.loader import load_model
+from mambaserve.server.engine.model_runner import ModelRunner
+from mambaserve.server.engine.state_pool import MambaStatePool
 from tests.server.tiny_models import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from mambaserve.server.sampling import DeviceSample
+from mambaserve.server.engine.sampling import DeviceSample
 from tests.server.conftest import accounting, make_engine, run, serving
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -88,8 +88,8 @@ def test_overlap_changes_nothing_but_timing(tiny_ckpt):
 def test_token_ids_come_from_the_previous_samples_on_the_device():
     """Steady decode (every row continues its own row) takes the previous step's samples as they are; any
     other mapping uploads the host tokens and fills the continuing rows in."""
-    from mambaserve.server.forward_batch import ForwardBatch, ForwardMode, StateOps
-    from mambaserve.server.model_runner import ModelRunner
+    from mambaserve.server.engine.batch import ForwardBatch, ForwardMode, StateOps
+    from mambaserve.server.engine.model_runner import ModelRunner
 
     runner = ModelRunner(None, None, torch.device("cpu"))
     prev = torch.tensor([41, 42, 43])

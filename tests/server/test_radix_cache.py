@@ -2,7 +2,7 @@
 
 import pytest
 
-from mambaserve.server.radix_cache import CacheBusyError, MambaRadixCache
+from mambaserve.server.cache.radix_tree import CacheBusyError, MambaRadixCache
 
 
 def _edges(node):

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mambaserve.server.radix_cache import CacheBusyError, MambaRadixCache
+from mambaserve.server.cache.radix_tree import CacheBusyError, MambaRadixCache
 
 # Three token values and short keys give lots of shared prefixes, splits and tombstones.
 KEYS = st.lists(st.integers(0, 2), max_size=8).map(tuple)

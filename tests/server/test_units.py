@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from mambaserve.server.detokenizer import IncrementalDetokenizer
-from mambaserve.server.model_config import ModelLoadError
-from mambaserve.server.model_loader import load_model, resolve_device
-from mambaserve.server.request import BadRequest, SamplingParams
-from mambaserve.server.sampling import _filter, sample
-from mambaserve.server.schedule_policy import PrefillCandidate, next_mode_is_decode, plan_prefill
-from mambaserve.server.state_pool import SlotAllocator
+from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
+from mambaserve.server.model.config import ModelLoadError
+from mambaserve.server.model.loader import load_model, resolve_device
+from mambaserve.server.engine.request import BadRequest, SamplingParams
+from mambaserve.server.engine.sampling import _filter, sample
+from mambaserve.server.engine.policy import PrefillCandidate, next_mode_is_decode, plan_prefill
+from mambaserve.server.engine.state_pool import SlotAllocator
 from tests.server.tiny_models import byte_tokenizer, make_checkpoint
 
 

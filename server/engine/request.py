@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mambaserve.server.detokenizer import IncrementalDetokenizer
+from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 
 
 class BadRequest(ValueError):

@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from mambaserve.server.forward_batch import ForwardMode
-from mambaserve.server.mamba2_model import BatchTensors, Mamba2ForCausalLM
-from mambaserve.server.state_pool import MambaStatePool
+from mambaserve.server.engine.batch import ForwardMode
+from mambaserve.server.model.mamba2 import BatchTensors, Mamba2ForCausalLM
+from mambaserve.server.engine.state_pool import MambaStatePool
 
 log = logging.getLogger(__name__)
 

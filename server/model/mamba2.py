@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from mambaserve import kernels
-from mambaserve.server.forward_batch import ForwardMode
-from mambaserve.server.model_config import Mamba2Dims, ModelLoadError
+from mambaserve.server.engine.batch import ForwardMode
+from mambaserve.server.model.config import Mamba2Dims, ModelLoadError
 
 
 @dataclass

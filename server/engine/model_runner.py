@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from mambaserve import kernels
-from mambaserve.server.forward_batch import ForwardBatch, ForwardMode, StateOps
-from mambaserve.server.mamba2_model import BatchTensors, Mamba2ForCausalLM
-from mambaserve.server.sampling import to_device
-from mambaserve.server.state_pool import MambaStatePool
+from mambaserve.server.engine.batch import ForwardBatch, ForwardMode, StateOps
+from mambaserve.server.model.mamba2 import BatchTensors, Mamba2ForCausalLM
+from mambaserve.server.engine.sampling import to_device
+from mambaserve.server.engine.state_pool import MambaStatePool
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ModelRunner:
         self.graphs = None
 
     def enable_cuda_graphs(self, max_batch: int) -> None:
-        from mambaserve.server.cuda_graphs import DecodeGraphs
+        from mambaserve.server.engine.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.device)
         self.graphs.capture()

@@ -17,12 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from mambaserve.server.engine import Engine
-from mambaserve.server.protocol import (AbortRequest, CloseSessionRequest, GenerateRequest, OpenSessionRequest,
+from mambaserve.server.engine.engine import Engine
+from mambaserve.server.api.protocol import (AbortRequest, CloseSessionRequest, GenerateRequest, OpenSessionRequest,
                                         RestoreRequest, SnapshotRequest)
-from mambaserve.server.sessions import SessionError, TurnParams
-from mambaserve.server.radix_cache import CacheBusyError
-from mambaserve.server.request import BadRequest, FinishReason, SamplingParams, StepOutput
+from mambaserve.server.sessions.table import SessionError, TurnParams
+from mambaserve.server.cache.radix_tree import CacheBusyError
+from mambaserve.server.engine.request import BadRequest, FinishReason, SamplingParams, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def restore_session(body: RestoreRequest):
         return await engine.run_in_scheduler(lambda: engine.scheduler.sessions.restore(body.name, body.session_id))
 
-    from mambaserve.server.openai_api import add_openai_routes
+    from mambaserve.server.api.openai import add_openai_routes
 
     add_openai_routes(app, engine)
     return app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mambaserve.server.model_config import ModelLoadError
+from mambaserve.server.model.config import ModelLoadError
 
 
 def load_tokenizer(path: str | Path):

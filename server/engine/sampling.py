@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mambaserve.server.request import SamplingParams
+from mambaserve.server.engine.request import SamplingParams
 
 
 @dataclass

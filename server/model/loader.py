@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from mambaserve.server.mamba2_model import Mamba2ForCausalLM
-from mambaserve.server.model_config import Mamba2Dims, ModelLoadError, read_config
-from mambaserve.server.weights import load_state_dict
+from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
+from mambaserve.server.model.config import Mamba2Dims, ModelLoadError, read_config
+from mambaserve.server.model.weights import load_state_dict
 
 log = logging.getLogger(__name__)
 

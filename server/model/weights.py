@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from mambaserve.server.model_config import ModelLoadError
+from mambaserve.server.model.config import ModelLoadError
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -17,17 +17,17 @@ from typing import AsyncIterator
 
 import torch
 
-from mambaserve.server import session_snapshot
+from mambaserve.server.sessions import snapshot as session_snapshot
 from mambaserve.server.config import ServerConfig
-from mambaserve.server.detokenizer import IncrementalDetokenizer
-from mambaserve.server.metrics import ServerMetrics
-from mambaserve.server.model_loader import DTYPES, load_model, resolve_device, resolve_dtype
-from mambaserve.server.model_runner import ModelRunner
-from mambaserve.server.request import BadRequest, Req, SamplingParams, StepOutput
-from mambaserve.server.scheduler import Scheduler
-from mambaserve.server.sessions import TurnParams
-from mambaserve.server.state_pool import MambaStatePool
-from mambaserve.server.tokenizer import load_tokenizer
+from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
+from mambaserve.server.engine.metrics import ServerMetrics
+from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
+from mambaserve.server.engine.model_runner import ModelRunner
+from mambaserve.server.engine.request import BadRequest, Req, SamplingParams, StepOutput
+from mambaserve.server.engine.scheduler import Scheduler
+from mambaserve.server.sessions.table import TurnParams
+from mambaserve.server.engine.state_pool import MambaStatePool
+from mambaserve.server.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

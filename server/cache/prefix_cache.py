@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mambaserve.server.forward_batch import StateOps
-from mambaserve.server.radix_cache import MambaRadixCache, TreeNode
-from mambaserve.server.state_pool import SlotAllocator
+from mambaserve.server.engine.batch import StateOps
+from mambaserve.server.cache.radix_tree import MambaRadixCache, TreeNode
+from mambaserve.server.engine.state_pool import SlotAllocator
 
 
 class DisabledCache:

@@ -9,7 +9,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mambaserve.server.request import BadRequest, SamplingParams
+from mambaserve.server.engine.request import BadRequest, SamplingParams
 
 
 class _Body(BaseModel):

@@ -27,16 +27,16 @@ from typing import Callable
 
 import torch
 
-from mambaserve.server.forward_batch import ForwardBatch, ForwardMode
-from mambaserve.server.metrics import ServerMetrics
-from mambaserve.server.model_runner import ModelRunner
-from mambaserve.server.prefix_cache import DisabledCache, PrefixCache
-from mambaserve.server.radix_cache import CacheBusyError
-from mambaserve.server.session_manager import SessionManager
-from mambaserve.server.sessions import SessionError, SessionTable
-from mambaserve.server.request import FinishReason, Req, StepOutput
-from mambaserve.server.sampling import DeviceSample, sample, to_device
-from mambaserve.server.schedule_policy import PrefillCandidate, next_mode_is_decode, plan_prefill
+from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
+from mambaserve.server.engine.metrics import ServerMetrics
+from mambaserve.server.engine.model_runner import ModelRunner
+from mambaserve.server.cache.prefix_cache import DisabledCache, PrefixCache
+from mambaserve.server.cache.radix_tree import CacheBusyError
+from mambaserve.server.sessions.manager import SessionManager
+from mambaserve.server.sessions.table import SessionError, SessionTable
+from mambaserve.server.engine.request import FinishReason, Req, StepOutput
+from mambaserve.server.engine.sampling import DeviceSample, sample, to_device
+from mambaserve.server.engine.policy import PrefillCandidate, next_mode_is_decode, plan_prefill
 
 log = logging.getLogger(__name__)
 

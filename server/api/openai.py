@@ -10,11 +10,11 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from mambaserve.server.engine import Engine
-from mambaserve.server.http_server import admitted, collect, error_response, sse
-from mambaserve.server.protocol import ChatRequest, CompletionRequest
-from mambaserve.server.request import BadRequest, StepOutput
-from mambaserve.server.tokenizer import render_chat
+from mambaserve.server.engine.engine import Engine
+from mambaserve.server.api.app import admitted, collect, error_response, sse
+from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
+from mambaserve.server.engine.request import BadRequest, StepOutput
+from mambaserve.server.model.tokenizer import render_chat
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512

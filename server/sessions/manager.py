@@ -11,12 +11,12 @@ import logging
 import time
 from pathlib import Path
 
-from mambaserve.server import session_snapshot
-from mambaserve.server.metrics import ServerMetrics
-from mambaserve.server.prefix_cache import DisabledCache
-from mambaserve.server.request import Req
-from mambaserve.server.sessions import Session, SessionError, SessionTable, TurnParams
-from mambaserve.server.state_pool import MambaStatePool
+from mambaserve.server.sessions import snapshot as session_snapshot
+from mambaserve.server.engine.metrics import ServerMetrics
+from mambaserve.server.cache.prefix_cache import DisabledCache
+from mambaserve.server.engine.request import Req
+from mambaserve.server.sessions.table import Session, SessionError, SessionTable, TurnParams
+from mambaserve.server.engine.state_pool import MambaStatePool
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class SessionManager:
         if s.streaming:
             s.history = list(tokens)
         elif tokens:
-            from mambaserve.server.sessions import Turn
+            from mambaserve.server.sessions.table import Turn
 
             s.turns["restored"] = Turn("restored", None, len(tokens), list(tokens))
             s.last_rid = "restored"

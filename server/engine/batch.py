@@ -7,14 +7,9 @@ on the forward stream *before* the layers run, in list order (DESIGN §3).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-
-class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # prefill chunks: packed variable-length sequences
-    DECODE = "decode"  # one token per running request
-
+from mambaserve.server.model.inputs import ForwardMode
 
 @dataclass
 class StateOps:

@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from mambaserve.server.engine.batch import ForwardMode
-from mambaserve.server.model.mamba2 import BatchTensors, Mamba2ForCausalLM
+from mambaserve.server.model.inputs import BatchTensors, ForwardMode
+from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
 from mambaserve.server.engine.state_pool import MambaStatePool
 
 log = logging.getLogger(__name__)

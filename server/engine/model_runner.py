@@ -13,7 +13,8 @@ import torch
 
 from mambaserve import kernels
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode, StateOps
-from mambaserve.server.model.mamba2 import BatchTensors, Mamba2ForCausalLM
+from mambaserve.server.model.inputs import BatchTensors
+from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
 from mambaserve.server.engine.sampling import to_device
 from mambaserve.server.engine.state_pool import MambaStatePool
 

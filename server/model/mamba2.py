@@ -6,29 +6,12 @@ math goes through ``mambaserve.kernels`` (Triton on CUDA, pure-torch references 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from mambaserve import kernels
-from mambaserve.server.engine.batch import ForwardMode
 from mambaserve.server.model.config import Mamba2Dims, ModelLoadError
-
-
-@dataclass
-class BatchTensors:
-    """ForwardBatch fields as device tensors (built once per step by the runner)."""
-
-    mode: ForwardMode
-    cu_seqlens: torch.Tensor  # [S+1]
-    slots: torch.Tensor  # [S]
-    has_initial_state: torch.Tensor  # [S]
-    start_pos: torch.Tensor  # [S]
-    # tracked states to capture: (sequence index, absolute position), positions multiples of chunk_size
-    track: list[tuple[int, int]] = field(default_factory=list)
-    host_cu: list[int] = field(default_factory=list)
-    host_start: list[int] = field(default_factory=list)
+from mambaserve.server.model.inputs import BatchTensors, ForwardMode
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,28 @@
+"""What the model's forward takes besides token ids: the step's mode and its batch as device tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill chunks: packed variable-length sequences
+    DECODE = "decode"  # one token per running request
+
+
+@dataclass
+class BatchTensors:
+    """A step's sequences as device tensors (built once per step by the engine's model runner)."""
+
+    mode: ForwardMode
+    cu_seqlens: torch.Tensor  # [S+1]
+    slots: torch.Tensor  # [S]
+    has_initial_state: torch.Tensor  # [S]
+    start_pos: torch.Tensor  # [S]
+    # tracked states to capture: (sequence index, absolute position), positions multiples of chunk_size
+    track: list[tuple[int, int]] = field(default_factory=list)
+    host_cu: list[int] = field(default_factory=list)
+    host_start: list[int] = field(default_factory=list)

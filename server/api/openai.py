@@ -7,12 +7,12 @@ import contextlib
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from mambaserve.server.engine.engine import Engine
-from mambaserve.server.api.app import admitted, collect, error_response, sse
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
+from mambaserve.server.api.responses import admitted, collect, error_response, sse
+from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, StepOutput
 from mambaserve.server.model.tokenizer import render_chat
 
@@ -26,7 +26,9 @@ def _usage(last: StepOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
 
 
-def add_openai_routes(app: FastAPI, engine: Engine) -> None:
+def openai_routes(engine: Engine) -> APIRouter:
+    app = APIRouter()
+
     def check_model(name: str | None) -> None:
         if name is not None and name != engine.model_name:
             raise BadRequest(f"model {name!r} does not exist; this server serves {engine.model_name!r}",
@@ -167,3 +169,5 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
                 "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(outs) if body.logprobs else None,
                              "finish_reason": last.finish_reason.value}],
                 "usage": _usage(last)}
+
+    return app

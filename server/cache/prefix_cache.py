@@ -1,10 +1,12 @@
-"""Slot ownership between requests and the radix cache, and the state operations it implies.
+"""Slot ownership between requests and the radix cache, and the deferred state operations it implies.
 
-The scheduler asks this module for slots and tells it when states become worth keeping; it decides
-which deferred state operations (copy-on-write, clear) the next batch must run first. Plain Python
-over slot ids: the tree (``radix_cache``) and the allocator (``state_pool``) are both tensor-free.
+The scheduler asks this module for slots and tells it when states become worth keeping; the cache
+records the state operations (copy-on-write, clear) the next batch must run first, behind two verbs
+(``copy_into``, ``clear``), and hands them over with ``take_pending``. Plain Python over slot ids: the
+tree (``radix_tree``) and the allocator (``slots``) are both tensor-free; the model runner executes
+the operations on the device, in list order, before the batch's layers run (docs/design.md §3).
 
-Where snapshots come from (DESIGN §5):
+Where snapshots come from (docs/design.md §5):
   * admission: a request whose prompt prefix has a snapshot gets a fresh slot filled by a deferred
     copy from it (copy-on-write; the tree's slot is never written by a request);
   * the end of every prefill chunk that leaves the prompt unfinished, and the end of the prompt
@@ -19,11 +21,22 @@ Where snapshots come from (DESIGN §5):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from mambaserve.server.engine.batch import StateOps
 from mambaserve.server.cache.radix_tree import MambaRadixCache, TreeNode
-from mambaserve.server.engine.state_pool import SlotAllocator
+from mambaserve.server.cache.slots import SlotAllocator
+
+
+@dataclass
+class StateOps:
+    """Deferred state mutations, run on the device before the next forward, in list order."""
+
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
+    clears: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies or self.clears)
 
 
 class DisabledCache:
@@ -35,8 +48,15 @@ class DisabledCache:
         self.evictions = 0
 
     def take_pending(self) -> StateOps:
+        """The operations recorded since the last call: the caller runs them before anything reads a slot."""
         ops, self.pending = self.pending, StateOps()
         return ops
+
+    def copy_into(self, src: int, dst: int) -> None:
+        self.pending.copies.append((src, dst))
+
+    def clear(self, slot: int) -> None:
+        self.pending.clears.append(slot)
 
     def alloc(self) -> int | None:
         return self.allocator.alloc()

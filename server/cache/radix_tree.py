@@ -1,6 +1,6 @@
 """Mamba radix cache: a radix tree over token ids whose nodes may hold a state snapshot slot.
 
-Pure Python over integers (DESIGN §5): a *snapshot* is the id of a slot in the state pool holding
+Pure Python over integers (docs/design.md §5): a *snapshot* is the id of a slot in the state pool holding
 the Mamba state (conv + SSM) after the node's last token. No tensors live here; the engine copies
 and frees the slots this tree names.
 
@@ -156,8 +156,8 @@ class MambaRadixCache:
 
     def insert(self, key: Sequence[int], slot: int) -> InsertResult:
         """Store ``slot`` as the snapshot after ``len(key)`` tokens; see the module docstring for ownership."""
-        if slot < 1:
-            raise ValueError(f"slot {slot} is not a snapshot slot (slot 0 is the pool's null slot)")
+        if slot < 0:
+            raise ValueError(f"slot {slot} is not a pool slot (negative slots mark padding rows)")
         if slot in self._owner:
             raise ValueError(f"slot {slot} is already held by the tree at depth {self._owner[slot].depth}")
         key = tuple(key)

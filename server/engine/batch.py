@@ -1,23 +1,16 @@
 """What one model step runs: built by the scheduler (plain Python), executed by the model runner.
 
-The scheduler never touches state tensors. Every state mutation it decides — copy-on-write of a
-cached snapshot into a request's slot, zeroing a slot — is recorded here and executed by the runner
-on the forward stream *before* the layers run, in list order (DESIGN §3).
+The scheduler never touches state tensors. The state mutations it decides (copy-on-write of a cached
+snapshot into a request's slot, zeroing a slot) ride on the batch as the cache's ``StateOps`` and the
+runner executes them on the forward stream *before* the layers run, in list order (docs/design.md §3).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mambaserve.server.cache.prefix_cache import StateOps
 from mambaserve.server.model.inputs import ForwardMode
-
-@dataclass
-class StateOps:
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
-    clears: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.copies or self.clears)
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """The engine: a loaded model, its tokenizer and a running scheduler, behind an asyncio API.
 
-The HTTP layer calls ``generate`` (an async iterator of StepOutput increments); everything heavy
-happens on the scheduler thread.
+The HTTP layer calls only this class: ``generate`` (an async iterator of StepOutput increments),
+``abort``, the session verbs, ``flush_cache`` and the info methods. Everything heavy happens on the
+scheduler thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -17,17 +17,17 @@ from typing import AsyncIterator
 
 import torch
 
-from mambaserve.server.sessions import snapshot as session_snapshot
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.engine.metrics import ServerMetrics
-from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 from mambaserve.server.engine.model_runner import ModelRunner
-from mambaserve.server.engine.request import BadRequest, Req, SamplingParams, StepOutput
+from mambaserve.server.engine.request import BadRequest, Req, SamplingParams, StepOutput, fit_to_context
 from mambaserve.server.engine.scheduler import Scheduler
-from mambaserve.server.sessions.table import TurnParams
 from mambaserve.server.engine.state_pool import MambaStatePool
+from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 from mambaserve.server.model.tokenizer import load_tokenizer
+from mambaserve.server.sessions import snapshot as session_snapshot
+from mambaserve.server.sessions.table import SessionError, TurnParams
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,8 @@ class Engine:
                            min(cfg.running_limit(is_cuda), cfg.chunked_prefill_size))
             log.info("prefill kernels compiled in %.1f s", time.monotonic() - t)
         self.scheduler = Scheduler(
-            runner, self.metrics,
-            max_running=cfg.running_limit(is_cuda), chunked_prefill_size=cfg.chunked_prefill_size,
-            context_length=self.context_length, seed=cfg.seed, overlap=not cfg.disable_overlap_schedule,
-            debug_invariants=cfg.debug_cache_invariants,
-            radix_cache=not cfg.disable_radix_cache, page_size=cfg.page_size, track_interval=self.track_interval,
-            max_sessions=cfg.max_sessions, session_timeout=cfg.session_timeout,
-            snapshot_dir=Path(cfg.session_snapshot_dir),
+            cfg, runner, self.metrics, max_running=cfg.running_limit(is_cuda), context_length=self.context_length,
+            track_interval=self.track_interval,
             compat=session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]))
         eos = set(d.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
@@ -117,16 +112,7 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        room = self.context_length - len(prompt_ids)
-        if room <= 0:
-            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context length is "
-                             f"{self.context_length}", code="context_length_exceeded")
-        if params.max_new_tokens > room:
-            if max_tokens_explicit:
-                raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
-                                 f"the context length {self.context_length}", code="context_length_exceeded")
-            params = dataclasses.replace(params, max_new_tokens=room)
-        return params
+        return fit_to_context(len(prompt_ids), params, self.context_length, max_tokens_explicit)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
                        return_logprob: bool = False, top_logprobs_num: int = 0, session_id: str | None = None,
@@ -165,16 +151,57 @@ class Engine:
         self.scheduler.abort(rid)
 
     async def run_in_scheduler(self, fn):
+        """Run ``fn()`` on the scheduler thread between two steps; its result or exception comes back."""
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
-    def server_info(self) -> dict:
+    @property
+    def healthy(self) -> bool:
+        return self.scheduler.alive
+
+    async def flush_cache(self) -> int:
+        """Empty the radix cache (CacheBusyError while requests run); returns the snapshots freed."""
+        return await self.run_in_scheduler(self.scheduler.flush_cache)
+
+    async def accounting(self) -> dict:
+        return await self.run_in_scheduler(self.scheduler.accounting)
+
+    # ---- sessions -----------------------------------------------------------------------------------
+    async def open_session(self, session_id: str | None, streaming: bool, timeout: float | None,
+                           capacity: int | None) -> str:
+        return await self.run_in_scheduler(lambda: self.scheduler.sessions.open(session_id, streaming, timeout,
+                                                                                capacity))
+
+    async def close_session(self, session_id: str) -> None:
+        await self.run_in_scheduler(lambda: self.scheduler.sessions.close(session_id))
+
+    async def snapshot_session(self, session_id: str, name: str | None) -> dict:
+        for _ in range(500):  # a turn that just answered folds its last token within a step
+            try:
+                return await self.run_in_scheduler(lambda: self.scheduler.session_files.save(session_id, name))
+            except SessionError as e:
+                if e.code != "session_folding":
+                    raise
+            await asyncio.sleep(0.01)
+        raise SessionError(503, f"session {session_id!r} did not become idle", "session_busy")
+
+    async def restore_session(self, name: str, session_id: str | None) -> dict:
+        return await self.run_in_scheduler(lambda: self.scheduler.session_files.restore(name, session_id))
+
+    # ---- info ---------------------------------------------------------------------------------------
+    def model_info(self) -> dict:
+        c = self.cfg
+        return {"model_path": c.model, "tokenizer_path": c.tokenizer or c.model, "served_model_name": self.model_name,
+                "is_generation": True, "architecture": "Mamba2ForCausalLM", "context_length": self.context_length}
+
+    async def server_info(self) -> dict:
         c = self.cfg
         return {"model_path": c.model, "served_model_name": self.model_name, "dtype": str(self.dtype).split(".")[-1],
                 "state_dtype": c.state_dtype, "device": str(self.device), "context_length": self.context_length,
                 "max_running_requests": self.scheduler.max_running, "chunked_prefill_size": c.chunked_prefill_size,
                 "mamba_cache_size": self.pool.allocator.capacity, "disable_radix_cache": c.disable_radix_cache,
                 "page_size": c.page_size, "mamba_cache_strategy": c.mamba_cache_strategy,
-                "mamba_track_interval": self.track_interval, "version": _version()}
+                "mamba_track_interval": self.track_interval, "version": _version(),
+                "internal_states": [await self.accounting()]}
 
 
 def _version() -> str:
@@ -185,5 +212,3 @@ def _version() -> str:
     except PackageNotFoundError:
         return "0+unknown"
 
-
-torch.set_grad_enabled(False)

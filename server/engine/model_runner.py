@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from mambaserve import kernels
-from mambaserve.server.engine.batch import ForwardBatch, ForwardMode, StateOps
+from mambaserve.server.cache.prefix_cache import StateOps
+from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.model.inputs import BatchTensors
 from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
 from mambaserve.server.engine.sampling import to_device
@@ -76,6 +77,18 @@ class ModelRunner:
             idx = to_device(ops.clears, torch.long, self.device)
             kernels.clear_slots(self.pool.conv, idx)
             kernels.clear_slots(self.pool.ssm, idx)
+
+    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
+        """A copy of one slot's state, every layer: ``{"conv": [L, conv_dim, K-1], "ssm": [L, H, P, N]}``."""
+        return {"conv": self.pool.conv[:, slot].clone(), "ssm": self.pool.ssm[:, slot].clone()}
+
+    def fits_slot(self, state: dict[str, torch.Tensor]) -> bool:
+        return (tuple(state["conv"].shape) == tuple(self.pool.conv[:, 0].shape)
+                and tuple(state["ssm"].shape) == tuple(self.pool.ssm[:, 0].shape))
+
+    def write_slot(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+        self.pool.conv[:, slot] = state["conv"].to(self.pool.conv.device, self.pool.conv.dtype)
+        self.pool.ssm[:, slot] = state["ssm"].to(self.pool.ssm.device, self.pool.ssm.dtype)
 
     def _token_ids(self, batch: ForwardBatch) -> torch.Tensor:
         n = len(batch.token_ids)

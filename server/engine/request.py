@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def fit_to_context(prompt_len: int, params: SamplingParams, context_length: int, max_tokens_explicit: bool,
+                   what: str = "the prompt") -> SamplingParams:
+    """``params`` with ``max_new_tokens`` fitted to the room the context leaves after the prompt; raises
+    BadRequest when the prompt leaves none, or when an explicit ``max_new_tokens`` does not fit."""
+    room = context_length - prompt_len
+    if room <= 0:
+        raise BadRequest(f"{what} has {prompt_len} tokens; this model's context length is {context_length}",
+                         code="context_length_exceeded")
+    if params.max_new_tokens > room:
+        if max_tokens_explicit:
+            raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
+                             f"the context length {context_length}", code="context_length_exceeded")
+        params = dataclasses.replace(params, max_new_tokens=room)
+    return params
 
 
 class FinishReason(str, enum.Enum):
@@ -95,8 +113,8 @@ class Req:
     cached_tokens: int = 0
     locked_node: object | None = None  # radix node whose snapshot is being copied in (unlocked after the copy)
     session_id: str | None = None
-    turn_params: object | None = None  # sessions.TurnParams
-    session: object | None = None  # sessions.Session, once the turn is accepted
+    turn_params: object | None = None  # sessions.table.TurnParams
+    session: object | None = None  # sessions.table.Session, once the turn is accepted
     folding: bool = False  # finished; its last token runs once more so the session's state covers it
     pending: tuple[object, int] | None = None  # (launched step, row) sampling its next token, unread yet
     finish_reason: FinishReason | None = None
@@ -128,3 +146,27 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class RequestQueues:
+    """The scheduler's requests: waiting for admission (arrival order), running (holding a slot), all by id."""
+
+    def __init__(self) -> None:
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []
+        self.by_rid: dict[str, Req] = {}
+
+    def add(self, req: Req) -> None:
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+
+    def start(self, req: Req) -> None:
+        self.waiting.remove(req)
+        self.running.append(req)
+
+    def remove(self, req: Req) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self.by_rid.pop(req.rid, None)

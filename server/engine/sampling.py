@@ -111,3 +111,39 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             top = logp.topk(min(k, logp.shape[-1]), dim=-1)
             top = (top.values, top.indices)
     return DeviceSample(tokens, logprob_rows, top_logprobs_num, chosen, top)
+
+
+@dataclass
+class Launched:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    rows: list  # the request (engine.request.Req) of each sampled row
+    sample: DeviceSample
+
+
+class Sampler:
+    """The scheduler's sampling: a generator per seeded request, one shared default for the rest."""
+
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.default = torch.Generator(device=device).manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def seed(self, req) -> None:
+        if req.params.seed is not None:
+            self.generators[req.rid] = torch.Generator(device=self.device).manual_seed(req.params.seed)
+
+    def forget(self, rid: str) -> None:
+        self.generators.pop(rid, None)
+
+    def launch(self, logits: torch.Tensor, rows: list[int], reqs: list) -> Launched:
+        """Sample ``logits[rows]`` (one row per sequence of the step) for ``reqs``, without waiting."""
+        if len(rows) < logits.shape[0]:
+            logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
+        result = sample(logits, [r.params for r in reqs], [self.generators.get(r.rid, self.default) for r in reqs],
+                        [j for j, r in enumerate(reqs) if r.return_logprob],
+                        [r.top_logprobs_num if r.return_logprob else 0 for r in reqs])
+        launched = Launched(reqs, result)
+        for j, req in enumerate(reqs):
+            req.pending = (launched, j)
+        return launched

@@ -14,16 +14,22 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+
+from mambaserve.server.sessions.table import SessionError
 
 FORMAT_VERSION = 1
 
 
-class SnapshotError(ValueError):
-    def __init__(self, status: int, message: str, code: str):
-        super().__init__(message)
-        self.status, self.code = status, code
+class SnapshotError(SessionError):
+    """A snapshot file that cannot be written or read here (the status and code say why)."""
+
+
+def snapshot_path(directory: Path, name: str) -> Path:
+    if not name or "/" in name or name.startswith("."):
+        raise SnapshotError(400, f"invalid snapshot name {name!r} (a plain file name)", "invalid_request")
+    return directory / name
 
 
 def compat_key(model_config: dict, dtype: torch.dtype, state_dtype: torch.dtype) -> dict:
@@ -58,8 +64,6 @@ def read(path: Path, key: dict) -> tuple[dict, list[int], dict[str, torch.Tensor
         raise SnapshotError(404, f"no session snapshot at {path}", "snapshot_not_found")
     try:
         tensors = load_file(str(path))
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         header = json.loads(meta["mambaserve"])

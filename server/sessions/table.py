@@ -1,6 +1,6 @@
 """Conversation sessions: bookkeeping only (ids, histories, turn rules, timeouts).
 
-Plain Python; the scheduler owns the slots this table names (DESIGN §6).
+Plain Python; the scheduler owns the slots this table names (docs/design.md §6).
 
 * A **streaming** session keeps its live state slot between turns. A turn sends only its new tokens;
   the session supplies the history and the turn prefills only the new tokens on top of the slot.

@@ -92,8 +92,8 @@ def test_insert_rejects_bad_slots(cache):
     cache.insert([1], 3)
     with pytest.raises(ValueError, match="already held"):
         cache.insert([2], 3)
-    with pytest.raises(ValueError, match="null slot"):
-        cache.insert([2], 0)
+    with pytest.raises(ValueError, match="not a pool slot"):
+        cache.insert([2], -1)
 
 
 def test_tombstone_after_evicting_an_inner_snapshot(cache):

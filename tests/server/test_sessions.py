@@ -200,7 +200,7 @@ def test_session_rules_and_limits(tiny_ckpt):
 
 
 async def _running_rid(engine):
-    return await engine.run_in_scheduler(lambda: engine.scheduler.running[0].rid)
+    return await engine.run_in_scheduler(lambda: engine.scheduler.queues.running[0].rid)
 
 
 def test_idle_sessions_time_out(tiny_ckpt):

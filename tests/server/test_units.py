@@ -91,7 +91,7 @@ def test_detokenizer_holds_back_possible_stop_prefix_and_cuts_at_stop():
 def test_slot_allocator_accounting():
     a = SlotAllocator(3)
     slots = [a.alloc() for _ in range(3)]
-    assert sorted(slots) == [1, 2, 3] and a.alloc() is None and a.num_free == 0
+    assert sorted(slots) == [0, 1, 2] and a.alloc() is None and a.num_free == 0
     a.free(slots[0])
     assert a.num_free == 1 and a.alloc() == slots[0]
     with pytest.raises(RuntimeError, match="double free"):

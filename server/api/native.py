@@ -1,0 +1,83 @@
+"""SGLang-native endpoints: ``/generate``, model and server info, ``/abort_request``, ``/flush_cache``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from mambaserve.server.api.protocol import AbortRequest, GenerateRequest
+from mambaserve.server.api.responses import admitted, collect, error_response, finish_info, sse
+from mambaserve.server.cache.radix_tree import CacheBusyError
+from mambaserve.server.engine.engine import Engine
+from mambaserve.server.engine.request import BadRequest, StepOutput
+from mambaserve.server.sessions.table import TurnParams
+
+
+def native_routes(engine: Engine) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/get_model_info")
+    @router.get("/model_info")
+    async def model_info():
+        return engine.model_info()
+
+    @router.get("/get_server_info")
+    @router.get("/server_info")
+    async def server_info():
+        return await engine.server_info()
+
+    @router.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        engine.abort(body.rid)
+        return {"success": True}
+
+    @router.post("/flush_cache")
+    async def flush_cache():
+        try:
+            freed = await engine.flush_cache()
+        except CacheBusyError as e:
+            return error_response(409, str(e), "cache_busy")
+        return {"success": True, "freed_snapshots": freed}
+
+    @router.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        if (body.text is None) == (body.input_ids is None):
+            raise BadRequest("give exactly one of 'text' or 'input_ids'")
+        ids = engine.encode(body.text) if body.text is not None else body.input_ids
+        explicit = "max_new_tokens" in body.sampling_params.model_fields_set
+        params = engine.check_prompt(ids, body.sampling_params.params(), explicit)
+        sp = body.session_params
+        turn = TurnParams(sp.rid, sp.offset, sp.replace, sp.drop_previous_output) if sp else None
+        stream = await admitted(engine.generate(ids, params, rid=body.rid, return_logprob=body.return_logprob,
+                                                top_logprobs_num=body.top_logprobs_num,
+                                                session_id=sp.id if sp else None, turn_params=turn,
+                                                stream=body.stream))
+        if body.stream:
+            return StreamingResponse(_native_stream(stream), media_type="text/event-stream")
+        outs = await collect(request, stream)
+        return _native_payload(outs, outs[-1].rid, body.return_logprob)
+
+    return router
+
+
+def _native_payload(outs: list[StepOutput], rid: str, logprob: bool) -> dict:
+    last = outs[-1]
+    meta = {"id": rid, "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "cached_tokens": last.cached_tokens, "finish_reason": finish_info(last)}
+    ids = [t for o in outs for t in o.token_ids]
+    if logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for o in outs for lp, t in zip(o.logprobs or [], o.token_ids)]
+        meta["output_top_logprobs"] = [[[v, i, None] for i, v in top] for o in outs for top in (o.top_logprobs or [])]
+    return {"text": "".join(o.text for o in outs), "output_ids": ids, "meta_info": meta}
+
+
+async def _native_stream(stream: AsyncIterator[StepOutput]):
+    outs: list[StepOutput] = []
+    async with contextlib.aclosing(stream) as it:
+        async for out in it:
+            outs.append(out)
+            yield sse(_native_payload(outs, out.rid, out.logprobs is not None))
+    yield sse("[DONE]")

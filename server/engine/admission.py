@@ -1,0 +1,164 @@
+"""Which requests run next and with which slots; and the booking of a launched step.
+
+``schedule`` picks the next batch: an EXTEND batch of prefill chunks (admitting waiting requests: a
+session's live slot, a cache hit copied into a fresh slot, or a fresh slot) when the policy says so,
+else a DECODE batch of every request done prefilling. ``commit`` books a launched step on the host:
+everything that does not depend on its sampled tokens (``in_state``, donations of chunk-end states to
+the tree, tracked snapshots, requests that end without sampling). Runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+from mambaserve.server.cache.prefix_cache import DisabledCache
+from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
+from mambaserve.server.engine.metrics import ServerMetrics
+from mambaserve.server.engine.output import OutputProcessor
+from mambaserve.server.engine.policy import PrefillCandidate, next_mode_is_decode, plan_prefill
+from mambaserve.server.engine.request import FinishReason, Req, RequestQueues
+from mambaserve.server.engine.sampling import Launched, Sampler
+from mambaserve.server.sessions.manager import SessionManager
+
+Plan = list[tuple[Req, int]]  # (request, tokens it runs in the step)
+
+
+class Admission:
+    def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager, sampler: Sampler,
+                 output: OutputProcessor, metrics: ServerMetrics, *, max_running: int, chunk: int,
+                 track_interval: int):
+        self.queues, self.cache, self.sessions, self.sampler = queues, cache, sessions, sampler
+        self.output, self.metrics = output, metrics
+        self.max_running, self.chunk, self.track_interval = max_running, chunk, track_interval
+        self.last_was_extend = False
+
+    # ---- schedule -----------------------------------------------------------------------------------
+    def schedule(self, inflight: Launched | None) -> tuple[ForwardBatch | None, Plan]:
+        """An EXTEND batch if any prompt has tokens to prefill, else a DECODE batch of every running
+        request; the deferred state ops recorded since the last forward ride on whichever runs.
+        ``inflight``: the launched step whose samples are still on the device."""
+        running, waiting = self.queues.running, self.queues.waiting
+        decode = [r for r in running if r.prefill_done]
+        has_prefill = bool(waiting) or len(decode) < len(running)
+        if next_mode_is_decode(has_prefill, bool(decode), self.last_was_extend):
+            return self._decode_batch(decode, inflight)
+        cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in running if not r.prefill_done]
+        cands += [PrefillCandidate(r, r.prefill_len, True, not _has_live_slot(r)) for r in waiting
+                  if r.session is None or not r.session.awaiting_fold]  # the live state arrives next step
+        plan = plan_prefill(cands, self.chunk, self.cache.allocator.num_free + self.cache.evictable_slots,
+                            len(running), self.max_running)
+        chunks = []
+        for req, n in plan:
+            if req.slot is None and not self._admit(req):
+                break  # no slot after all (a locked match): wait for one
+            n = min(n, req.prefill_len - req.in_state)  # a cache hit shortens the prefill
+            if n > 0:
+                chunks.append((req, n))
+        if chunks:
+            return self._extend_batch(chunks), chunks
+        return self._decode_batch([r for r in running if r.prefill_done], inflight)
+
+    def _decode_batch(self, decode: list[Req], inflight: Launched | None) -> tuple[ForwardBatch | None, Plan]:
+        if not decode:
+            return None, []
+        tokens, from_prev = [], []
+        for i, r in enumerate(decode):
+            if r.pending is None:
+                tokens.append(r.token_at(r.in_state))
+            else:  # sampled by the step still running: the device fills it in
+                tokens.append(0)
+                from_prev.append((i, r.pending[1]))
+        batch = ForwardBatch(ForwardMode.DECODE, tokens, [1] * len(decode), [r.in_state for r in decode],
+                             [r.slot for r in decode], self.cache.take_pending(), from_prev=from_prev,
+                             prev_tokens=inflight.sample.tokens if from_prev else None)
+        return batch, [(r, 1) for r in decode]
+
+    def _extend_batch(self, chunks: Plan) -> ForwardBatch:
+        tokens, lens, starts, slots, track = [], [], [], [], []
+        for i, (req, n) in enumerate(chunks):
+            s = req.in_state
+            tokens += req.prompt_ids[s:s + n]
+            lens.append(n)
+            starts.append(s)
+            slots.append(req.slot)
+            if self.track_interval:
+                # strictly inside the chunk: its end is donated whole after the step
+                for pos in range((s // self.track_interval + 1) * self.track_interval, s + n, self.track_interval):
+                    slot = self.cache.alloc()
+                    if slot is None:
+                        break
+                    track.append((i, pos, slot))
+        return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots, self.cache.take_pending(), track=track)
+
+    def _admit(self, req: Req) -> bool:
+        live = self.sessions.take_live_slot(req.session) if req.session is not None else None
+        if live is not None:  # a streaming session's turn continues from its live state
+            req.slot, req.in_state = live
+            req.cached_tokens = req.in_state
+            req.prefill_len = len(req.prompt_ids)  # nothing to donate: the last token runs in the prefill
+            self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier="session")
+            self.queues.start(req)
+            self.sampler.seed(req)
+            return True
+        # the last token must run to produce logits: never match the whole prompt
+        cached, node, src = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
+        slot = self.cache.alloc()
+        if slot is None:
+            self.cache.unlock(node)
+            return False
+        req.slot = slot
+        self.queues.start(req)
+        if cached:
+            self.cache.copy_into(src, slot)
+            req.in_state = req.cached_tokens = cached
+            req.locked_node = node
+        elif req.prefill_len == 0:  # a one-token prompt decodes straight from the zero state
+            self.cache.clear(slot)
+        self.metrics.observe_lookup(len(req.prompt_ids), cached)
+        self.sampler.seed(req)
+        if req.prefill_done and req.params.max_new_tokens == 0:
+            self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
+        return True
+
+    # ---- commit -------------------------------------------------------------------------------------
+    def commit(self, batch: ForwardBatch, plan: Plan) -> list[int]:
+        """Book a launched step: everything that does not depend on its sampled tokens. Returns the
+        plan indices of the rows to sample."""
+        self.last_was_extend = batch.mode is ForwardMode.EXTEND
+        for req in self.queues.running:  # every pending copy ran with this batch: release the snapshots
+            self.cache.unlock(req.locked_node)
+            req.locked_node = None
+        for i, pos, slot in batch.track:
+            if not self.cache.keep(plan[i][0].prompt_ids[:pos], slot):
+                self.cache.free(slot)
+        rows = []
+        for i, (req, n) in enumerate(plan):
+            req.in_state += n
+            if req.folding:  # its last token is in the state now: hand the slot to the session
+                self.output.finish(req, req.finish_reason, emit=False)
+                continue
+            if batch.mode is ForwardMode.EXTEND:
+                if req.in_state < len(req.prompt_ids):
+                    if self.cache.enabled:
+                        self._donate(req)
+                    if req.prefill_done and req.params.max_new_tokens == 0:
+                        self.output.finish(req, FinishReason.LENGTH)  # prompt-only request: no token to sample
+                    continue
+                if req.params.max_new_tokens == 0:
+                    self.output.finish(req, FinishReason.LENGTH)
+                    continue
+            rows.append(i)
+        return rows
+
+    def _donate(self, req: Req) -> None:
+        """Give the request's state to the tree and continue in a fresh slot filled by a deferred copy."""
+        fresh = self.cache.alloc()
+        if fresh is None:
+            return
+        if self.cache.keep(req.tokens(req.in_state), req.slot):
+            self.cache.copy_into(req.slot, fresh)
+            req.slot = fresh
+        else:
+            self.cache.free(fresh)
+
+
+def _has_live_slot(req: Req) -> bool:
+    return req.session is not None and req.session.streaming and req.session.slot is not None

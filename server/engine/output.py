@@ -1,0 +1,137 @@
+"""After a step: its sampled tokens appended to their requests, stop checks, increments to the clients,
+and the end of a request (its slot to the tree, the free list or its session).
+
+Runs on the scheduler thread. ``read`` takes a launched step's tokens one step late (overlap
+scheduling: the device runs the next step meanwhile); ``finish`` is every request's one way out.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mambaserve.server.cache.prefix_cache import DisabledCache
+from mambaserve.server.engine.metrics import ServerMetrics
+from mambaserve.server.engine.request import FinishReason, Req, RequestQueues, StepOutput
+from mambaserve.server.engine.sampling import Launched, Sampler
+from mambaserve.server.sessions.manager import SessionManager
+
+
+class OutputProcessor:
+    def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager, sampler: Sampler,
+                 metrics: ServerMetrics, context_length: int):
+        self.queues, self.cache, self.sessions, self.sampler = queues, cache, sessions, sampler
+        self.metrics = metrics
+        self.context_length = context_length
+
+    def read(self, launched: Launched) -> None:
+        """Append a launched step's tokens (waits only for that step's host copies)."""
+        result = launched.sample.result()
+        for j, req in enumerate(launched.rows):
+            if req.pending is not None and req.pending[0] is launched:  # not yet sampled again by a newer step
+                req.pending = None
+            if req.finished:  # aborted, or finished by the token before (this row folded it in)
+                continue
+            lp = result.logprobs[j] if result.logprobs is not None else None
+            top = result.top_logprobs[j] if result.top_logprobs is not None else None
+            self._observe_token(req)
+            self._after_token(req, self._append(req, result.tokens[j], lp, top))
+
+    def _observe_token(self, req: Req) -> None:
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.created)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.generation_tokens.inc()
+
+    @staticmethod
+    def _append(req: Req, tok: int, lp: float | None, top) -> FinishReason | None:
+        """Add one sampled token; STOP if it is a stop token or completes a stop string."""
+        req.output_ids.append(tok)
+        if req.return_logprob:
+            req.logprobs.append(lp)
+            req.top_logprobs.append(top or [])
+        if tok in req.stop_token_ids:
+            req.matched_stop = tok
+            return FinishReason.STOP
+        req.detokenizer.add(tok)
+        if req.detokenizer.stopped is not None:
+            req.matched_stop = req.detokenizer.stopped
+            return FinishReason.STOP
+        return None
+
+    def _after_token(self, req: Req, finish: FinishReason | None) -> None:
+        if finish is None and (len(req.output_ids) >= req.params.max_new_tokens
+                               or req.num_tokens >= self.context_length):
+            finish = FinishReason.LENGTH
+        if finish is None:
+            if req.stream:
+                self._emit(req, self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release()))
+        elif req.in_state < req.num_tokens and self._keeps_live_state(req):
+            # Answer now; run the last token once more before the session takes the slot, so the next
+            # turn prefills only its new tokens. (Usually the step launched meanwhile already runs it.)
+            req.finish_reason, req.folding = finish, True
+            self.sessions.turn_answered(req.session, req.rid, req.prompt_ids + req.output_ids)
+            self._emit_final(req, finish)
+        else:
+            self.finish(req, finish)
+
+    @staticmethod
+    def _keeps_live_state(req: Req) -> bool:
+        s = req.session
+        return s is not None and s.streaming and not s.closing
+
+    # ---- the way out --------------------------------------------------------------------------------
+    def finish(self, req: Req, reason: FinishReason, error: str | None = None, emit: bool = True) -> None:
+        """End ``req``: its slot goes to its session, the tree (at what its state covers) or the free list."""
+        req.finish_reason = reason
+        self.queues.remove(req)
+        self.cache.unlock(req.locked_node)
+        req.locked_node = None
+        if req.session is not None:
+            completed = (req.folding or reason is not FinishReason.ABORT) and not error
+            if self.sessions.end_turn(req.session, req.rid, req.prompt_ids + req.output_ids, completed,
+                                      req.slot, req.in_state):
+                req.slot = None  # the session holds it until the next turn
+        if req.slot is not None:
+            # the state covers in_state tokens of prompt + output: the next turn starts there
+            if error or not self.cache.keep(req.tokens(req.in_state), req.slot):
+                self.cache.free(req.slot)
+            req.slot = None
+        self.sampler.forget(req.rid)
+        self.metrics.requests.labels("error" if error else reason.value).inc()
+        self.metrics.e2e.observe(time.monotonic() - req.created)
+        if emit:
+            self._emit_final(req, reason, error)
+
+    def refuse(self, req: Req, error: Exception) -> None:
+        """A request that never ran: one output carrying the HTTP status and code of ``error``."""
+        req.finish_reason = FinishReason.ABORT
+        out = self._output(req, [], "", finish=FinishReason.ABORT, error=str(error))
+        out.error_status, out.error_code = getattr(error, "status", None), getattr(error, "code", None)
+        req.emit(out)
+
+    def fail_running(self, message: str) -> None:
+        for req in list(self.queues.running):
+            self.finish(req, FinishReason.ABORT, error=message)
+
+    # ---- increments ---------------------------------------------------------------------------------
+    def _emit(self, req: Req, out: StepOutput) -> None:
+        req.emit(out)
+        req.sent_tokens = len(req.output_ids)
+
+    def _emit_final(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        self._emit(req, self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release(final=True),
+                                     finish=reason, error=error))
+
+    @staticmethod
+    def _output(req: Req, token_ids, text, finish=None, error=None) -> StepOutput:
+        start = req.sent_tokens
+        return StepOutput(
+            rid=req.rid, token_ids=list(token_ids), text=text,
+            logprobs=req.logprobs[start:] if req.return_logprob else None,
+            top_logprobs=req.top_logprobs[start:] if req.return_logprob else None,
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens, finish_reason=finish, matched_stop=req.matched_stop, error=error)

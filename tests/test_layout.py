@@ -1,5 +1,6 @@
-"""Packaging guards (DESIGN §8): the three source roots map into mambaserve.*, operator/ never
-shadows the standard library, and the dependency rules between them hold."""
+"""Packaging and layout guards (docs/design.md §2, §8): the three source roots map into mambaserve.*,
+operator/ never shadows the standard library, and imports only point down: between the roots, and
+between the parts of the server (api → engine → {cache, sessions, model} → kernels)."""
 
 import ast
 import subprocess
@@ -53,3 +54,70 @@ def test_dependency_direction():
         for path, names in _imports(folder):
             # absolute mambaserve.* imports only: a second copy of a module breaks Prometheus collectors
             assert not any(n.split(".")[0] in ("server", "kernels", "tests", "benchmarks") for n in names), path
+
+
+# The server's parts, by rank: a module may import its own part or a part of lower rank, never one of
+# the same rank (across) or higher (up). config is the frozen configuration every layer may read; cli is the edge.
+SERVER_RANKS = {"__main__": 6, "cli": 5, "api": 4, "engine": 3, "cache": 2, "sessions": 2, "model": 2,
+                "kernels": 1, "config": 0}
+
+
+def _part(dotted: str) -> str | None:
+    """The part of a mambaserve module name: 'mambaserve.server.engine.scheduler' -> 'engine'."""
+    parts = dotted.split(".")
+    if parts[:2] == ["mambaserve", "kernels"]:
+        return "kernels"
+    if parts[:2] == ["mambaserve", "server"] and len(parts) > 2:
+        return parts[2]
+    return None
+
+
+def layering_violations(modules: dict[str, str]) -> list[str]:
+    """``modules``: dotted module name -> source. Every import that points up or across the parts."""
+    bad = []
+    for name, source in modules.items():
+        src = _part(name)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names
+                                           if node.module == "mambaserve.server"]
+            else:
+                continue
+            for target in targets:
+                dst = _part(target)
+                if dst is None or dst == src:
+                    continue
+                if dst not in SERVER_RANKS or SERVER_RANKS[dst] >= SERVER_RANKS[src]:
+                    bad.append(f"{name} imports {target} ({src} -> {dst})")
+    return bad
+
+
+def _server_modules() -> dict[str, str]:
+    out = {}
+    for path in (ROOT / "server").rglob("*.py"):
+        dotted = "mambaserve." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        out[dotted] = path.read_text()
+    return out
+
+
+def test_every_server_module_belongs_to_a_part():
+    for name in _server_modules():
+        part = _part(name)
+        assert name == "mambaserve.server.__init__" or part in SERVER_RANKS, f"{name}: not in a part of the server"
+
+
+def test_server_imports_point_down():
+    assert layering_violations(_server_modules()) == []
+
+
+def test_layering_check_catches_up_and_across_imports():
+    bad = layering_violations({
+        "mambaserve.server.model.mamba2": "from mambaserve.server.engine.batch import ForwardMode",  # up
+        "mambaserve.server.cache.prefix_cache": "import mambaserve.server.sessions.table",  # across
+        "mambaserve.server.sessions.manager": "from mambaserve.server import engine",  # up, package form
+        "mambaserve.server.engine.scheduler": "from mambaserve.server.cache.slots import SlotAllocator",  # down: fine
+        "mambaserve.server.config": "from mambaserve.server.engine.request import Req",  # config is a leaf
+    })
+    assert len(bad) == 4 and not any("scheduler" in b for b in bad), bad

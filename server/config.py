@@ -32,7 +32,6 @@ class ServerConfig:
     cuda_graph_max_bs: int = 256
     log_level: str = "info"
     seed: int = 0
-    max_queued_requests: int = 4096
 
     def running_limit(self, is_cuda: bool) -> int:
         return self.max_running_requests or (256 if is_cuda else 64)

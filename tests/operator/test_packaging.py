@@ -1,4 +1,4 @@
-"""Layout and entry points of the operator package (DESIGN §2, §8)."""
+"""Layout and entry points of the operator package (docs/design.md §2, §8)."""
 
 from __future__ import annotations
 

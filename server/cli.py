@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-radix-cache", action="store_true", help="turn prefix caching off")
     s.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
     s.add_argument("--session-timeout", type=float, default=600.0, help="default idle timeout of a session (s)")
+    s.add_argument("--session-slot-fraction", type=float, default=0.5,
+                   help="share of the state pool idle streaming sessions may hold between turns; past it the least "
+                        "recently active session's state becomes an ordinary cache snapshot (its next turn starts "
+                        "from the cache), so sessions never starve other requests")
     s.add_argument("--session-snapshot-dir", default="mambaserve-sessions",
                    help="directory where /sessions/{id}/snapshot writes and /sessions/restore reads session files "
                         "(share it between servers to migrate sessions)")

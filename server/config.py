@@ -25,6 +25,7 @@ class ServerConfig:
     disable_radix_cache: bool = False
     max_sessions: int = 1024
     session_timeout: float = 600.0
+    session_slot_fraction: float = 0.5
     session_snapshot_dir: str = "mambaserve-sessions"
     debug_cache_invariants: bool = False
     disable_cuda_graph: bool = False

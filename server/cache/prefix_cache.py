@@ -77,6 +77,10 @@ class DisabledCache:
     def unlock(self, node: TreeNode | None) -> None:
         pass
 
+    def take(self, node: TreeNode | None) -> int | None:
+        """The slot of ``node``'s snapshot, moved out of the cache to the caller (None if it cannot be)."""
+        return None
+
     @property
     def tree_slots(self) -> int:
         return 0
@@ -121,6 +125,9 @@ class PrefixCache(DisabledCache):
     def unlock(self, node: TreeNode | None) -> None:
         if node is not None:
             self.tree.unlock(node)
+
+    def take(self, node: TreeNode | None) -> int | None:
+        return self.tree.take(node) if node is not None else None
 
     def keep(self, tokens: Sequence[int], slot: int) -> bool:
         if not tokens:

@@ -28,7 +28,8 @@ Rules the engine relies on:
   returned (before the copy-on-write is recorded) and unlock it once the copy has executed or the
   request ends; each ``lock`` needs exactly one ``unlock``. Locking the root (a miss) is allowed.
 * **Eviction.** ``evict(n)`` frees up to ``n`` unlocked snapshots, least recently used first, and
-  returns their slot ids (the caller returns them to the pool). An inner node losing its snapshot
+  returns their slot ids (the caller returns them to the pool); ``take(node)`` removes one unlocked
+  snapshot and hands its slot to the caller instead (the caller continues from that state). An inner node losing its snapshot
   stays as a *tombstone* (its children still need the path); a leaf without a snapshot is removed,
   then its childless, unlocked, snapshot-less ancestors too.
 * **Recency.** A logical clock ticks once per ``match_prefix`` hit and per ``insert``; the tick is
@@ -222,14 +223,22 @@ class MambaRadixCache:
             return []
         candidates = [n for n in self._owner.values() if n.lock_ref == 0]
         victims = heapq.nsmallest(num_slots, candidates, key=lambda n: (n.last_access, n.depth))
-        freed = []
-        for node in victims:
-            freed.append(node.slot)
-            del self._owner[node.slot]
-            node.slot = None
-            self._evictable -= 1
-            self._prune(node)  # leaf -> removed with its bare ancestors; inner node -> tombstone
-        return freed
+        return [self._drop(node) for node in victims]
+
+    def take(self, node: TreeNode) -> int | None:
+        """Remove ``node``'s snapshot and hand its slot to the caller, who owns it from now on (a move
+        instead of a copy). None when the node holds no snapshot or is locked (someone copies from it)."""
+        if node.slot is None or node.lock_ref:
+            return None
+        return self._drop(node)
+
+    def _drop(self, node: TreeNode) -> int:
+        slot = node.slot
+        del self._owner[slot]
+        node.slot = None
+        self._evictable -= 1
+        self._prune(node)  # leaf -> removed with its bare ancestors; inner node -> tombstone
+        return slot
 
     def flush(self) -> list[int]:
         """Empty the tree and return every snapshot slot; refused while anything is locked."""

@@ -101,12 +101,23 @@ class Admission:
         # the last token must run to produce logits: never match the whole prompt
         cached, node, src = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
         slot = self.cache.alloc()
-        if slot is None:
+        moved = False
+        if slot is None and cached:
+            # The match locked its path, and nothing else can be evicted: continue from the matched snapshot
+            # itself (its slot changes hands, no copy) instead of waiting for a slot only this request holds.
+            self.cache.unlock(node)
+            slot = self.cache.take(node)
+            moved = slot is not None
+            if not moved:  # others copy from it: they run, so a slot comes free within a few steps
+                return False
+        elif slot is None:
             self.cache.unlock(node)
             return False
         req.slot = slot
         self.queues.start(req)
-        if cached:
+        if moved:
+            req.in_state = req.cached_tokens = cached
+        elif cached:
             self.cache.copy_into(src, slot)
             req.in_state = req.cached_tokens = cached
             req.locked_node = node

@@ -46,6 +46,8 @@ class Engine:
         self.context_length = cfg.context_length or self._default_context_length()
         if cfg.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--state-dtype must be float32 or bfloat16, got {cfg.state_dtype!r}")
+        if not 0 <= cfg.session_slot_fraction < 1:
+            raise ValueError(f"--session-slot-fraction must be in [0, 1), got {cfg.session_slot_fraction}")
         is_cuda = self.device.type == "cuda"
         self.pool = MambaStatePool(d.num_layers, cfg.slot_count(is_cuda), d.conv_dim, d.conv_kernel, d.num_heads,
                                    d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)

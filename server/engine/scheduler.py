@@ -12,6 +12,12 @@ That is safe because the device runs state copies, clears and forwards in launch
 sampled tokens arrive a step late; a decode step that needs one reads it on the device
 (``ForwardBatch.from_prev``). A request that turns out finished has run one extra step, which folds
 its last token into its state.
+
+Progress guarantee: whenever nothing runs, the head of the queue is admitted (or refused) in the next
+step. Nothing running means no snapshot is locked, so every slot is free, an evictable snapshot, or
+held by an idle streaming session; sessions may hold only a bounded share of the pool
+(``--session-slot-fraction`` < 1), and a hit whose only evictable slots lie on its own matched path
+takes that snapshot's slot over instead of waiting. ``check_invariants`` asserts it.
 """
 
 from __future__ import annotations
@@ -40,13 +46,20 @@ from mambaserve.server.sessions.table import SessionError, SessionTable
 log = logging.getLogger(__name__)
 
 
+def session_slot_limit(fraction: float, capacity: int) -> int:
+    """Slots idle streaming sessions may hold: a share of the pool, always leaving one for requests."""
+    return max(0, min(capacity - 1, int(fraction * capacity)))
+
+
 class Scheduler:
     def __init__(self, cfg: ServerConfig, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int,
                  context_length: int, track_interval: int = 0, compat: dict | None = None):
         self.runner, self.metrics = runner, metrics
         self.slots = runner.pool.allocator
         self.cache = DisabledCache(self.slots) if cfg.disable_radix_cache else PrefixCache(self.slots, cfg.page_size)
-        self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout), self.cache.free,
+        self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout),
+                                       session_slot_limit(cfg.session_slot_fraction, self.slots.capacity),
+                                       self.cache.free, self._keep_or_free,
                                        lambda reason: metrics.sessions_closed.labels(reason).inc())
         self.session_files = SessionFiles(self.sessions, self.cache, runner, metrics, Path(cfg.session_snapshot_dir),
                                           compat or {})
@@ -63,6 +76,7 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.inflight: Launched | None = None
         self.steps = 0
+        self.stalled_steps = 0  # consecutive steps that ran nothing while requests waited and none ran
         self._next_reap = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,6 +136,8 @@ class Scheduler:
             if rows:
                 launched = self.sampler.launch(out.logits, rows, [plan[i][0] for i in rows])
             self.steps += 1
+        idle = batch is None and self.inflight is None and not self.queues.running
+        self.stalled_steps = self.stalled_steps + 1 if idle and self.queues.waiting else 0
         prev, self.inflight = self.inflight, launched
         if prev is not None:  # the device is busy with this step meanwhile
             self.output.read(prev)
@@ -181,6 +197,11 @@ class Scheduler:
         elif req is not None and not req.finished:
             self.output.finish(req, FinishReason.ABORT)
 
+    def _keep_or_free(self, tokens: list[int], slot: int) -> None:
+        """A state nobody holds any more: a snapshot in the cache if it takes it, else a free slot."""
+        if not self.cache.keep(tokens, slot):
+            self.cache.free(slot)
+
     def _reap_idle_sessions(self) -> None:
         now = time.monotonic()
         if now >= self._next_reap:  # idle sessions are closed within a second of their timeout
@@ -214,6 +235,7 @@ class Scheduler:
         assert all(r.locked_node is None for r in running), "a snapshot stayed locked after its copy"
         assert all(s.in_flight in self.queues.by_rid for s in self.sessions.table.sessions.values() if s.in_flight), \
             "a session waits for a turn that no longer exists"
+        assert self.stalled_steps <= 1, f"requests wait while nothing runs ({self.stalled_steps} steps): admission is stuck"
         self.cache.check_invariants()
 
     def accounting(self) -> dict:

@@ -17,10 +17,17 @@ log = logging.getLogger(__name__)
 
 
 class SessionManager:
-    def __init__(self, table: SessionTable, free_slot: Callable[[int], None],
-                 on_close: Callable[[str], None] = lambda reason: None):
+    """``max_held_slots`` bounds the slots idle streaming sessions hold between turns: past it, the least
+    recently active one gives its live state up (``give_up(tokens, slot)``: the cache keeps it as an
+    ordinary snapshot, or frees it) and its next turn starts from the cache. So sessions can never hold
+    the slots that waiting requests need, whatever their number."""
+
+    def __init__(self, table: SessionTable, max_held_slots: int, free_slot: Callable[[int], None],
+                 give_up: Callable[[list[int], int], None], on_close: Callable[[str], None] = lambda reason: None):
         self.table = table
+        self.max_held_slots = max_held_slots
         self._free_slot = free_slot
+        self._give_up = give_up
         self._on_close = on_close  # called with the close reason (metrics)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -81,12 +88,27 @@ class SessionManager:
             self.table.end_turn(s, rid, tokens, completed)
         if self.table.sessions.get(s.id) is not s:
             return False  # closed meanwhile: the slot goes back to the cache
-        took = s.streaming and completed and slot is not None and in_state == len(tokens)
+        took = s.streaming and completed and slot is not None and in_state == len(tokens) and self._make_room()
         if took:
             s.slot, s.in_state = slot, in_state
         if s.closing:
             self._release(s, s.closing)
         return took
+
+    def _make_room(self) -> bool:
+        """Room for one more held slot under the bound, after the least recently active idle session
+        gave its state up if needed. (A session holds a slot only between turns.)"""
+        holders = [x for x in self.table.sessions.values() if x.slot is not None]
+        if len(holders) < self.max_held_slots:
+            return True
+        if not holders:
+            return False  # the bound is 0: sessions hold nothing between turns
+        oldest = min(holders, key=lambda x: x.last_active)
+        log.info("session %s gives up its live state: sessions hold %d of at most %d slots", oldest.id,
+                 len(holders), self.max_held_slots)
+        self._give_up(oldest.history[:oldest.in_state], oldest.slot)
+        oldest.slot, oldest.in_state = None, 0
+        return len(holders) - 1 < self.max_held_slots
 
     # ---- export / import ----------------------------------------------------------------------------
     def export(self, sid: str) -> tuple[Session, list[int], dict]:

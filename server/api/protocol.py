@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from mambaserve.server.engine.request import BadRequest, SamplingParams
 
@@ -30,7 +30,7 @@ class _OpenAISampling(_Body):
     min_p: float = 0.0
     n: int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -56,7 +56,7 @@ class _OpenAISampling(_Body):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     max_tokens: int | None = Field(default=None)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -104,7 +104,7 @@ class NativeSampling(_Body):
     top_k: int = -1
     min_p: float = 0.0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
@@ -120,7 +120,7 @@ class NativeSampling(_Body):
 
 class GenerateRequest(_Body):
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[StrictInt] | None = None
     sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
     return_logprob: bool = False

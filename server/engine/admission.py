@@ -15,17 +15,17 @@ from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.output import OutputProcessor
 from mambaserve.server.engine.policy import PrefillCandidate, next_mode_is_decode, plan_prefill
 from mambaserve.server.engine.request import FinishReason, Req, RequestQueues
-from mambaserve.server.engine.sampling import Launched, Sampler
+from mambaserve.server.engine.sampling import Launched
 from mambaserve.server.sessions.manager import SessionManager
 
 Plan = list[tuple[Req, int]]  # (request, tokens it runs in the step)
 
 
 class Admission:
-    def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager, sampler: Sampler,
+    def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager,
                  output: OutputProcessor, metrics: ServerMetrics, *, max_running: int, chunk: int,
                  track_interval: int):
-        self.queues, self.cache, self.sessions, self.sampler = queues, cache, sessions, sampler
+        self.queues, self.cache, self.sessions = queues, cache, sessions
         self.output, self.metrics = output, metrics
         self.max_running, self.chunk, self.track_interval = max_running, chunk, track_interval
         self.last_was_extend = False
@@ -96,7 +96,6 @@ class Admission:
             req.prefill_len = len(req.prompt_ids)  # nothing to donate: the last token runs in the prefill
             self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier="session")
             self.queues.start(req)
-            self.sampler.seed(req)
             return True
         # the last token must run to produce logits: never match the whole prompt
         cached, node, src = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
@@ -124,7 +123,6 @@ class Admission:
         elif req.prefill_len == 0:  # a one-token prompt decodes straight from the zero state
             self.cache.clear(slot)
         self.metrics.observe_lookup(len(req.prompt_ids), cached)
-        self.sampler.seed(req)
         if req.prefill_done and req.params.max_new_tokens == 0:
             self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -34,6 +35,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise BadRequest(f"{name} must be a finite number, got {value}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise BadRequest(f"seed must be in [0, 2**63), got {self.seed}")
         if self.max_new_tokens < 0:
             raise BadRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:

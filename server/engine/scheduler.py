@@ -66,7 +66,7 @@ class Scheduler:
         self.queues = RequestQueues()
         self.sampler = Sampler(runner.device, cfg.seed)
         self.output = OutputProcessor(self.queues, self.cache, self.sessions, self.sampler, metrics, context_length)
-        self.admission = Admission(self.queues, self.cache, self.sessions, self.sampler, self.output, metrics,
+        self.admission = Admission(self.queues, self.cache, self.sessions, self.output, metrics,
                                    max_running=max_running, chunk=cfg.chunked_prefill_size,
                                    track_interval=0 if cfg.disable_radix_cache else track_interval)
         self.max_running = max_running
@@ -172,7 +172,14 @@ class Scheduler:
 
     def _add(self, req: Req) -> None:
         if req.rid in self.queues.by_rid:
-            self.output.refuse(req, ValueError(f"duplicate request id {req.rid!r}"))
+            self.output.refuse(req, BadRequest(f"a request with id {req.rid!r} is already running",
+                                               code="duplicate_request_id", status=409))
+            return
+        try:
+            self.sampler.seed(req)
+        except Exception as e:  # this request's own values: it alone fails
+            log.exception("request %s refused: its sampler could not be seeded", req.rid)
+            self.output.refuse(req, BadRequest(f"invalid sampling parameters: {e}"))
             return
         if req.session_id is not None:
             try:
@@ -181,6 +188,7 @@ class Scheduler:
                                             f"session {req.session_id!r} history + this turn")
                 req.session = self.sessions.begin_turn(req.session_id, req.rid, req.turn_params, prompt)
             except (SessionError, BadRequest) as e:
+                self.sampler.forget(req.rid)
                 self.output.refuse(req, e)
                 return
             req.prompt_ids = prompt

@@ -1,5 +1,7 @@
 """Bad input gets a clear error, and the server keeps serving with every slot accounted for."""
 
+import asyncio
+
 import pytest
 
 from tests.server.conftest import accounting, assert_idle, make_engine, run, serving
@@ -31,6 +33,11 @@ CASES = [
     ("/generate", {"input_ids": [1, 5000]}, 400, "out of range"),
     ("/generate", {"text": "x", "sampling_params": {"stop": [""]}}, 400, "non-empty"),
     ("/generate", {"text": "x", "sampling_params": "hot"}, 422, "sampling_params"),
+    # values that passed validation and then failed the whole batch inside the scheduler
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature must be a finite number"),
+    ("/generate", b'{"text": "x", "sampling_params": {"top_p": Infinity}}', 400, "top_p must be a finite"),
+    ("/generate", {"text": "x", "sampling_params": {"seed": 2**64}}, 400, "seed must be in"),
+    ("/generate", {"input_ids": [False]}, 422, "input_ids"),
 ]
 
 
@@ -65,3 +72,26 @@ def test_unknown_routes_and_methods(engine):
 
     missing, wrong_method = run(go())
     assert missing.status_code == 404 and wrong_method.status_code == 405
+
+
+def test_one_requests_bad_values_or_duplicate_id_hurt_no_other(engine):
+    """Bad values sent alongside good requests fail alone; a duplicate request id is a 409 while the
+    first request with that id runs on to its normal end."""
+    async def go():
+        async with serving(engine) as c:
+            good = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 20, "temperature": 0.7,
+                                                                "ignore_eos": True}}
+            first = asyncio.ensure_future(c.post("/generate", json={**good, "rid": "dup"}))
+            await asyncio.sleep(0.05)
+            bad = [c.post("/generate", content=b'{"input_ids": [3], "sampling_params": {"temperature": NaN}}',
+                          headers={"content-type": "application/json"}),
+                   c.post("/generate", json={**good, "rid": "dup"})]
+            rest = await asyncio.gather(*bad, *(c.post("/generate", json=good) for _ in range(3)))
+            return await first, rest, await accounting(engine)
+
+    first, (nan, dup, *others), acc = run(go())
+    assert nan.status_code == 400
+    assert dup.status_code == 409 and dup.json()["error"]["code"] == "duplicate_request_id", dup.text
+    for r in [first, *others]:
+        assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "length", r.text
+    assert_idle(acc)

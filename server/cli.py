@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check slot accounting after every step (slow; for tests and debugging)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     s.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own seed")
+    s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                   help="largest request body accepted; larger ones get 413 before they are parsed")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting beyond the running ones; past it new requests get 503 with Retry-After")
+    s.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="prompts in one /v1/completions request (a list of prompts) at most")
     return p
 
 

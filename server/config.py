@@ -33,6 +33,9 @@ class ServerConfig:
     cuda_graph_max_bs: int = 256
     log_level: str = "info"
     seed: int = 0
+    max_request_bytes: int = 8 * 2**20
+    max_queued_requests: int = 1024
+    max_prompts_per_request: int = 64
 
     def running_limit(self, is_cuda: bool) -> int:
         return self.max_running_requests or (256 if is_cuda else 64)

@@ -16,12 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from mambaserve.server.api.limits import BodyLimit
 from mambaserve.server.api.native import native_routes
 from mambaserve.server.api.openai import openai_routes
 from mambaserve.server.api.responses import ClientGone, error_response
 from mambaserve.server.api.sessions import session_routes
 from mambaserve.server.engine.engine import Engine
-from mambaserve.server.engine.request import BadRequest, SamplingParams
+from mambaserve.server.engine.request import BadRequest, Overloaded, SamplingParams
 from mambaserve.server.sessions.table import SessionError
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_, e: BadRequest):
+        if isinstance(e, Overloaded):
+            engine.metrics.rejected.labels("overloaded").inc()
+            response = error_response(e.status, str(e), e.code, "server_error")
+            response.headers["Retry-After"] = str(e.retry_after_s)
+            return response
         engine.metrics.rejected.labels("too_long" if e.code == "context_length_exceeded" else "bad_request").inc()
         return error_response(e.status, str(e), e.code)
 
@@ -86,6 +92,8 @@ def create_app(engine: Engine) -> FastAPI:
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(BodyLimit, max_bytes=engine.cfg.max_request_bytes,
+                       on_reject=lambda: engine.metrics.rejected.labels("too_large").inc())
     app.include_router(native_routes(engine))
     app.include_router(session_routes(engine))
     app.include_router(openai_routes(engine))

@@ -46,7 +46,8 @@ def native_routes(engine: Engine) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request):
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
-        ids = engine.encode(body.text) if body.text is not None else body.input_ids
+        engine.check_load()
+        ids = await engine.tokenize(body.text) if body.text is not None else body.input_ids
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
         params = engine.check_prompt(ids, body.sampling_params.params(), explicit)
         sp = body.session_params

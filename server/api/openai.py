@@ -14,7 +14,6 @@ from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
 from mambaserve.server.api.responses import admitted, collect, error_response, sse
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, StepOutput
-from mambaserve.server.model.tokenizer import render_chat
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512
@@ -71,7 +70,8 @@ def openai_routes(engine: Engine) -> APIRouter:
             raise BadRequest("echo is not supported", code="unsupported_parameter")
         explicit = body.max_tokens is not None
         base = body.sampling(body.max_tokens if explicit else DEFAULT_COMPLETION_TOKENS)
-        prompts = [engine.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        engine.check_load(len(body.prompts()))
+        prompts = [await engine.tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
         params = [engine.check_prompt(ids, base, explicit) for ids in prompts]
         want_lp = body.logprobs is not None
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -127,12 +127,12 @@ def openai_routes(engine: Engine) -> APIRouter:
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model)
         session_id = request.headers.get("x-session-id") or body.session_id
+        engine.check_load()
         try:
             # with a session, `messages` are only the new turn's: rendered alone, appended to the history
-            text = render_chat(engine.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+            ids = await engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        ids = engine.encode(text)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         explicit = max_tokens is not None
         params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)

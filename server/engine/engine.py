@@ -21,11 +21,11 @@ from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
-from mambaserve.server.engine.request import BadRequest, Req, SamplingParams, StepOutput, fit_to_context
+from mambaserve.server.engine.request import BadRequest, Overloaded, Req, SamplingParams, StepOutput, fit_to_context
 from mambaserve.server.engine.scheduler import Scheduler
 from mambaserve.server.engine.state_pool import MambaStatePool
 from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
-from mambaserve.server.model.tokenizer import load_tokenizer
+from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
 from mambaserve.server.sessions import snapshot as session_snapshot
 from mambaserve.server.sessions.table import SessionError, TurnParams
 
@@ -46,6 +46,9 @@ class Engine:
         self.context_length = cfg.context_length or self._default_context_length()
         if cfg.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--state-dtype must be float32 or bfloat16, got {cfg.state_dtype!r}")
+        for name in ("max_request_bytes", "max_queued_requests", "max_prompts_per_request"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
         if not 0 <= cfg.session_slot_fraction < 1:
             raise ValueError(f"--session-slot-fraction must be in [0, 1), got {cfg.session_slot_fraction}")
         is_cuda = self.device.type == "cuda"
@@ -70,6 +73,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._ids = itertools.count()
+        self._active = 0  # requests between submit and their last output (touched on the event loop only)
         log.info("state pool: %d slots x %.2f MiB; context length %d; max running %d", self.pool.allocator.capacity,
                  self.pool.bytes_per_slot / 2**20, self.context_length, cfg.running_limit(is_cuda))
 
@@ -105,6 +109,25 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    async def tokenize(self, text: str) -> list[int]:
+        """``encode`` on a worker thread: a long prompt must not stall the event loop (health checks, streams)."""
+        return await asyncio.to_thread(self.encode, text)
+
+    async def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template applied and the result tokenized, off the event loop (ValueError: no template)."""
+        return await asyncio.to_thread(lambda: self.encode(render_chat(self.tokenizer, messages)))
+
+    def check_load(self, prompts: int = 1) -> None:
+        """Refuse more work than the queue bound allows: 400 for too many prompts in one request, 503
+        (Overloaded) while running + queued requests would exceed ``--max-queued-requests`` beyond the running."""
+        if prompts > self.cfg.max_prompts_per_request:
+            raise BadRequest(f"{prompts} prompts in one request; at most {self.cfg.max_prompts_per_request} "
+                             "(--max-prompts-per-request)")
+        if self._active + prompts > self.scheduler.max_running + self.cfg.max_queued_requests:
+            raise Overloaded(f"the server has {self._active} requests in progress (at most "
+                             f"{self.scheduler.max_running} running and {self.cfg.max_queued_requests} queued); "
+                             "retry later")
+
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams, max_tokens_explicit: bool) -> SamplingParams:
         """Validate a prompt against the model; returns params with max_new_tokens fitted to the context."""
         params.validate()
@@ -139,6 +162,7 @@ class Engine:
                   stop_token_ids=frozenset(stop_ids), session_id=session_id,
                   turn_params=turn_params or TurnParams())
         self.scheduler.submit(req)
+        self._active += 1
         finished = False
         try:
             while not finished:
@@ -146,6 +170,7 @@ class Engine:
                 finished = out.finished
                 yield out
         finally:
+            self._active -= 1
             if not finished:  # client went away (or the consumer stopped): free the slot now
                 self.scheduler.abort(rid)
 

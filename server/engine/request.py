@@ -14,11 +14,20 @@ from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 
 
 class BadRequest(ValueError):
-    """Client error: becomes a 400 with this message and an OpenAI-style error code."""
+    """Client error: becomes a 400 (or ``status``) with this message and an OpenAI-style error code."""
 
     def __init__(self, message: str, code: str = "invalid_request", status: int = 400):
         super().__init__(message)
         self.code, self.status = code, status
+
+
+class Overloaded(BadRequest):
+    """The queue is full: 503 with Retry-After; the client should come back."""
+
+    retry_after_s = 1
+
+    def __init__(self, message: str):
+        super().__init__(message, code="overloaded", status=503)
 
 
 @dataclass(frozen=True)

@@ -95,3 +95,37 @@ def test_one_requests_bad_values_or_duplicate_id_hurt_no_other(engine):
     for r in [first, *others]:
         assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "length", r.text
     assert_idle(acc)
+
+
+def test_bounded_resources_body_size_queue_and_prompt_count(tiny_ckpt):
+    """Bodies over --max-request-bytes get 413 before parsing (declared or chunked); past
+    running + --max-queued-requests a request gets 503 with Retry-After; too many prompts in one
+    request get 400. The server keeps serving and nothing leaks."""
+    engine = make_engine(tiny_ckpt, max_request_bytes=4096, max_queued_requests=1, max_running_requests=1)
+    long = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}}
+
+    async def chunks():
+        for _ in range(8):
+            yield b"x" * 1024
+
+    async def go():
+        async with serving(engine) as c:
+            declared = await c.post("/generate", json={"text": "y" * 5000})
+            chunked = await c.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+            many = await c.post("/v1/completions", json={"prompt": [[1, 2]] * 65, "max_tokens": 1})
+            burst = await asyncio.gather(*(c.post("/generate", json=long) for _ in range(4)))
+            ok = await c.post("/generate", json={"text": "still serving", "sampling_params": {"max_new_tokens": 2}})
+            return declared, chunked, many, burst, ok, await accounting(engine), (await c.get("/metrics")).text
+
+    declared, chunked, many, burst, ok, acc, metrics = run(go())
+    for r in (declared, chunked):
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert many.status_code == 400 and "at most 64" in many.json()["error"]["message"]
+    codes = sorted(r.status_code for r in burst)
+    assert codes == [200, 200, 503, 503], codes
+    refused = next(r for r in burst if r.status_code == 503)
+    assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "overloaded"
+    assert ok.status_code == 200
+    assert 'mambaserve_requests_rejected_total{reason="overloaded"} 2.0' in metrics
+    assert 'mambaserve_requests_rejected_total{reason="too_large"} 2.0' in metrics
+    assert_idle(acc)

@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--session-snapshot-dir", default="mambaserve-sessions",
                    help="directory where /sessions/{id}/snapshot writes and /sessions/restore reads session files "
                         "(share it between servers to migrate sessions)")
+    s.add_argument("--session-snapshot-max-bytes", type=int, default=16 * 2**30,
+                   help="total size of the snapshot directory; a snapshot that would exceed it gets 507")
+    s.add_argument("--session-snapshot-max-per-session", type=int, default=8,
+                   help="snapshot files one session may keep (overwriting its own by name is always allowed)")
     s.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (CUDA only; for debugging)")
     s.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's sampled tokens before preparing the next (for debugging and A/B timing)")

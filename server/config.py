@@ -27,6 +27,8 @@ class ServerConfig:
     session_timeout: float = 600.0
     session_slot_fraction: float = 0.5
     session_snapshot_dir: str = "mambaserve-sessions"
+    session_snapshot_max_bytes: int = 16 * 2**30
+    session_snapshot_max_per_session: int = 8
     debug_cache_invariants: bool = False
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False

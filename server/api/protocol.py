@@ -7,13 +7,35 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from mambaserve.server.engine.request import BadRequest, SamplingParams
 
 
+def _check_text(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} is not well-formed unicode (a lone surrogate?)") from None
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_text(v, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, where)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="after")
+    def _well_formed_text(self):
+        # a string the tokenizer cannot encode must be a 4xx here, not an exception in a handler
+        for name in type(self).model_fields:
+            _check_text(getattr(self, name), name)
+        return self
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -145,7 +167,7 @@ class OpenSessionRequest(_Body):
     capacity_of_str_len: int | None = Field(default=None, ge=0)
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
     streaming: bool = False
-    timeout: float | None = None
+    timeout: float | None = Field(default=None, allow_inf_nan=False)
 
 
 class CloseSessionRequest(_Body):

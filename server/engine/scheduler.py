@@ -62,7 +62,8 @@ class Scheduler:
                                        self.cache.free, self._keep_or_free,
                                        lambda reason: metrics.sessions_closed.labels(reason).inc())
         self.session_files = SessionFiles(self.sessions, self.cache, runner, metrics, Path(cfg.session_snapshot_dir),
-                                          compat or {})
+                                          compat or {}, cfg.session_snapshot_max_bytes,
+                                          cfg.session_snapshot_max_per_session)
         self.queues = RequestQueues()
         self.sampler = Sampler(runner.device, cfg.seed)
         self.output = OutputProcessor(self.queues, self.cache, self.sessions, self.sampler, metrics, context_length)
@@ -121,7 +122,7 @@ class Scheduler:
             except Exception as e:  # a failed step must not take the server down
                 log.exception("step failed; failing its requests")
                 self.inflight = None
-                self.output.fail_running(f"internal error: {e}")
+                self.output.fail_running("internal error; the server log has the details")
         if self.inflight is not None:  # stopping: read the last launched step's tokens
             self.output.read(self.inflight)
             self.inflight = None

@@ -19,20 +19,34 @@ from mambaserve.server.sessions.table import SessionError
 
 class SessionFiles:
     def __init__(self, sessions: SessionManager, cache: DisabledCache, runner: ModelRunner, metrics: ServerMetrics,
-                 directory: Path, compat: dict):
+                 directory: Path, compat: dict, max_bytes: int, max_per_session: int):
         self.sessions, self.cache, self.runner, self.metrics = sessions, cache, runner, metrics
         self.directory, self.compat = directory, compat
+        self.max_bytes, self.max_per_session = max_bytes, max_per_session
 
     def save(self, sid: str, name: str | None) -> dict:
+        """Write the session's file. A file of another session is never overwritten; each session may
+        keep ``max_per_session`` files and the directory ``max_bytes`` in all."""
         s, tokens, meta = self.sessions.export(sid)
         path = snapshot.snapshot_path(self.directory, name or f"{sid}.safetensors")
+        exists = path.is_file()
+        if exists and snapshot.owner(path) != sid:
+            raise SessionError(409, f"snapshot {path.name!r} belongs to another session; choose another name",
+                               "snapshot_exists")
+        total, per_session = snapshot.usage(self.directory)
+        if not exists and per_session.get(sid, 0) >= self.max_per_session:
+            raise SessionError(429, f"session {sid!r} has {self.max_per_session} snapshots already "
+                               "(--session-snapshot-max-per-session); overwrite one by its name", "snapshot_quota")
         state = None
         if s.slot is not None:
             self.runner.apply_state_ops(self.cache.take_pending())
             state = self.runner.read_slot(s.slot)
+        size = snapshot.estimate_bytes(tokens, state)
+        if total - (path.stat().st_size if exists else 0) + size > self.max_bytes:
+            raise SessionError(507, f"the snapshot directory would exceed its quota of {self.max_bytes} bytes "
+                               "(--session-snapshot-max-bytes)", "snapshot_quota")
         size = snapshot.write(path, self.compat, meta, tokens, state)
-        return {"path": str(path), "name": path.name, "bytes": size, "tokens": len(tokens),
-                "has_state": state is not None}
+        return {"name": path.name, "bytes": size, "tokens": len(tokens), "has_state": state is not None}
 
     def restore(self, name: str, session_id: str | None) -> dict:
         meta, tokens, state = snapshot.read(snapshot.snapshot_path(self.directory, name), self.compat)

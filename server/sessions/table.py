@@ -14,9 +14,13 @@ Plain Python; the scheduler owns the slots this table names (docs/design.md §6)
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a finite bound: an idle session must be reaped some day
 
 
 class SessionError(Exception):
@@ -73,8 +77,8 @@ class SessionTable:
         if len(self.sessions) >= self.max_sessions:
             raise SessionError(429, f"too many open sessions ({self.max_sessions}); close one or retry later",
                                "too_many_sessions")
-        if timeout is not None and timeout <= 0:
-            raise SessionError(400, "timeout must be > 0 seconds", "invalid_request")
+        if timeout is not None and not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+            raise SessionError(400, f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "invalid_request")
         s = Session(sid, streaming, timeout or self.default_timeout, capacity,
                     time.monotonic() if now is None else now)
         self.sessions[sid] = s

@@ -38,6 +38,11 @@ CASES = [
     ("/generate", b'{"text": "x", "sampling_params": {"top_p": Infinity}}', 400, "top_p must be a finite"),
     ("/generate", {"text": "x", "sampling_params": {"seed": 2**64}}, 400, "seed must be in"),
     ("/generate", {"input_ids": [False]}, 422, "input_ids"),
+    ("/generate", b'{"text": "\\ud800"}', 422, "not well-formed unicode"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 422, "well-formed"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', 422, "well-formed"),
+    ("/open_session", b'{"timeout": NaN}', 422, "timeout"),
+    ("/open_session", {"timeout": 1e300}, 400, "timeout must be in"),
 ]
 
 
@@ -129,3 +134,35 @@ def test_bounded_resources_body_size_queue_and_prompt_count(tiny_ckpt):
     assert 'mambaserve_requests_rejected_total{reason="overloaded"} 2.0' in metrics
     assert 'mambaserve_requests_rejected_total{reason="too_large"} 2.0' in metrics
     assert_idle(acc)
+
+
+def test_snapshot_names_ownership_and_quotas(tiny_ckpt, tmp_path):
+    engine = make_engine(tiny_ckpt, session_snapshot_dir=str(tmp_path), session_snapshot_max_per_session=2)
+
+    async def go():
+        async with serving(engine) as c:
+            a = (await c.post("/open_session", json={"streaming": True})).json()
+            b = (await c.post("/open_session", json={"streaming": True})).json()
+            await c.post("/generate", json={"input_ids": [3, 4], "session_params": {"id": a},
+                                            "sampling_params": {"max_new_tokens": 2}})
+            snap = lambda sid, name: c.post(f"/sessions/{sid}/snapshot", json={"name": name})  # noqa: E731
+            bad = [await snap(a, name) for name in ("a\u0000b", "x" * 200, ".hidden", "../up", "a/b")]
+            mine = await snap(a, "one")
+            again = await snap(a, "one")  # its own file: overwritten
+            taken = await snap(b, "one")  # another session's file: never
+            second = await snap(a, "two")
+            over = await snap(a, "three")
+            restored = await c.post("/sessions/restore", json={"name": "one", "session_id": "copy"})
+            return bad, mine, again, taken, second, over, restored, await accounting(engine)
+
+    bad, mine, again, taken, second, over, restored, acc = run(go())
+    for r in bad:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+        assert "\x00" not in r.text
+    assert mine.status_code == again.status_code == second.status_code == 200
+    assert "path" not in mine.json() and str(tmp_path) not in mine.text
+    assert taken.status_code == 409 and taken.json()["error"]["code"] == "snapshot_exists"
+    assert over.status_code == 429 and over.json()["error"]["code"] == "snapshot_quota"
+    assert restored.status_code == 200 and restored.json()["has_state"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    assert acc["running"] == 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from mambaserve.server.config import ServerConfig
 
@@ -56,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest decode batch replayed from a CUDA graph; larger batches run eagerly")
     s.add_argument("--debug-cache-invariants", action="store_true",
                    help="check slot accounting after every step (slow; for tests and debugging)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint except /health and "
+                   "/metrics (also --api-key-file, or the MAMBASERVE_API_KEY environment variable)")
+    s.add_argument("--api-key-file", help="read the API key from this file (a mounted Secret)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     s.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own seed")
     s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
@@ -68,8 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    fields = {k: v for k, v in vars(args).items() if k != "command"}
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "api_key_file")}
+    fields["api_key"] = api_key(args.api_key, args.api_key_file, os.environ.get("MAMBASERVE_API_KEY"))
     return ServerConfig(**fields)
+
+
+def api_key(flag: str | None, path: str | None, env: str | None) -> str | None:
+    """The key from the flag, else the file, else the environment; an empty key is an error, not "no key"."""
+    try:
+        key = flag if flag is not None else Path(path).read_text() if path else env
+    except OSError as e:
+        raise SystemExit(f"mambaserve: cannot read --api-key-file: {e.strerror}: {path}") from None
+    if key is not None and not key.strip():
+        raise SystemExit("mambaserve: the API key is empty (--api-key, --api-key-file or MAMBASERVE_API_KEY)")
+    return key.strip() if key else None
 
 
 def serve(cfg: ServerConfig) -> None:

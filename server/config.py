@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ServerConfig:
     max_request_bytes: int = 8 * 2**20
     max_queued_requests: int = 1024
     max_prompts_per_request: int = 64
+    api_key: str | None = field(default=None, repr=False)  # never logged
 
     def running_limit(self, is_cuda: bool) -> int:
         return self.max_running_requests or (256 if is_cuda else 64)

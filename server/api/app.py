@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from mambaserve.server.api.auth import ApiKeyAuth
 from mambaserve.server.api.limits import BodyLimit
 from mambaserve.server.api.native import native_routes
 from mambaserve.server.api.openai import openai_routes
@@ -94,6 +95,9 @@ def create_app(engine: Engine) -> FastAPI:
 
     app.add_middleware(BodyLimit, max_bytes=engine.cfg.max_request_bytes,
                        on_reject=lambda: engine.metrics.rejected.labels("too_large").inc())
+    if engine.cfg.api_key:  # added last: it runs first, before any body is read
+        app.add_middleware(ApiKeyAuth, key=engine.cfg.api_key,
+                           on_reject=lambda: engine.metrics.rejected.labels("unauthorized").inc())
     app.include_router(native_routes(engine))
     app.include_router(session_routes(engine))
     app.include_router(openai_routes(engine))

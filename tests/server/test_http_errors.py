@@ -166,3 +166,41 @@ def test_snapshot_names_ownership_and_quotas(tiny_ckpt, tmp_path):
     assert restored.status_code == 200 and restored.json()["has_state"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
     assert acc["running"] == 0
+
+
+def test_api_key_guards_everything_but_health_and_metrics(tiny_ckpt, tmp_path):
+    engine = make_engine(tiny_ckpt, api_key="s3cret")
+    gen = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}}
+
+    async def go():
+        async with serving(engine) as c:
+            ok = {"Authorization": "Bearer s3cret"}
+            open_ = [(await c.get(p)).status_code for p in ("/health", "/metrics")]
+            denied = [await c.post("/generate", json=gen), await c.post("/flush_cache"),
+                      await c.post("/abort_request", json={"rid": "x"}), await c.post("/open_session", json={}),
+                      await c.get("/v1/models"), await c.get("/get_server_info"),
+                      await c.post("/generate", json=gen, headers={"Authorization": "Bearer wrong"}),
+                      await c.post("/generate", json=gen, headers={"Authorization": "s3cret"})]
+            allowed = [await c.post("/generate", json=gen, headers=ok), await c.get("/v1/models", headers=ok)]
+            return open_, denied, allowed, (await c.get("/metrics")).text
+
+    open_, denied, allowed, metrics = run(go())
+    assert open_ == [200, 200]
+    for r in denied:
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert [r.status_code for r in allowed] == [200, 200]
+    assert 'mambaserve_requests_rejected_total{reason="unauthorized"} 8.0' in metrics
+
+    from mambaserve.server.cli import api_key
+
+    (tmp_path / "key").write_text("from-file\n")
+    assert api_key(None, str(tmp_path / "key"), "from-env") == "from-file"
+    assert api_key("from-flag", None, "from-env") == "from-flag"
+    assert api_key(None, None, "from-env") == "from-env"
+    assert api_key(None, None, None) is None
+    with pytest.raises(SystemExit, match="empty"):
+        api_key(None, None, "  ")
+    with pytest.raises(SystemExit, match="cannot read"):
+        api_key(None, str(tmp_path / "missing"), None)
+    assert "s3cret" not in repr(engine.cfg)

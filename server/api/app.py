@@ -15,12 +15,14 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaserve.server.api.auth import ApiKeyAuth
 from mambaserve.server.api.limits import BodyLimit
 from mambaserve.server.api.native import native_routes
 from mambaserve.server.api.openai import openai_routes
 from mambaserve.server.api.responses import ClientGone, error_response
+from mambaserve.server.api.schemas import ERRORS, PLAIN_TEXT
 from mambaserve.server.api.sessions import session_routes
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, Overloaded, SamplingParams
@@ -66,17 +68,23 @@ def create_app(engine: Engine) -> FastAPI:
             parts.append(f"{loc or 'body'}: {err.get('msg')}")
         return error_response(422, "; ".join(parts), "invalid_field")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):
+        # the framework's own refusals (unparsable body, unknown route, wrong method) in the same envelope
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        return error_response(e.status_code, str(e.detail), code)
+
     @app.exception_handler(ClientGone)
     async def _gone(_, e):
         return Response(status_code=499)
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse, responses={**PLAIN_TEXT, 503: ERRORS[503]})
     async def health():
         if not engine.healthy:
             return error_response(503, "scheduler is not running", "unavailable", "server_error")
         return PlainTextResponse("OK")
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=PlainTextResponse, responses={**PLAIN_TEXT, **ERRORS})
     async def health_generate():
         params = SamplingParams(max_new_tokens=1, temperature=0)
         try:
@@ -89,7 +97,7 @@ def create_app(engine: Engine) -> FastAPI:
             return error_response(503, "generation did not finish within 30 s", "unhealthy", "server_error")
         return PlainTextResponse("OK")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=PLAIN_TEXT)
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

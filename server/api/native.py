@@ -10,6 +10,8 @@ from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api.protocol import AbortRequest, GenerateRequest
 from mambaserve.server.api.responses import admitted, collect, error_response, finish_info, sse
+from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse, ModelInfo, ServerInfo, Success,
+                                           streamed)
 from mambaserve.server.cache.radix_tree import CacheBusyError
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, StepOutput
@@ -17,24 +19,24 @@ from mambaserve.server.sessions.table import TurnParams
 
 
 def native_routes(engine: Engine) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
-    @router.get("/get_model_info")
-    @router.get("/model_info")
+    @router.get("/get_model_info", response_model=None, responses={200: {"model": ModelInfo}})
+    @router.get("/model_info", response_model=None, responses={200: {"model": ModelInfo}})
     async def model_info():
         return engine.model_info()
 
-    @router.get("/get_server_info")
-    @router.get("/server_info")
+    @router.get("/get_server_info", response_model=None, responses={200: {"model": ServerInfo}})
+    @router.get("/server_info", response_model=None, responses={200: {"model": ServerInfo}})
     async def server_info():
         return await engine.server_info()
 
-    @router.post("/abort_request")
+    @router.post("/abort_request", responses={200: {"model": Success}})
     async def abort_request(body: AbortRequest):
         engine.abort(body.rid)
         return {"success": True}
 
-    @router.post("/flush_cache")
+    @router.post("/flush_cache", responses={200: {"model": FlushResult}})
     async def flush_cache():
         try:
             freed = await engine.flush_cache()
@@ -42,7 +44,7 @@ def native_routes(engine: Engine) -> APIRouter:
             return error_response(409, str(e), "cache_busy")
         return {"success": True, "freed_snapshots": freed}
 
-    @router.post("/generate")
+    @router.post("/generate", responses=streamed(GenerateResponse))
     async def generate(body: GenerateRequest, request: Request):
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of 'text' or 'input_ids'")

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
 from mambaserve.server.api.responses import admitted, collect, error_response, sse
+from mambaserve.server.api.schemas import ERRORS, ChatCompletionResponse, CompletionResponse, ModelList, streamed
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, StepOutput
 
@@ -26,7 +27,7 @@ def _usage(last: StepOutput) -> dict:
 
 
 def openai_routes(engine: Engine) -> APIRouter:
-    app = APIRouter()
+    app = APIRouter(responses=ERRORS)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != engine.model_name:
@@ -58,12 +59,12 @@ def openai_routes(engine: Engine) -> APIRouter:
                                                  for a, v in (o.top_logprobs[i] if o.top_logprobs else [])]})
         return {"content": content}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}})
     async def models():
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "mambaserve", "max_model_len": engine.context_length}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=streamed(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         if body.echo:
@@ -123,7 +124,7 @@ def openai_routes(engine: Engine) -> APIRouter:
         return {"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
                 "choices": choices, "usage": usage}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=streamed(ChatCompletionResponse))
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model)
         session_id = request.headers.get("x-session-id") or body.session_id

@@ -19,8 +19,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched(model: str, extra: list[str], timeout: float = 300):
-    """Yield the URL of a fresh server on loopback serving ``model`` with ``extra`` CLI flags."""
+def launched(model: str, extra: list[str], timeout: float = 300, process: bool = False):
+    """Yield the URL of a fresh server on loopback serving ``model`` with ``extra`` CLI flags (with
+    ``process``: the URL and the server's Popen)."""
     port = free_port()
     cmd = [sys.executable, "-m", "mambaserve.server", "serve", "--model", model, "--port", str(port),
            "--log-level", "warning", *extra]
@@ -37,7 +38,7 @@ def launched(model: str, extra: list[str], timeout: float = 300):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start: {' '.join(cmd)}")
             time.sleep(0.2)
-        yield url
+        yield (url, proc) if process else url
     finally:
         proc.terminate()
         try:

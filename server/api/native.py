@@ -54,13 +54,12 @@ def native_routes(engine: Engine) -> APIRouter:
         params = engine.check_prompt(ids, body.sampling_params.params(), explicit)
         sp = body.session_params
         turn = TurnParams(sp.rid, sp.offset, sp.replace, sp.drop_previous_output) if sp else None
-        stream = await admitted(engine.generate(ids, params, rid=body.rid, return_logprob=body.return_logprob,
-                                                top_logprobs_num=body.top_logprobs_num,
-                                                session_id=sp.id if sp else None, turn_params=turn,
-                                                stream=body.stream))
+        stream = engine.generate(ids, params, rid=body.rid, return_logprob=body.return_logprob,
+                                 top_logprobs_num=body.top_logprobs_num, session_id=sp.id if sp else None,
+                                 turn_params=turn, stream=body.stream)
         if body.stream:
-            return StreamingResponse(_native_stream(stream), media_type="text/event-stream")
-        outs = await collect(request, stream)
+            return StreamingResponse(_native_stream(await admitted(stream)), media_type="text/event-stream")
+        (outs,) = await collect(request, stream)
         return _native_payload(outs, outs[-1].rid, body.return_logprob)
 
     return router

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -80,15 +79,15 @@ def openai_routes(engine: Engine) -> APIRouter:
         session_id = request.headers.get("x-session-id") or body.session_id
         if (session_id or body.stream) and len(prompts) != 1:
             raise BadRequest("streaming and session turns take a single prompt")
-        streams = await asyncio.gather(*(admitted(engine.generate(
-            ids, p, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0, session_id=session_id,
-            stream=body.stream))
-            for ids, p in zip(prompts, params)))
+        streams = [engine.generate(ids, p, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0,
+                                   session_id=session_id, stream=body.stream) for ids, p in zip(prompts, params)]
 
         if body.stream:
+            stream = await admitted(streams[0])
+
             async def events():
                 offset = 0
-                async with contextlib.aclosing(streams[0]) as it:
+                async with contextlib.aclosing(stream) as it:
                     async for out in it:
                         if not out.text and not out.finished:
                             continue
@@ -107,7 +106,7 @@ def openai_routes(engine: Engine) -> APIRouter:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        results = await asyncio.gather(*(collect(request, st) for st in streams))
+        results = await collect(request, *streams)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
                               "prompt_tokens_details": {"cached_tokens": 0}}
         for i, outs in enumerate(results):
@@ -138,10 +137,12 @@ def openai_routes(engine: Engine) -> APIRouter:
         explicit = max_tokens is not None
         params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)
         top_n = body.top_logprobs or 0
-        stream = await admitted(engine.generate(ids, params, return_logprob=body.logprobs, top_logprobs_num=top_n,
-                                                session_id=session_id, stream=body.stream))
+        stream = engine.generate(ids, params, return_logprob=body.logprobs, top_logprobs_num=top_n,
+                                 session_id=session_id, stream=body.stream)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
+            stream = await admitted(stream)
+
             async def events():
                 first = True
                 async with contextlib.aclosing(stream) as it:
@@ -161,7 +162,7 @@ def openai_routes(engine: Engine) -> APIRouter:
                 yield sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        outs = await collect(request, stream)
+        (outs,) = await collect(request, stream)
         last = outs[-1]
         if last.error:
             return error_response(500, last.error, "internal_error", "server_error")

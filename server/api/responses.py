@@ -27,14 +27,20 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+def _raise_refusal(first: StepOutput) -> None:
+    if first.error_status is not None:
+        raise BadRequest(first.error or "request refused", code=first.error_code or "refused",
+                         status=first.error_status)
+
+
 async def admitted(stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
-    """Wait for the request's first output: raise its refusal as an HTTP error (unknown session,
-    busy session, ...) before any response starts; else return a stream that begins with it."""
+    """For a streamed response: wait for the request's first output and raise its refusal (unknown
+    session, busy session, ...) as an HTTP error before the response starts; else return a stream that
+    begins with it."""
     first = await stream.__anext__()
     if first.error_status is not None:
         await stream.aclose()
-        raise BadRequest(first.error or "request refused", code=first.error_code or "refused",
-                         status=first.error_status)
+        _raise_refusal(first)
 
     async def chained():
         try:
@@ -48,24 +54,39 @@ async def admitted(stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutpu
     return chained()
 
 
-async def collect(request: Request, stream: AsyncIterator[StepOutput]) -> list[StepOutput]:
-    """Consume a generation for a non-streaming response, aborting it if the client disconnects."""
-    outs: list[StepOutput] = []
+async def collect(request: Request, *streams: AsyncIterator[StepOutput]) -> list[list[StepOutput]]:
+    """For a non-streamed response: every generation's outputs, or ClientGone as soon as the client
+    disconnects (which closes the streams: their requests are aborted and their slots freed).
 
-    async def consume():
+    The watch covers the whole wait, admission included (a non-streamed request's first output is its
+    last), and the disconnect is awaited (``receive()`` until ``http.disconnect``), not polled. A
+    refusal is raised as its HTTP error."""
+    outs: list[list[StepOutput]] = [[] for _ in streams]
+
+    async def consume(i: int, stream: AsyncIterator[StepOutput]):
         async with contextlib.aclosing(stream) as it:
             async for out in it:
-                outs.append(out)
+                outs[i].append(out)
 
-    task = asyncio.ensure_future(consume())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()  # closes the stream, which aborts the request and frees its slot
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(asyncio.gather(*(consume(i, st) for i, st in enumerate(streams))))
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, watch):
+            t.cancel()
+        for t in (work, watch):
             with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ClientGone()
-    task.result()
+                await t
+    if work.cancelled():
+        raise ClientGone()
+    work.result()
+    for o in outs:
+        _raise_refusal(o[0])
     return outs
 
 

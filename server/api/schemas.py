@@ -34,6 +34,7 @@ ERROR_STATUSES = {
     413: "request body over --max-request-bytes",
     422: "a field of the wrong type or shape",
     429: "too many open sessions, or a snapshot quota reached",
+    500: "internal error (the server log has the details); other requests are unaffected",
     503: "overloaded (queue full; see Retry-After) or not ready",
     507: "the snapshot directory's quota is reached",
 }

@@ -137,3 +137,31 @@ def test_burst_of_fifty_mixed_requests(engine, tiny_ckpt):
             assert status in (400, 422) and body["error"]["message"], (i, body)
     assert after["output_ids"] == refs[3]
     assert_idle(acc)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}),
+    ("/v1/completions", {"prompt": [PROMPTS[1], PROMPTS[2]], "max_tokens": 8000, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000,
+                              "ignore_eos": True}),
+])
+def test_a_non_streamed_request_is_aborted_when_its_client_goes_away(engine, path, body):
+    """Without a stream the server has nothing to write until the end, so only the connection tells it
+    that the client left: its requests must stop within a step or two, not decode thousands of tokens."""
+    with uvicorn_server(engine) as url:
+        async def go():
+            async with httpx.AsyncClient(base_url=url) as c:
+                with pytest.raises(httpx.ReadTimeout):
+                    await c.post(path, json=body, timeout=0.5)
+                deadline = asyncio.get_running_loop().time() + 2
+                while (await accounting_now(c))["running"] and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.05)
+                return await accounting_now(c), await accounting(engine)
+
+        now, acc = run(go())
+    assert now["running"] == 0 and now["waiting"] == 0
+    assert_idle(acc)
+
+
+async def accounting_now(c):
+    return (await c.get("/get_server_info")).json()["internal_states"][0]

@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator
 
 import torch
 
@@ -139,10 +138,11 @@ class Engine:
             raise BadRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
         return fit_to_context(len(prompt_ids), params, self.context_length, max_tokens_explicit)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
-                       return_logprob: bool = False, top_logprobs_num: int = 0, session_id: str | None = None,
-                       turn_params: TurnParams | None = None, stream: bool = True) -> AsyncIterator[StepOutput]:
-        """Yield increments until the request finishes; closing the iterator early aborts the request.
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
+                 return_logprob: bool = False, top_logprobs_num: int = 0, session_id: str | None = None,
+                 turn_params: TurnParams | None = None, stream: bool = True) -> Generation:
+        """Submit a request now; its increments come from the returned async iterator until it finishes,
+        and closing the iterator early aborts the request (call from the event loop).
 
         With ``session_id``, ``prompt_ids`` are the turn's new tokens only; the session adds its history.
         A refused request yields one output with ``error_status`` set. With ``stream=False`` only the
@@ -163,16 +163,7 @@ class Engine:
                   turn_params=turn_params or TurnParams())
         self.scheduler.submit(req)
         self._active += 1
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._active -= 1
-            if not finished:  # client went away (or the consumer stopped): free the slot now
-                self.scheduler.abort(rid)
+        return Generation(self, rid, q)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -229,6 +220,40 @@ class Engine:
                 "page_size": c.page_size, "mamba_cache_strategy": c.mamba_cache_strategy,
                 "mamba_track_interval": self.track_interval, "version": _version(),
                 "internal_states": [await self.accounting()]}
+
+
+class Generation:
+    """A submitted request's outputs, as an async iterator. It ends after the final output; closed
+    before that (the client went away, the consumer stopped), it aborts the request, which frees its
+    slot at the next step boundary."""
+
+    def __init__(self, engine: Engine, rid: str, outputs: asyncio.Queue):
+        self._engine, self.rid, self._outputs = engine, rid, outputs
+        self._open = True
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if not self._open:
+            raise StopAsyncIteration
+        out = await self._outputs.get()
+        if out.finished:
+            self._end(abort=False)
+        return out
+
+    async def aclose(self) -> None:
+        self._end(abort=True)
+
+    def __del__(self) -> None:  # never consumed nor closed: the request must not run on unobserved
+        self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        if self._open:
+            self._open = False
+            self._engine._active -= 1
+            if abort:
+                self._engine.abort(self.rid)
 
 
 def _version() -> str:

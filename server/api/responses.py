@@ -74,15 +74,16 @@ async def collect(request: Request, *streams: AsyncIterator[StepOutput]) -> list
 
     work = asyncio.ensure_future(asyncio.gather(*(consume(i, st) for i, st in enumerate(streams))))
     watch = asyncio.ensure_future(disconnected())
+    done: set = set()
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for t in (work, watch):
             t.cancel()
         for t in (work, watch):
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-    if work.cancelled():
+    if work not in done:  # (a cancelled gather need not report cancelled(): test membership, not state)
         raise ClientGone()
     work.result()
     for o in outs:

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest decode batch replayed from a CUDA graph; larger batches run eagerly")
     s.add_argument("--debug-cache-invariants", action="store_true",
                    help="check slot accounting after every step (slow; for tests and debugging)")
+    s.add_argument("--request-timeout", type=float,
+                   help="seconds a request may take from arrival to its last token; past it it ends with "
+                        "finish_reason 'abort' and an error (default: no limit beyond max_tokens)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint except /health and "
                    "/metrics (also --api-key-file, or the MAMBASERVE_API_KEY environment variable)")
     s.add_argument("--api-key-file", help="read the API key from this file (a mounted Secret)")

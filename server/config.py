@@ -38,6 +38,7 @@ class ServerConfig:
     max_request_bytes: int = 8 * 2**20
     max_queued_requests: int = 1024
     max_prompts_per_request: int = 64
+    request_timeout: float | None = None
     api_key: str | None = field(default=None, repr=False)  # never logged
 
     def running_limit(self, is_cuda: bool) -> int:

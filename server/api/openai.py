@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
-from mambaserve.server.api.responses import admitted, collect, error_response, sse
+from mambaserve.server.api.responses import admitted, collect, ended_early, sse
 from mambaserve.server.api.schemas import ERRORS, ChatCompletionResponse, CompletionResponse, ModelList, streamed
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, StepOutput
@@ -112,7 +112,7 @@ def openai_routes(engine: Engine) -> APIRouter:
         for i, outs in enumerate(results):
             last = outs[-1]
             if last.error:
-                return error_response(500, last.error, "internal_error", "server_error")
+                return ended_early(last)
             choices.append({"index": i, "text": "".join(o.text for o in outs),
                             "logprobs": completion_logprobs(outs, 0) if want_lp else None,
                             "finish_reason": last.finish_reason.value})
@@ -165,7 +165,7 @@ def openai_routes(engine: Engine) -> APIRouter:
         (outs,) = await collect(request, stream)
         last = outs[-1]
         if last.error:
-            return error_response(500, last.error, "internal_error", "server_error")
+            return ended_early(last)
         message = {"role": "assistant", "content": "".join(o.text for o in outs)}
         return {"id": cid, "object": "chat.completion", "created": created, "model": engine.model_name,
                 "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(outs) if body.logprobs else None,

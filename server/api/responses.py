@@ -91,6 +91,14 @@ async def collect(request: Request, *streams: AsyncIterator[StepOutput]) -> list
     return outs
 
 
+def ended_early(last: StepOutput) -> JSONResponse:
+    """The error answer of a non-streamed OpenAI request that ended without its answer: 504 when it ran
+    past --request-timeout, else 500 (the server log has the details)."""
+    if last.error_code == "request_timeout":
+        return error_response(504, last.error, last.error_code, "timeout_error")
+    return error_response(500, last.error, last.error_code or "internal_error", "server_error")
+
+
 def finish_info(out: StepOutput) -> dict | None:
     if out.finish_reason is None:
         return None

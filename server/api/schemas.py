@@ -36,6 +36,7 @@ ERROR_STATUSES = {
     429: "too many open sessions, or a snapshot quota reached",
     500: "internal error (the server log has the details); other requests are unaffected",
     503: "overloaded (queue full; see Retry-After) or not ready",
+    504: "the request ran past --request-timeout",
     507: "the snapshot directory's quota is reached",
 }
 ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorBody, "description": d} for s, d in ERROR_STATUSES.items()}

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import uuid
 from pathlib import Path
-
-import torch
 
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
@@ -48,6 +47,8 @@ class Engine:
         for name in ("max_request_bytes", "max_queued_requests", "max_prompts_per_request"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.request_timeout is not None and not (math.isfinite(cfg.request_timeout) and cfg.request_timeout > 0):
+            raise ValueError(f"--request-timeout must be a positive number of seconds, got {cfg.request_timeout}")
         if not 0 <= cfg.session_slot_fraction < 1:
             raise ValueError(f"--session-slot-fraction must be in [0, 1), got {cfg.session_slot_fraction}")
         is_cuda = self.device.type == "cuda"

@@ -84,8 +84,10 @@ class OutputProcessor:
         return s is not None and s.streaming and not s.closing
 
     # ---- the way out --------------------------------------------------------------------------------
-    def finish(self, req: Req, reason: FinishReason, error: str | None = None, emit: bool = True) -> None:
-        """End ``req``: its slot goes to its session, the tree (at what its state covers) or the free list."""
+    def finish(self, req: Req, reason: FinishReason, error: str | None = None, emit: bool = True,
+               error_code: str | None = None) -> None:
+        """End ``req``: its slot goes to its session, the tree (at what its state covers) or the free list.
+        ``error``/``error_code``: why it ended early (the client sees both)."""
         req.finish_reason = reason
         self.queues.remove(req)
         self.cache.unlock(req.locked_node)
@@ -104,7 +106,7 @@ class OutputProcessor:
         self.metrics.requests.labels("error" if error else reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - req.created)
         if emit:
-            self._emit_final(req, reason, error)
+            self._emit_final(req, reason, error, error_code)
 
     def refuse(self, req: Req, error: Exception) -> None:
         """A request that never ran: one output carrying the HTTP status and code of ``error``."""
@@ -122,9 +124,12 @@ class OutputProcessor:
         req.emit(out)
         req.sent_tokens = len(req.output_ids)
 
-    def _emit_final(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
-        self._emit(req, self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release(final=True),
-                                     finish=reason, error=error))
+    def _emit_final(self, req: Req, reason: FinishReason, error: str | None = None,
+                    error_code: str | None = None) -> None:
+        out = self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release(final=True),
+                           finish=reason, error=error)
+        out.error_code = error_code or ("internal_error" if error else None)
+        self._emit(req, out)
 
     @staticmethod
     def _output(req: Req, token_ids, text, finish=None, error=None) -> StepOutput:

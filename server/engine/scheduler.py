@@ -74,6 +74,7 @@ class Scheduler:
         self.context_length = context_length
         self.overlap = not cfg.disable_overlap_schedule
         self.debug_invariants = cfg.debug_cache_invariants
+        self.request_timeout = cfg.request_timeout
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.inflight: Launched | None = None
         self.steps = 0
@@ -128,7 +129,7 @@ class Scheduler:
             self.inflight = None
 
     def step(self) -> None:
-        self._reap_idle_sessions()
+        self._reap()
         batch, plan = self.admission.schedule(self.inflight)
         launched = None
         if batch is not None:
@@ -211,11 +212,18 @@ class Scheduler:
         if not self.cache.keep(tokens, slot):
             self.cache.free(slot)
 
-    def _reap_idle_sessions(self) -> None:
+    def _reap(self) -> None:
+        """Twice a second: close idle sessions past their timeout, end requests past --request-timeout."""
         now = time.monotonic()
-        if now >= self._next_reap:  # idle sessions are closed within a second of their timeout
-            self.sessions.reap(now)
-            self._next_reap = now + 0.5
+        if now < self._next_reap:
+            return
+        self._next_reap = now + 0.5
+        self.sessions.reap(now)
+        if self.request_timeout:
+            for req in [*self.queues.waiting, *self.queues.running]:
+                if now - req.created > self.request_timeout and not req.finished:
+                    self.output.finish(req, FinishReason.ABORT, error_code="request_timeout",
+                                       error=f"the request ran past the server's timeout of {self.request_timeout:g} s")
 
     # ---- bookkeeping --------------------------------------------------------------------------------
     def _update_gauges(self) -> None:

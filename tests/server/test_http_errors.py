@@ -204,3 +204,23 @@ def test_api_key_guards_everything_but_health_and_metrics(tiny_ckpt, tmp_path):
     with pytest.raises(SystemExit, match="cannot read"):
         api_key(None, str(tmp_path / "missing"), None)
     assert "s3cret" not in repr(engine.cfg)
+
+
+def test_request_timeout_ends_a_long_request_and_frees_its_slot(tiny_ckpt):
+    engine = make_engine(tiny_ckpt, request_timeout=0.5, context_length=8192)
+    long = {"max_new_tokens": 8000, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        async with serving(engine) as c:
+            native = await c.post("/generate", json={"input_ids": [3, 4], "sampling_params": long})
+            openai = await c.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 8000, "ignore_eos": True})
+            quick = await c.post("/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
+            return native, openai, quick, await accounting(engine)
+
+    native, openai, quick, acc = run(go())
+    info = native.json()["meta_info"]
+    assert info["finish_reason"]["type"] == "abort" and "timeout" in info["finish_reason"]["message"]
+    assert 0 < info["completion_tokens"] < 8000
+    assert openai.status_code == 504 and openai.json()["error"]["code"] == "request_timeout"
+    assert quick.status_code == 200
+    assert_idle(acc)

@@ -91,6 +91,8 @@ class ServerSettings:
     state_dtype: str = "float32"
     disable_radix_cache: bool = False
     log_level: str = "info"
+    api_key_secret: str | None = None  # Secret name; its `api_key_key` entry becomes MAMBASERVE_API_KEY
+    api_key_key: str = "api-key"
     extra_args: tuple[str, ...] = ()
 
 
@@ -277,6 +279,8 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             state_dtype=_get(server, "stateDtype", d_srv.state_dtype),
             disable_radix_cache=bool(_get(server, "disableRadixCache", False)),
             log_level=_get(server, "logLevel", d_srv.log_level),
+            api_key_secret=(server.get("apiKeySecret") or {}).get("name") or None,
+            api_key_key=_get(server.get("apiKeySecret"), "key", d_srv.api_key_key),
             extra_args=tuple(server.get("extraArgs") or ()),
         ),
         sessions=SessionPolicy(

@@ -150,6 +150,9 @@ def pod_template(session: InferenceSession, tier: CacheTier | None, settings: Op
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *([{"name": "MAMBASERVE_API_KEY", "valueFrom": {"secretKeyRef": {
+                "name": session.server.api_key_secret, "key": session.server.api_key_key}}}]
+              if session.server.api_key_secret else []),
         ],
         "resources": _resources(session, tier),
         "volumeMounts": mounts,

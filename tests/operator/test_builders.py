@@ -105,6 +105,7 @@ def test_minimal_session_objects() -> None:
     assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": 30}}}
     assert pod["terminationGracePeriodSeconds"] == 90
     assert "initContainers" not in pod
+    assert not any(e["name"] == "MAMBASERVE_API_KEY" for e in container["env"])
     svc = children["Service", "tiny"]
     assert svc["spec"]["selector"] == names.server_selector("tiny")
     assert svc["spec"]["sessionAffinity"] == "ClientIP"  # no router: keep a client's turns on one pod
@@ -134,6 +135,10 @@ def test_autoscaled_session_with_shared_tier() -> None:
     cache = [v for v in pod["volumes"] if v["name"] == "cache"]
     assert cache == [{"name": "cache", "persistentVolumeClaim": {"claimName": "shared-tier-storage"}}]
     assert pod["containers"][0]["resources"]["requests"]["memory"] == "32Gi"
+    # the API key reaches the server from its Secret, never through the args
+    assert {"name": "MAMBASERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "chat-api-key", "key": "api-key"}}} \
+        in pod["containers"][0]["env"]
+    assert not any("api-key" in a for a in args)
     # hf:// model: downloaded by an init container with the token from the secret.
     init = pod["initContainers"][0]
     assert init["command"][-3:] == ["state-spaces/mamba2-2.7b", "main", "/models/mamba2-2.7b"]

@@ -61,12 +61,12 @@ def build_runner(size: str, max_batch: int, state_dtype: torch.dtype):
 
 
 def prepare(runner, batch: int, vocab: int) -> torch.cuda.CUDAGraph:
-    """Fill the graphs' static inputs for ``batch`` rows (slots 1..batch, padding up to the bucket) and
+    """Fill the graphs' static inputs for ``batch`` rows (slots 0..batch-1, padding up to the bucket) and
     return the graph that serves it."""
     g = runner.graphs
     bucket = next(b for b in g.buckets if b >= batch)
     g.ids[:batch].copy_(torch.randint(1, vocab, (batch,), device="cuda"))
-    g.slots[:batch].copy_(torch.arange(1, batch + 1, device="cuda"))
+    g.slots[:batch].copy_(torch.arange(batch, device="cuda"))
     g.slots[batch:bucket].fill_(-1)
     return g.graphs[bucket]
 

@@ -12,7 +12,7 @@ device time, the number of kernels per step and per layer, and the share of the 
 kernels. With --projections: each projection of the model at batch 1, its norm kernel + cuBLAS against
 the fused kernels.*norm_linear and a sweep of its tiles, as a fraction of copy bandwidth. --unfused
 captures the graphs with norms and projections as separate kernels (the A/B baseline). --variants
-times the same graphs again under other kernel knobs (L2 prefetch, tiles, PDL) in the same process.
+times the same graphs again under other kernels.KernelConfig variants (tiles, early reads, fusion) or MAMBASERVE_PDL in the same process.
 
   python3 benchmarks/decode_step.py --size 2.7b --profile
   python3 benchmarks/decode_step.py --size 130m,2.7b --batches 1,8,64 --json decode_step.json
@@ -38,8 +38,10 @@ DTYPE = torch.bfloat16
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_runner(size: str, max_batch: int, state_dtype: torch.dtype):
-    """A ModelRunner over a random-weight model of ``size`` with decode graphs up to ``max_batch``."""
+def build_runner(size: str, max_batch: int, state_dtype: torch.dtype, unfused: bool = False):
+    """A ModelRunner over a random-weight model of ``size`` with decode graphs up to ``max_batch``
+    (``unfused``: norms and projections as separate kernels)."""
+    from mambaserve.kernels import KernelConfig
     from mambaserve.server.model.loader import load_model
     from mambaserve.server.engine.model_runner import ModelRunner
     from mambaserve.server.engine.state_pool import MambaStatePool
@@ -49,7 +51,7 @@ def build_runner(size: str, max_batch: int, state_dtype: torch.dtype):
         build_checkpoint(size, tmp, "cuda", DTYPE)  # only the files are needed: drop transformers' model
         gc.collect()
         torch.cuda.empty_cache()
-        model, _ = load_model(tmp, DTYPE, torch.device("cuda"))
+        model, _ = load_model(tmp, DTYPE, torch.device("cuda"), KernelConfig(fuse_norm_linear=not unfused))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     d = model.dims
@@ -148,8 +150,11 @@ def bench_projections(size: str, bw: float) -> list[dict]:
     layer's weight once."""
     import torch.nn.functional as F
 
-    from mambaserve.kernels import gated_rmsnorm, rmsnorm
+    from mambaserve.kernels import KernelConfig, gated_rmsnorm, rmsnorm
     from mambaserve.kernels.norm_linear import _tiles, gated_rmsnorm_linear, rmsnorm_linear
+
+    def tiled(K, tiles):
+        return KernelConfig(linear_tiles={K: tiles}) if tiles else None
 
     s = SIZES[size]
     H, d_inner = s["hidden_size"], 2 * s["hidden_size"]
@@ -173,10 +178,10 @@ def bench_projections(size: str, bw: float) -> list[dict]:
 
         if name == "out_proj":
             unfused = lambda w: F.linear(gated_rmsnorm(x, z, nw, 1e-5, K), w)  # noqa: E731
-            fused = lambda w, c=None: gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, config=c)  # noqa: E731
+            fused = lambda w, c=None: gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, config=tiled(K, c))  # noqa: E731
         else:
             unfused = lambda w: F.linear(rmsnorm(x, res, nw, 1e-5, True)[0], w)  # noqa: E731
-            fused = lambda w, c=None: rmsnorm_linear(x, res, nw, 1e-5, True, w, config=c)  # noqa: E731
+            fused = lambda w, c=None: rmsnorm_linear(x, res, nw, 1e-5, True, w, config=tiled(K, c))  # noqa: E731
         ref = graph_us(call(unfused), calls=copies * 4)
         configs = [_tiles(K)] + [{**_tiles(K), **c} for c in sweep]
         ours = {tuple(sorted(c.items())): graph_us(call(lambda w, c=c: fused(w, c)), calls=copies * 4)
@@ -195,32 +200,35 @@ def bench_projections(size: str, bw: float) -> list[dict]:
     return rows
 
 
-def apply_variant(v: dict):
-    """Set the knobs of one --variants entry ("module.NAME": value on mambaserve.kernels.module,
-    "mambaserve.package.module.NAME" on that module, or "env.NAME": value in os.environ) and return a
-    function that restores them."""
-    import importlib
+def apply_variant(model, v: dict):
+    """Apply one --variants entry: KernelConfig fields (``linear_tiles`` keyed by K) on ``model``, and
+    ``"env.NAME": value`` entries in os.environ; returns a function that restores both."""
+    import dataclasses
     import os
 
-    undo = []
+    from mambaserve.kernels import KernelConfig
+
+    fields = {k: v for k, v in v.items() if not k.startswith("env.")}
+    if "linear_tiles" in fields:  # JSON keys are strings
+        fields["linear_tiles"] = {int(k): t for k, t in fields["linear_tiles"].items()}
+    if "state_update_small_tiles" in fields:
+        fields["state_update_small_tiles"] = tuple(fields["state_update_small_tiles"])
+    unknown = set(fields) - {f.name for f in dataclasses.fields(KernelConfig)}
+    if unknown:
+        raise SystemExit(f"unknown KernelConfig fields in --variants: {sorted(unknown)}")
+    old_config = model.kernel_config
+    model.use_kernel_config(dataclasses.replace(old_config, **fields))
+    undo = [lambda: model.use_kernel_config(old_config)]
     for key, value in v.items():
-        kind, name = key.rsplit(".", 1) if key.startswith("mambaserve.") else key.split(".", 1)
-        if kind == "env":
-            old = os.environ.get(name)
+        if key.startswith("env."):
+            name, old = key[4:], os.environ.get(key[4:])
             os.environ[name] = str(value)
             undo.append(lambda n=name, o=old: os.environ.pop(n) if o is None else os.environ.__setitem__(n, o))
-        else:  # importlib, not getattr: mambaserve.kernels.<op> may name a launcher function of the same name
-            mod = importlib.import_module(kind if kind.startswith("mambaserve.") else f"mambaserve.kernels.{kind}")
-            if name.endswith("TILES"):  # keyed by K: JSON keys are strings
-                value = {int(k): t for k, t in value.items()}
-            old = getattr(mod, name)
-            setattr(mod, name, value)
-            undo.append(lambda m=mod, n=name, o=old: setattr(m, n, o))
     return lambda: [u() for u in reversed(undo)]
 
 
 def bench_size(size: str, batches: list[int], a: argparse.Namespace, bw: float) -> dict:
-    runner = build_runner(size, max(batches), STATE_DTYPES[a.state_dtype])
+    runner = build_runner(size, max(batches), STATE_DTYPES[a.state_dtype], a.unfused)
     model, pool = runner.model, runner.pool
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head counts once
     state_bytes = pool.bytes_per_slot
@@ -236,8 +244,8 @@ def bench_size(size: str, batches: list[int], a: argparse.Namespace, bw: float) 
         print(f"{size} decode b={b:3d}: {step_ms:8.3f} ms/step (graph replay, median of {a.replays}), bound "
               f"{bound_ms:8.3f} ms/step -> {step_ms / bound_ms:5.2f}x the bound", flush=True)
     for v in a.variants:
-        undo = apply_variant(v)
-        runner.enable_cuda_graphs(max(batches))  # the knobs are read at each call: capture again
+        undo = apply_variant(model, v)
+        runner.enable_cuda_graphs(max(batches))  # the config is baked into the graphs: capture again
         for b in batches:
             step_ms = replay_ms(prepare(runner, b, SIZES[size]["vocab_size"]), a.replays)
             base = next(r["step_ms"] for r in res["decode"] if r["batch"] == b)
@@ -276,7 +284,9 @@ def main() -> None:
                    help="also time each batch-1 projection: norm + cuBLAS vs fused (and a tile sweep)")
     p.add_argument("--variants", type=json.loads, default=[],
                    help='JSON list of knob settings, each timed after the default with the graphs captured again, '
-                        'e.g. \'[{"norm_linear.TILES": {"5120": {"PREFETCH_COLS": 0}}}, {"env.MAMBASERVE_PDL": 0}]\'')
+                        'each an object of kernels.KernelConfig fields and "env.NAME" entries, e.g. '
+                        '\'[{"linear_tiles": {"5120": {"PREFETCH_COLS": 0}}}, {"early_state": false}, '
+                        '{"env.MAMBASERVE_PDL": 0}]\'')
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
     sizes = a.size.split(",")
@@ -290,10 +300,6 @@ def main() -> None:
         sys.exit("decode_step.py needs a CUDA device (it times CUDA-graph replays); torch.cuda.is_available() "
                  "is False here")
 
-    if a.unfused:
-        import mambaserve.kernels.norm_linear
-
-        mambaserve.kernels.norm_linear.FUSED = False  # read at each call, so before the graphs are captured
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.3f} TB/s (read + write)", flush=True)
     res = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__,

@@ -266,7 +266,8 @@ def bench_scan(ext, cases, sweep):
     for nseq, L in cases:
         T = nseq * L
         x, dt, A, B, C, D, bias, pool, kw = scan_inputs(nseq, L)
-        run = lambda **k: ssd_scan.ssd_scan_varlen(x, dt, A, B, C, **kw, **k)  # noqa: E731
+        run = lambda config=None: ssd_scan.ssd_scan_varlen(x, dt, A, B, C, config={**SCAN_BASE, **(config or {})},  # noqa: E731
+                                                           **kw)
         t = bench(run)
         note = ""
         if sweep:
@@ -311,7 +312,7 @@ def scan_breakdown(ext, configs=({},)):
         x, dt, A, B, C, D, bias, pool, kw = scan_inputs(nseq, L)
         kw.pop("dt_softplus")
         fns = {f"ours {json.dumps(cfg)}" if cfg else "ours": (lambda cfg=cfg: ssd_scan.ssd_scan_varlen(
-            x, dt, A, B, C, config=cfg, **kw)) for cfg in configs}
+            x, dt, A, B, C, config={**SCAN_BASE, **cfg}, **kw)) for cfg in configs}
         if "scan" in ext:
             xb, dtb = x.view(nseq, L, H, P), dt.view(nseq, L, H)
             Bb, Cb = B.view(nseq, L, G, N), C.view(nseq, L, G, N)
@@ -437,6 +438,9 @@ def print_table():
         print("| " + " | ".join(vals) + " |")
 
 
+SCAN_BASE: dict = {}  # --scan-config: overrides every scan call of this run passes (over SCAN_CONFIG)
+
+
 def main():
     global COPY_BW
     ap = argparse.ArgumentParser()
@@ -449,7 +453,7 @@ def main():
     ap.add_argument("--breakdown-configs", default="[{}]", help="JSON list of scan configs to break down")
     a = ap.parse_args()
     only = set(a.only.split(","))
-    ssd_scan.SCAN_CONFIG.update(json.loads(a.scan_config))
+    SCAN_BASE.update(json.loads(a.scan_config))
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "

@@ -51,11 +51,10 @@ def main():
     from mambaserve.server.config import ServerConfig
     from mambaserve.server.engine.engine import Engine
 
-    ssd = kb.ssd_scan
     base_fn = None
     if a.baseline:
         base_fn = kb.load_file(a.baseline).ssd_scan_varlen
-    defaults, new_fn = dict(ssd.SCAN_CONFIG), K.ssd_scan_varlen
+    new_fn = K.ssd_scan_varlen
     tmp = Path(tempfile.mkdtemp(prefix="mambaserve-prefill-ab-"))
     e2e.build_checkpoint(a.size, tmp, "cuda", torch.bfloat16)
     cfg = e2e.SIZES[a.size]
@@ -73,21 +72,19 @@ def main():
     res = {}
     for rnd in range(a.rounds):
         for name, override in json.loads(a.variants).items():
-            ssd.SCAN_CONFIG.clear()
-            ssd.SCAN_CONFIG.update(defaults, **override)
+            engine.model.use_kernel_config(K.KernelConfig(scan_tiles=override))
             fn = base_fn if name.startswith("baseline") else new_fn
-            K.ssd_scan_varlen = fn
+            K.ssd_scan_varlen = fn  # a previous file's launcher: the model calls kernels.ssd_scan_varlen
             run(8, 2048), run(1, 2048), run(1, 8192)  # warm-up: compiles per shape class
             _, ends = run(8, 2048)
             f2, _ = run(1, 2048)
             f8, _ = run(1, 8192)
-            host = host_us(lambda: fn(x, dt, A, B, C, **kw))
+            host = host_us(lambda: fn(x, dt, A, B, C, config=override or None, **kw))
             row = dict(prefill=16384 / max(ends), ttft_2k_ms=f2[0] * 1e3, ttft_8k_ms=f8[0] * 1e3, scan_host_us=host)
             for k, v in row.items():
                 res.setdefault(name, {}).setdefault(k, []).append(v)
             print(rnd, name, {k: round(v, 1) for k, v in row.items()}, flush=True)
-    ssd.SCAN_CONFIG.clear()
-    ssd.SCAN_CONFIG.update(defaults)
+    engine.model.use_kernel_config(K.KernelConfig())
     K.ssd_scan_varlen = new_fn
     for name, r in res.items():
         print("median", name, {k: round(statistics.median(v), 1) for k, v in r.items()}, flush=True)

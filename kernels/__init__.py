@@ -2,6 +2,7 @@
 with the same signature (``<op>_ref``). Launchers pick Triton on CUDA and the reference on CPU.
 """
 
+from mambaserve.kernels.config import KernelConfig
 from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
 from mambaserve.kernels.norm_linear import ConvStep, gated_rmsnorm_linear, rmsnorm_linear
@@ -13,6 +14,7 @@ from mambaserve.kernels.state_ops import clear_slots, copy_slots, scatter_steps
 __all__ = [
     "BoundaryStates",
     "ConvStep",
+    "KernelConfig",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "clear_slots",

@@ -18,11 +18,10 @@ import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import (HAS_TRITON, locate_block, pdl_args, pdl_start, seq_block, tl,
                                          triton, use_triton)
+from mambaserve.kernels.config import DEFAULT, KernelConfig
 
 MAX_DECODE_WIDTH = 4  # the decode step keeps the window in registers: Mamba2 and Nemotron-H use 4
 _BLOCK_D = 256
-# The prefill conv's tiles, read per call (sweeps): the best of 10 on an H100 at 2.7b dims (benchmarks/README.md).
-VARLEN_TILES = {"BLOCK_T": 64, "BLOCK_D": 512, "num_warps": 4, "STAGES": 3}
 _WARPS = 4  # 128 threads over 256 channels: no replicated element, so in-place state updates are safe
 
 if HAS_TRITON:
@@ -247,9 +246,10 @@ def causal_conv1d_update_ref(
 
 
 def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state,
-                         activation="silu", *, force_triton: bool | None = None):
+                         activation="silu", *, force_triton: bool | None = None, config: KernelConfig | None = None):
     """Prefill conv: see the module docstring. Mutates ``conv_state`` in place. Two launches (the
-    state write-back must follow every read of the old state); no host synchronisation."""
+    state write-back must follow every read of the old state); no host synchronisation. Tiles from
+    ``config.conv_varlen_tiles`` (the default: the best of 10 on an H100 at mamba2-2.7b dims)."""
     if not use_triton(x, force_triton):
         return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
                                         has_initial_state, activation)
@@ -264,7 +264,7 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices,
         return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
                                         has_initial_state, activation)
     b = bias if bias is not None else weight
-    tiles = VARLEN_TILES
+    tiles = (config or DEFAULT).conv_varlen_tiles
     grid = (T // tiles["BLOCK_T"] + S, triton.cdiv(Dm, tiles["BLOCK_D"]))
     _causal_conv1d_varlen_kernel[grid](
         x, weight, b, conv_state, cu_seqlens, state_indices, has_initial_state, out, S, Dm,

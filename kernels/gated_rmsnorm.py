@@ -13,10 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, pdl_args, pdl_start, tl, triton, use_triton
-
-# Launch under programmatic dependent launch (the decode state update ahead of it lets it launch early); read
-# per call, False for an A/B (benchmarks/decode_step.py --variants).
-PDL = True
+from mambaserve.kernels.config import DEFAULT, KernelConfig
 
 if HAS_TRITON:
 
@@ -57,7 +54,10 @@ def gated_rmsnorm_ref(
     return weight * g.view(T, D).to(dtype)
 
 
-def gated_rmsnorm(x, z, weight, eps: float, group_size: int, *, force_triton: bool | None = None):
+def gated_rmsnorm(x, z, weight, eps: float, group_size: int, *, force_triton: bool | None = None,
+                  config: KernelConfig | None = None):
+    """Under programmatic dependent launch unless ``config.gated_norm_pdl`` is off: in decode the state
+    update ahead of it lets it launch early."""
     if x.shape[-1] % group_size:
         raise ValueError(f"width {x.shape[-1]} is not a multiple of group_size {group_size}")
     rows_ok = x.stride(-1) == 1 and (z is None or z.stride(-1) == 1) and weight.stride(-1) == 1
@@ -71,5 +71,5 @@ def gated_rmsnorm(x, z, weight, eps: float, group_size: int, *, force_triton: bo
     zz = z if z is not None else x
     _gated_rmsnorm_kernel[(T, D // group_size)](
         x, zz, weight, out, group_size, float(eps), x.stride(0), zz.stride(0), out.stride(0),
-        HAS_Z=z is not None, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **(pdl_args(x) if PDL else {}))
+        HAS_Z=z is not None, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **(pdl_args(x) if (config or DEFAULT).gated_norm_pdl else {}))
     return out

@@ -34,17 +34,12 @@ import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import (HAS_TRITON, next_pow2, pdl_args, pdl_trigger, pdl_wait, prefetch_l2, tl,
                                          triton, use_triton)
+from mambaserve.kernels.config import DEFAULT, KernelConfig
 from mambaserve.kernels.conv1d import MAX_DECODE_WIDTH, causal_conv1d_update, conv_finish, conv_load
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
 from mambaserve.kernels.rmsnorm import new_residual, rmsnorm
 
 RESIDUAL, GATED = 1, 2  # the prologue: residual-add RMSNorm, or gated RMSNorm (x * silu(z))
-FUSED = True  # read per call: benchmarks/decode_step.py --unfused clears it before capturing (A/B)
-FUSE_CONV = True  # False: the conv step of rmsnorm_linear runs as its own kernel after it (A/B)
-# The conv step's slot, window and taps read before the PDL wait (safe for the reason the state update's
-# EARLY_STATE is: nothing that can still be running writes this layer's conv state). False for an A/B
-# (decode_step.py --variants: 2.7b batch-1 step 2.533-2.535 ms against 2.539, benchmarks/README.md).
-EARLY_CONV = True
 
 if HAS_TRITON:
 
@@ -145,12 +140,9 @@ if HAS_TRITON:
         tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=mn)
 
 
-TILES: dict[int, dict] = {}  # K -> tile overrides, read per call (benchmarks/decode_step.py --variants)
-
-
-def _tiles(K: int) -> dict:
+def _tiles(K: int, config: KernelConfig = DEFAULT) -> dict:
     """Tiles from H100 sweeps of whole decode steps at batch 1 (benchmarks/decode_step.py --variants;
-    benchmarks/README.md, sessions 3 and 8), per-column partial sums (ACC_2D) reduced once everywhere.
+    benchmarks/README.md), per-column partial sums (ACC_2D) reduced once everywhere.
     From K = 2048 (mamba2-2.7b: in_proj and lm_head 2560, out_proj 5120) two warps per program and the
     weight tiles pipelined through shared memory four K steps deep (STAGES: cp.async keeps three tiles in
     flight per program without holding them in registers): 8 columns x 512-wide steps below K = 4096,
@@ -164,11 +156,11 @@ def _tiles(K: int) -> dict:
     else:
         tiles = {"BLOCK_N": 4, "BLOCK_K": min(512, max(16, next_pow2(K))), "num_warps": 2 if K <= 1024 else 4,
                  "STAGES": 1, "PREFETCH_COLS": 1024}
-    return {**tiles, "ACC_2D": True, **TILES.get(K, {})}
+    return {**tiles, "ACC_2D": True, **config.linear_tiles.get(K, {})}
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor, force_triton: bool | None, *others) -> bool:
-    return (FUSED and x.dim() == 2 and x.shape[0] == 1 and weight.is_contiguous() and weight.dtype == x.dtype
+def _fits(x: torch.Tensor, weight: torch.Tensor, force_triton: bool | None, config: KernelConfig, *others) -> bool:
+    return (config.fuse_norm_linear and x.dim() == 2 and x.shape[0] == 1 and weight.is_contiguous() and weight.dtype == x.dtype
             and all(t is None or t.is_contiguous() for t in (x, *others)) and use_triton(x, force_triton))
 
 
@@ -185,7 +177,7 @@ class ConvStep(NamedTuple):
 def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_res, config, conv=None):
     N, K = weight.shape
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    tiles = {**_tiles(K), **(config or {})}
+    tiles = _tiles(K, config)
     cols = min(K, tiles.pop("PREFETCH_COLS"))
     pdl = pdl_args(x)
     if pdl and cols > 0:
@@ -196,7 +188,7 @@ def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_re
             raise ValueError(f"conv width {CK}: the decode kernel takes 2 to {MAX_DECODE_WIDTH}")
         conv_args = (conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.state, conv.slots,
                      conv.col0, D, *conv.state.stride(), *conv.weight.stride())
-        tiles.update(CONV_K=CK, CONV_BIAS=conv.bias is not None, EARLY_CONV=EARLY_CONV and bool(pdl))
+        tiles.update(CONV_K=CK, CONV_BIAS=conv.bias is not None, EARLY_CONV=config.early_conv and bool(pdl))
     else:
         conv_args = (weight, weight, weight, weight, 0, 0, 0, 0, 0, 0, 0)
     _norm_linear_kernel[(triton.cdiv(N, tiles["BLOCK_N"]),)](
@@ -225,15 +217,17 @@ def _unfused(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, conv
 
 
 def rmsnorm_linear(x, residual, norm_weight, eps: float, residual_in_fp32: bool, weight, bias=None,
-                   conv: ConvStep | None = None, *, force_triton: bool | None = None, config: dict | None = None):
+                   conv: ConvStep | None = None, *, force_triton: bool | None = None,
+                   config: KernelConfig | None = None):
     """``(linear(norm(residual + x)), residual + x)``: kernels.rmsnorm then the projection, then
-    ``conv`` over its columns if given. ``config`` overrides the tiles (benchmark sweeps)."""
-    if not _fits(x, weight, force_triton, residual) or norm_weight.dtype != x.dtype:
+    ``conv`` over its columns if given. ``config``: fused or not, tiles by K (benchmark sweeps)."""
+    config = config or DEFAULT
+    if not _fits(x, weight, force_triton, config, residual) or norm_weight.dtype != x.dtype:
         return _unfused(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, conv, force_triton)
     res_out = new_residual(x, residual, residual_in_fp32)
     y = _launch(RESIDUAL, x, residual, None, norm_weight, eps, weight, bias, res_out, res_out is not x, config,
-                conv if FUSE_CONV else None)
-    return (y if FUSE_CONV else _conv_columns(y, conv, force_triton)), res_out
+                conv if config.fuse_conv else None)
+    return (y if config.fuse_conv else _conv_columns(y, conv, force_triton)), res_out
 
 
 def gated_rmsnorm_linear_ref(x, z, norm_weight, eps, group_size, weight, bias=None):
@@ -241,9 +235,10 @@ def gated_rmsnorm_linear_ref(x, z, norm_weight, eps, group_size, weight, bias=No
 
 
 def gated_rmsnorm_linear(x, z, norm_weight, eps: float, group_size: int, weight, bias=None, *,
-                         force_triton: bool | None = None, config: dict | None = None):
+                         force_triton: bool | None = None, config: KernelConfig | None = None):
     """``linear(gated_rmsnorm(x, z))``; fused for one row and a single norm group."""
-    if (not _fits(x, weight, force_triton, z) or z is None or group_size != x.shape[-1]
+    config = config or DEFAULT
+    if (not _fits(x, weight, force_triton, config, z) or z is None or group_size != x.shape[-1]
             or norm_weight.dtype != x.dtype):
-        return gated_rmsnorm_linear_ref(x, z, norm_weight, eps, group_size, weight, bias)
+        return F.linear(gated_rmsnorm(x, z, norm_weight, eps, group_size, config=config).to(x.dtype), weight, bias)
     return _launch(GATED, x, None, z, norm_weight, eps, weight, bias, x, False, config)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import (HAS_TRITON, dt_prologue, next_pow2, pdl_args, pdl_trigger, pdl_wait, tl,
                                          triton, use_triton)
+from mambaserve.kernels.config import DEFAULT, KernelConfig
 from mambaserve.kernels.ssd_scan import process_dt
 
 if HAS_TRITON:
@@ -78,20 +79,14 @@ if HAS_TRITON:
         tl.store(out_ptr + b * o_b + h * o_h + p * o_p, y.to(out_ptr.dtype.element_ty), mask=mp)
 
 
-# Read the slot's state before the PDL wait (the kernel's docstring says why that is safe); False for an A/B
-# (decode_step.py --variants, three calls: 2.7b batch-1 step median 2.540 ms against 2.554; benchmarks/README.md).
-EARLY_STATE = True
-SMALL_BATCH_TILES = (4, 1)  # (BLOCK_P, num_warps) under 256 rows x heads; read per call (decode_step.py --variants)
-
-
-def _config(P: int, N: int, rows_x_heads: int) -> tuple[int, int]:
+def _config(P: int, N: int, rows_x_heads: int, small: tuple[int, int]) -> tuple[int, int]:
     """(BLOCK_P, num_warps). 4K state elements per program (32 x 128 at N = 128) and 4 warps: the best
     or within 1% of the best of a 6-config sweep on an H100 for batch x heads >= 2560 in most shapes
     (benchmarks/README.md). Under 256 rows x heads (batch 1) more, smaller programs fill the GPU: 4-row
     tiles on one warp gave the fastest whole mamba2-2.7b and -130m decode steps of 9 (BLOCK_P, warps)
     pairs (H100, benchmarks/decode_step.py --variants; benchmarks/README.md)."""
     if rows_x_heads < 256:
-        return min(SMALL_BATCH_TILES[0], next_pow2(P)), SMALL_BATCH_TILES[1]
+        return min(small[0], next_pow2(P)), small[1]
     return max(1, min(next_pow2(P), 4096 // next_pow2(N))), 4
 
 
@@ -138,12 +133,14 @@ def selective_state_update_ref(
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                            dt_limit=(0.0, float("inf")), *, state_indices, dst_state_indices=None,
                            force_triton: bool | None = None, block_p: int | None = None,
-                           num_warps: int | None = None):
+                           num_warps: int | None = None, config: KernelConfig | None = None):
     """Decode step: see the module docstring. Mutates ``state`` in place.
 
     With ``dst_state_indices``, a destination slot must not be another row's source slot (the rows
-    run concurrently). ``block_p`` / ``num_warps`` override the tile choice (benchmark sweeps).
+    run concurrently). ``block_p`` / ``num_warps`` override the tile choice (benchmark sweeps);
+    ``config``: the small-batch tiles and whether the state is read before the PDL wait.
     """
+    config = config or DEFAULT
     if not use_triton(x, force_triton):
         return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit,
                                           state_indices=state_indices, dst_state_indices=dst_state_indices)
@@ -156,7 +153,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     out = torch.empty_like(x)
     if Bsz == 0:
         return out
-    BP, warps = _config(P, N, Bsz * H)
+    BP, warps = _config(P, N, Bsz * H, config.state_update_small_tiles)
     BP, warps = block_p or BP, num_warps or warps
     lo, hi = dt_limit
     clamp = lo > 0.0 or hi != float("inf")
@@ -164,7 +161,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     zz = z if z is not None else x
     grid = (triton.cdiv(P, BP), H, Bsz)
     pdl = pdl_args(x)
-    if pdl and EARLY_STATE:
+    if pdl and config.early_state:
         pdl["EARLY_STATE"] = True
     _selective_state_update_kernel[grid](
         state, x, dt, A, B, C, D if D is not None else A, zz, dt_bias if dt_bias is not None else A,

@@ -120,7 +120,7 @@ class Scheduler:
             self._drain_inbox(block=not (self.queues.waiting or self.queues.running or self.inflight))
             try:
                 self.step()
-            except Exception as e:  # a failed step must not take the server down
+            except Exception:  # a failed step must not take the server down
                 log.exception("step failed; failing its requests")
                 self.inflight = None
                 self.output.fail_running("internal error; the server log has the details")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from mambaserve.kernels import KernelConfig
 from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
 from mambaserve.server.model.config import Mamba2Dims, ModelLoadError, read_config
 from mambaserve.server.model.weights import load_state_dict
@@ -40,13 +41,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[Mamba2ForCausalLM, dict]:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               kernel_config: KernelConfig | None = None) -> tuple[Mamba2ForCausalLM, dict]:
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     dims = Mamba2Dims.from_dict(cfg)
     state = load_state_dict(model_dir)
     with torch.device("meta"):
-        model = Mamba2ForCausalLM(dims)
+        model = Mamba2ForCausalLM(dims, kernel_config)
     model = model.to_empty(device=device).to(dtype)
     if dims.tie_word_embeddings:  # to_empty breaks the tie: restore it
         model.lm_head.weight = model.backbone.embeddings.weight

@@ -20,6 +20,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, residual_in_fp32: bool):
         super().__init__()
+        self.kernel_config = kernels.KernelConfig()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.residual_in_fp32 = eps, residual_in_fp32
 
@@ -27,7 +28,8 @@ class RMSNorm(nn.Module):
                     bias: torch.Tensor | None, conv: kernels.ConvStep | None = None):
         """``(linear(norm(residual + x)), residual + x)``; ``residual`` is None before the first block.
         ``conv``: a conv decode step over some of the output columns, in the same launch at batch 1."""
-        return kernels.rmsnorm_linear(x, residual, self.weight, self.eps, self.residual_in_fp32, weight, bias, conv)
+        return kernels.rmsnorm_linear(x, residual, self.weight, self.eps, self.residual_in_fp32, weight, bias, conv,
+                                      config=self.kernel_config)
 
 
 class GatedNorm(nn.Module):
@@ -41,6 +43,7 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, d: Mamba2Dims):
         super().__init__()
         self.d = d
+        self.kernel_config = kernels.KernelConfig()
         self.in_proj = nn.Linear(d.hidden_size, d.d_inner + d.conv_dim + d.num_heads, bias=d.use_bias)
         self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim, bias=d.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.zeros(d.num_heads))
@@ -61,14 +64,15 @@ class Mamba2Mixer(nn.Module):
         # xBC is a column slice of in_proj's output: the conv kernel reads it through its row stride.
         conv_windows = self._conv_windows(xBC, conv_state, bt) if bt.track else None
         xBC = kernels.causal_conv1d_varlen(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state,
-                                           bt.cu_seqlens, bt.slots, bt.has_initial_state)
+                                           bt.cu_seqlens, bt.slots, bt.has_initial_state, config=self.kernel_config)
         x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
         y, boundary = kernels.ssd_scan_varlen(
             x.reshape(T, d.num_heads, d.head_dim), dt, self.A,
             B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
             chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
             has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
-            dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, track=bt.track or None)
+            dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, track=bt.track or None,
+            config=self.kernel_config.scan_tiles or None)
         tracked = (conv_windows, boundary.states) if bt.track else None
         return self._out(y, z), tracked
 
@@ -85,12 +89,14 @@ class Mamba2Mixer(nn.Module):
         y = kernels.selective_state_update(
             ssm_state, xs.reshape(T, d.num_heads, d.head_dim), dt, self.A,
             B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size),
-            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, state_indices=bt.slots)
+            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, state_indices=bt.slots,
+            config=self.kernel_config)
         return self._out(y, z), new_residual
 
     def _out(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return kernels.gated_rmsnorm_linear(y.reshape(y.shape[0], self.d.d_inner), z, self.norm.weight, self.norm.eps,
-                                            self.norm.group_size, self.out_proj.weight, self.out_proj.bias)
+                                            self.norm.group_size, self.out_proj.weight, self.out_proj.bias,
+                                            config=self.kernel_config)
 
     @torch.no_grad()
     def refresh_A(self) -> None:
@@ -138,13 +144,21 @@ class Backbone(nn.Module):
 
 
 class Mamba2ForCausalLM(nn.Module):
-    def __init__(self, d: Mamba2Dims):
+    def __init__(self, d: Mamba2Dims, kernel_config: kernels.KernelConfig | None = None):
         super().__init__()
         self.dims = d
         self.backbone = Backbone(d)
         self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
         if d.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
+        self.use_kernel_config(kernel_config or kernels.KernelConfig())
+
+    def use_kernel_config(self, config: kernels.KernelConfig) -> None:
+        """Every kernel call of the model takes ``config`` from now on (capture CUDA graphs again after)."""
+        self.kernel_config = config
+        for m in self.modules():
+            if hasattr(m, "kernel_config"):
+                m.kernel_config = config
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         # Original state-spaces checkpoints call the embedding "embedding".

@@ -6,6 +6,7 @@ Skipped without CUDA. Inputs are bf16 as the engine runs them; tolerances are re
 import pytest
 import torch
 
+from mambaserve.kernels import KernelConfig
 from mambaserve.kernels.conv1d import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                        causal_conv1d_varlen_ref)
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
@@ -220,7 +221,8 @@ def test_rmsnorm_linear_real_shapes(N, K):
         assert torch.equal(r, r_ref)
         assert_close(y, y_ref, 1e-2)
         # the shared-memory pipeline only moves loads: the sums are the unpipelined loop's, bit for bit
-        assert torch.equal(y, rmsnorm_linear(x, residual, nw, 1e-5, True, w, config={"STAGES": 1})[0])
+        assert torch.equal(y, rmsnorm_linear(x, residual, nw, 1e-5, True, w,
+                                                  config=KernelConfig(linear_tiles={K: {"STAGES": 1}}))[0])
 
 
 @pytest.mark.parametrize("N,K", [(2560, 5120), (768, 1536)])  # out_proj 2.7b / 130m
@@ -233,4 +235,5 @@ def test_gated_rmsnorm_linear_real_shapes(N, K):
     nw = (1 + 0.1 * torch.randn(K, generator=g, device="cuda")).to(BF)
     y = gated_rmsnorm_linear(x, z, nw, 1e-5, K, w)
     assert_close(y, gated_rmsnorm_linear_ref(x, z, nw, 1e-5, K, w), 1e-2)
-    assert torch.equal(y, gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, config={"STAGES": 1}))
+    assert torch.equal(y, gated_rmsnorm_linear(x, z, nw, 1e-5, K, w,
+                                                         config=KernelConfig(linear_tiles={K: {"STAGES": 1}})))

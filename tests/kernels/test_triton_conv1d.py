@@ -5,18 +5,16 @@ import torch
 
 from mambaserve.kernels.conv1d import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                        causal_conv1d_varlen_ref)
+from mambaserve.kernels import KernelConfig
 from tests.kernels.helpers import TOL, assert_close, gen, randn
 
 
 @pytest.mark.parametrize("width", [2, 3, 4])
 @pytest.mark.parametrize("tiles", [None, {"BLOCK_T": 8, "BLOCK_D": 8, "num_warps": 1, "STAGES": 2}])
-def test_varlen_matches_reference_incl_sequences_shorter_than_width(dev, width, tiles, monkeypatch):
+def test_varlen_matches_reference_incl_sequences_shorter_than_width(dev, width, tiles):
     """Small tiles: several token blocks per sequence (each starts its window from x) and several
     channel blocks, the last partial."""
-    from mambaserve.kernels import conv1d
-
-    if tiles:
-        monkeypatch.setattr(conv1d, "VARLEN_TILES", tiles)
+    config = KernelConfig(conv_varlen_tiles=tiles) if tiles else None
     lengths, Dm = [1, 2, 5, 40, 3], 12
     g = gen(width)
     x = randn(g, sum(lengths), Dm, dev=dev)
@@ -26,7 +24,7 @@ def test_varlen_matches_reference_incl_sequences_shorter_than_width(dev, width, 
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     slots = torch.tensor([6, 1, 3, 2, 7], device=dev)
     has = torch.tensor([True, True, False, True, False], device=dev)
-    out = causal_conv1d_varlen(x, w, b, pool, cu, slots, has, force_triton=True)
+    out = causal_conv1d_varlen(x, w, b, pool, cu, slots, has, force_triton=True, config=config)
     ref = causal_conv1d_varlen_ref(x, w, b, ref_pool, cu, slots, has)
     assert_close(out, ref, 1e-6)
     assert_close(pool, ref_pool, 1e-6)

@@ -3,12 +3,17 @@
 import pytest
 import torch
 
+from mambaserve.kernels import KernelConfig
 from mambaserve.kernels.norm_linear import (gated_rmsnorm_linear, gated_rmsnorm_linear_ref, rmsnorm_linear,
                                             rmsnorm_linear_ref)
 
 
 def _rand(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _tiles(K, **tiles):
+    return KernelConfig(linear_tiles={K: tiles})
 
 
 @pytest.mark.parametrize("N,K", [(24, 40), (9, 512), (37, 1100)])
@@ -19,7 +24,7 @@ def test_rmsnorm_linear_matches_unfused(dev, N, K, residual_kind, bias):
     nw, b = (1 + 0.1 * _rand(K, seed=3)).to(dev), _rand(N, seed=4).to(dev) if bias else None
     fp32 = residual_kind == "fp32"
     residual = None if residual_kind == "none" else (4 * _rand(1, K, seed=5)).to(dev)
-    y, res = rmsnorm_linear(x, residual, nw, 1e-5, fp32, w, b, force_triton=True, config={"BLOCK_K": 256})
+    y, res = rmsnorm_linear(x, residual, nw, 1e-5, fp32, w, b, force_triton=True, config=_tiles(K, BLOCK_K=256))
     y_ref, res_ref = rmsnorm_linear_ref(x, residual, nw, 1e-5, fp32, w, b)
     assert y.shape == (1, N) and res.dtype == res_ref.dtype
     assert torch.equal(res, res_ref)  # the new residual is the same add, stored by one program
@@ -30,7 +35,7 @@ def test_rmsnorm_linear_matches_unfused(dev, N, K, residual_kind, bias):
 def test_gated_rmsnorm_linear_matches_unfused(dev, N, K):
     x, z = _rand(1, K, seed=1).to(dev), _rand(1, K, seed=2).to(dev)
     w, nw = (_rand(N, K, seed=3) / K ** 0.5).to(dev), (1 + 0.1 * _rand(K, seed=4)).to(dev)
-    y = gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, force_triton=True, config={"BLOCK_K": 256})
+    y = gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, force_triton=True, config=_tiles(K, BLOCK_K=256))
     torch.testing.assert_close(y, gated_rmsnorm_linear_ref(x, z, nw, 1e-5, K, w), rtol=1e-5, atol=1e-5)
 
 
@@ -71,7 +76,7 @@ def test_conv_step_in_the_epilogue(dev, width, conv_bias, slot):
     slots = torch.tensor([slot], device=dev)
     ref_state = state.clone()
     y, res = rmsnorm_linear(x, residual, nw, 1e-5, True, w, None, ConvStep(cw, cb, state, slots, col0),
-                            force_triton=True, config={"BLOCK_K": 32})
+                            force_triton=True, config=_tiles(K, BLOCK_K=32))
     y_ref, res_ref = rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w, None, ConvStep(cw, cb, ref_state, slots, col0))
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
@@ -93,5 +98,19 @@ def test_loop_variants_agree(dev, config):
     K, N = 1100, 37
     x, w = _rand(1, K, seed=1).to(dev), (_rand(N, K, seed=2) / K ** 0.5).to(dev)
     nw, residual = (1 + 0.1 * _rand(K, seed=3)).to(dev), _rand(1, K, seed=4).to(dev)
-    y, _ = rmsnorm_linear(x, residual, nw, 1e-5, True, w, force_triton=True, config={"BLOCK_K": 256, **config})
+    y, _ = rmsnorm_linear(x, residual, nw, 1e-5, True, w, force_triton=True, config=_tiles(K, BLOCK_K=256, **config))
     torch.testing.assert_close(y, rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_unfused_config_gives_the_unfused_result_bit_for_bit(dev):
+    """``fuse_norm_linear=False`` is the A/B baseline: exactly the norm kernel then the projection."""
+    K, N = 96, 29
+    x, w = _rand(1, K, seed=1).to(dev), (_rand(N, K, seed=2) / K ** 0.5).to(dev)
+    nw, residual = (1 + 0.1 * _rand(K, seed=3)).to(dev), _rand(1, K, seed=4).to(dev)
+    off = KernelConfig(fuse_norm_linear=False)
+    y, res = rmsnorm_linear(x, residual, nw, 1e-5, True, w, force_triton=True, config=off)
+    y_ref, res_ref = rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)
+    assert torch.equal(y, y_ref) and torch.equal(res, res_ref)
+    z = _rand(1, K, seed=5).to(dev)
+    assert torch.equal(gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, force_triton=True, config=off),
+                       gated_rmsnorm_linear_ref(x, z, nw, 1e-5, K, w))

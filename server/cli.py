@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        serve(config_from_args(args))
+        try:
+            cfg = config_from_args(args)
+        except ValueError as e:
+            raise SystemExit(f"mambaserve: {e}") from None
+        serve(cfg)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -40,6 +41,18 @@ class ServerConfig:
     max_prompts_per_request: int = 64
     request_timeout: float | None = None
     api_key: str | None = field(default=None, repr=False)  # never logged
+
+    def __post_init__(self) -> None:
+        """Values no model is needed to judge are refused here, before anything loads (ValueError, one line)."""
+        if self.state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--state-dtype must be float32 or bfloat16, got {self.state_dtype!r}")
+        for name in ("max_request_bytes", "max_queued_requests", "max_prompts_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.request_timeout is not None and not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
+            raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout}")
+        if not 0 <= self.session_slot_fraction < 1:
+            raise ValueError(f"--session-slot-fraction must be in [0, 1), got {self.session_slot_fraction}")
 
     def running_limit(self, is_cuda: bool) -> int:
         return self.max_running_requests or (256 if is_cuda else 64)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 import uuid
 from pathlib import Path
@@ -42,15 +41,6 @@ class Engine:
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.context_length = cfg.context_length or self._default_context_length()
-        if cfg.state_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--state-dtype must be float32 or bfloat16, got {cfg.state_dtype!r}")
-        for name in ("max_request_bytes", "max_queued_requests", "max_prompts_per_request"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-        if cfg.request_timeout is not None and not (math.isfinite(cfg.request_timeout) and cfg.request_timeout > 0):
-            raise ValueError(f"--request-timeout must be a positive number of seconds, got {cfg.request_timeout}")
-        if not 0 <= cfg.session_slot_fraction < 1:
-            raise ValueError(f"--session-slot-fraction must be in [0, 1), got {cfg.session_slot_fraction}")
         is_cuda = self.device.type == "cuda"
         self.pool = MambaStatePool(d.num_layers, cfg.slot_count(is_cuda), d.conv_dim, d.conv_kernel, d.num_heads,
                                    d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)

@@ -169,3 +169,14 @@ def test_lazy_detokenization_gives_the_same_text_as_incremental():
         texts.append(text + d.release(final=True))
     assert texts[0] == texts[1] == tok.decode(ids)[len(tok.decode(prompt)):]
     assert "世界" in texts[0]
+
+
+@pytest.mark.parametrize("bad,needle", [(dict(session_slot_fraction=1.0), "session-slot-fraction"),
+                                        (dict(request_timeout=float("nan")), "request-timeout"),
+                                        (dict(max_queued_requests=0), "max-queued-requests"),
+                                        (dict(state_dtype="int8"), "state-dtype")])
+def test_config_refuses_bad_values_before_anything_loads(bad, needle):
+    from mambaserve.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match=needle):
+        ServerConfig(model="/nonexistent", **bad)

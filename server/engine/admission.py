@@ -100,18 +100,15 @@ class Admission:
         # the last token must run to produce logits: never match the whole prompt
         cached, node, src = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
         slot = self.cache.alloc()
-        moved = False
-        if slot is None and cached:
-            # The match locked its path, and nothing else can be evicted: continue from the matched snapshot
-            # itself (its slot changes hands, no copy) instead of waiting for a slot only this request holds.
+        moved = slot is None
+        if moved:
+            # Nothing is free or evictable outside the path this match locked: continue from the matched
+            # snapshot itself (its slot changes hands, no copy) instead of waiting for a slot only this
+            # request holds. A miss, or a snapshot others copy from, waits: the requests holding slots run.
             self.cache.unlock(node)
             slot = self.cache.take(node)
-            moved = slot is not None
-            if not moved:  # others copy from it: they run, so a slot comes free within a few steps
+            if slot is None:
                 return False
-        elif slot is None:
-            self.cache.unlock(node)
-            return False
         req.slot = slot
         self.queues.start(req)
         if moved:

@@ -224,3 +224,30 @@ def test_request_timeout_ends_a_long_request_and_frees_its_slot(tiny_ckpt):
     assert openai.status_code == 504 and openai.json()["error"]["code"] == "request_timeout"
     assert quick.status_code == 200
     assert_idle(acc)
+
+
+def test_a_huge_prompt_does_not_stall_the_event_loop(tiny_ckpt):
+    """Tokenizing a multi-megabyte prompt runs off the event loop: /health answers while it runs (the
+    prompt is then refused for its length)."""
+    engine = make_engine(tiny_ckpt)
+    text = "def f(x):\n    return x  # " * 100_000  # 2.7 MB: seconds of tokenizing
+
+    async def go():
+        async with serving(engine) as c:
+            done = []
+
+            async def big():
+                r = await c.post("/generate", json={"text": text})
+                done.append("big")
+                return r
+
+            task = asyncio.ensure_future(big())
+            await asyncio.sleep(0.3)  # the body is in and tokenizing
+            health = await c.get("/health")
+            done.append("health")
+            return await task, health, done
+
+    big, health, done = run(go())
+    assert health.status_code == 200
+    assert done == ["health", "big"], done
+    assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"

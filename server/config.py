@@ -46,9 +46,18 @@ class ServerConfig:
         """Values no model is needed to judge are refused here, before anything loads (ValueError, one line)."""
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--state-dtype must be float32 or bfloat16, got {self.state_dtype!r}")
-        for name in ("max_request_bytes", "max_queued_requests", "max_prompts_per_request"):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("context_length", "max_running_requests", "mamba_cache_size", "mamba_track_interval"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("chunked_prefill_size", "page_size", "max_sessions", "cuda_graph_max_bs", "max_request_bytes",
+                     "max_queued_requests", "max_prompts_per_request", "session_snapshot_max_bytes",
+                     "session_snapshot_max_per_session"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.session_timeout) and self.session_timeout > 0):
+            raise ValueError(f"--session-timeout must be a positive number of seconds, got {self.session_timeout}")
         if self.request_timeout is not None and not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
             raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout}")
         if not 0 <= self.session_slot_fraction < 1:

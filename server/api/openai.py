@@ -11,7 +11,8 @@ from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
 from mambaserve.server.api.responses import admitted, collect, ended_early, sse
-from mambaserve.server.api.schemas import ERRORS, ChatCompletionResponse, CompletionResponse, ModelList, streamed
+from mambaserve.server.api.schemas import (ERRORS, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
+                                           streamed)
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, StepOutput
 
@@ -28,10 +29,18 @@ def _usage(last: StepOutput) -> dict:
 def openai_routes(engine: Engine) -> APIRouter:
     app = APIRouter(responses=ERRORS)
 
+    # Names this server answers to: its served name, and "unknown", which sglang-router sends for a request
+    # without a model (one model per server, so there is nothing to pick).
+    aliases = {engine.model_name, "unknown"}
+
     def check_model(name: str | None) -> None:
-        if name is not None and name != engine.model_name:
+        if name is not None and name not in aliases:
             raise BadRequest(f"model {name!r} does not exist; this server serves {engine.model_name!r}",
                              code="model_not_found", status=404)
+
+    def model_card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": int(time.time()), "owned_by": "mambaserve",
+                "max_model_len": engine.context_length}
 
     def token_text(t: int) -> str:
         return engine.tokenizer.decode([t])
@@ -60,8 +69,14 @@ def openai_routes(engine: Engine) -> APIRouter:
 
     @app.get("/v1/models", responses={200: {"model": ModelList}})
     async def models():
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "mambaserve", "max_model_len": engine.context_length}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses={200: {"model": ModelCard}})
+    async def model(model_id: str):
+        if model_id != engine.model_name:
+            raise BadRequest(f"model {model_id!r} does not exist; this server serves {engine.model_name!r}",
+                             code="model_not_found", status=404)
+        return model_card()
 
     @app.post("/v1/completions", responses=streamed(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):

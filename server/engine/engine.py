@@ -199,12 +199,14 @@ class Engine:
     # ---- info ---------------------------------------------------------------------------------------
     def model_info(self) -> dict:
         c = self.cfg
-        return {"model_path": c.model, "tokenizer_path": c.tokenizer or c.model, "served_model_name": self.model_name,
+        # absolute: a router started in another directory must not take a relative path for a hub model id
+        return {"model_path": str(Path(c.model).resolve()), "tokenizer_path": str(Path(c.tokenizer or c.model).resolve()),
+                "served_model_name": self.model_name,
                 "is_generation": True, "architecture": "Mamba2ForCausalLM", "context_length": self.context_length}
 
     async def server_info(self) -> dict:
         c = self.cfg
-        return {"model_path": c.model, "served_model_name": self.model_name, "dtype": str(self.dtype).split(".")[-1],
+        return {"model_path": str(Path(c.model).resolve()), "served_model_name": self.model_name, "dtype": str(self.dtype).split(".")[-1],
                 "state_dtype": c.state_dtype, "device": str(self.device), "context_length": self.context_length,
                 "max_running_requests": self.scheduler.max_running, "chunked_prefill_size": c.chunked_prefill_size,
                 "mamba_cache_size": self.pool.allocator.capacity, "disable_radix_cache": c.disable_radix_cache,

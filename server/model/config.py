@@ -84,6 +84,9 @@ def _json_float(v) -> float:
 
 def read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
+    if model_dir.is_file():
+        raise ModelLoadError(f"--model {model_dir} is a file; give the checkpoint's directory (config.json, weights, "
+                             "tokenizer)")
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     if not path.is_file():

@@ -251,3 +251,36 @@ def test_a_huge_prompt_does_not_stall_the_event_loop(tiny_ckpt):
     assert health.status_code == 200
     assert done == ["health", "big"], done
     assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_models_retrieve_router_default_name_and_absolute_paths(tiny_ckpt):
+    """The OpenAI SDK's models.retrieve, sglang-router's "unknown" model, and info paths a router started
+    elsewhere can use as they are."""
+    engine = make_engine(tiny_ckpt)
+
+    async def go():
+        async with serving(engine) as c:
+            return (await c.get("/v1/models/tiny"), await c.get("/v1/models/gpt-9"),
+                    await c.post("/v1/completions", json={"model": "unknown", "prompt": "x", "max_tokens": 1}),
+                    (await c.get("/get_model_info")).json(), (await c.get("/get_server_info")).json(),
+                    await c.get("/no/such/route"), await c.delete("/generate"))
+
+    card, missing, unknown, info, server, route, method = run(go())
+    assert card.status_code == 200 and card.json()["id"] == "tiny"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert unknown.status_code == 200
+    assert info["model_path"] == str(tiny_ckpt.resolve()) and info["tokenizer_path"].startswith("/")
+    assert server["model_path"] == str(tiny_ckpt.resolve())
+    assert route.status_code == 404 and route.json()["error"]["code"] == "not_found"
+    assert method.status_code == 405 and method.json()["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("flags,needle", [(["--port", "99999"], "--port"), (["--context-length", "-5"], "context-length"),
+                                          (["--session-timeout", "nan"], "session-timeout")])
+def test_bad_flags_exit_with_one_line_before_loading(flags, needle, tiny_ckpt):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mambaserve.server", "serve", "--model", str(tiny_ckpt), *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr

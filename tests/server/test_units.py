@@ -102,6 +102,9 @@ def test_loading_errors_are_clear(tmp_path):
     cpu = torch.device("cpu")
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(tmp_path / "nope", torch.float32, cpu)
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="is a file; give the checkpoint's directory"):
+        load_model(tmp_path / "model.safetensors", torch.float32, cpu)
     tmp_path.joinpath("empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json is missing"):
         load_model(tmp_path / "empty", torch.float32, cpu)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -93,25 +94,55 @@ def api_key(flag: str | None, path: str | None, env: str | None) -> str | None:
 
 
 def serve(cfg: ServerConfig) -> None:
+    """Bind the port first and load the model behind it (503 ``loading`` until ready); exit 2 if loading fails."""
     import uvicorn
 
-    from mambaserve.server.engine.engine import Engine
     from mambaserve.server.api.app import create_app
+    from mambaserve.server.api.loading import LoadingApp
+    from mambaserve.server.engine.engine import Engine
     from mambaserve.server.model.config import ModelLoadError
 
-    try:
+    def load():
         engine = Engine(cfg)
-    except (ModelLoadError, ValueError) as e:
-        logging.getLogger("mambaserve").error("%s", e)
-        sys.exit(2)
-    app = create_app(engine)
+        return engine, create_app(engine)
+
     shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     url = f"http://{shown}:{cfg.port}"
-    print(f"\nmambaserve: serving {engine.model_name!r} at {url}\n  try:\n"
-          f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
-          f"\"temperature\": 0}}'\n", flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    failed: list[BaseException] = []
+
+    def ready(engine) -> None:
+        print(f"\nmambaserve: serving {engine.model_name!r} at {url}\n  try:\n"
+              f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
+              f"\"temperature\": 0}}'\n", flush=True)
+
+    def failure(e: BaseException) -> None:
+        failed.append(e)
+        if isinstance(e, (ModelLoadError, ValueError)):
+            logging.getLogger("mambaserve").error("%s", e)
+        else:
+            logging.getLogger("mambaserve").error("loading the model failed", exc_info=e)
+        server.should_exit = True
+
+    sock = listen(cfg.host, cfg.port)  # before anything loads: a taken port fails at once, in one line
+    app = LoadingApp(load, ready, failure)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                           timeout_graceful_shutdown=5))
+    print(f"mambaserve: loading {cfg.model} (503 at {url}/health until ready)", flush=True)
+    server.run(sockets=[sock])
+    if failed:
+        sys.exit(2)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"mambaserve: cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,58 @@
+"""Serve while the model loads: the port is bound at once and every request gets 503 ``loading``
+(``/health`` included, so probes and routers wait) until the engine is ready; then the real app takes
+over. A load that fails stops the server with the reason.
+
+Loading a multi-GB checkpoint and capturing CUDA graphs takes minutes; binding first lets the
+orchestrator see a live process with an honest 503 instead of a refused connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+class LoadingApp:
+    """ASGI app wrapping ``load`` (run on a worker thread at startup; returns ``(engine, app)``)."""
+
+    def __init__(self, load: Callable[[], tuple[object, object]], on_ready: Callable[[object], None] = lambda e: None,
+                 on_failure: Callable[[BaseException], None] = lambda e: None):
+        self._load, self._on_ready, self._on_failure = load, on_ready, on_failure
+        self.engine = self.app = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        body = json.dumps({"error": {"message": "the model is loading; retry shortly", "type": "server_error",
+                                     "code": "loading"}}).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", b"5")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive, send):
+        await receive()  # lifespan.startup
+        loading = asyncio.get_running_loop().run_in_executor(None, self._load)
+        loading.add_done_callback(self._loaded)
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        if self.engine is not None:
+            self.engine.stop()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    def _loaded(self, future: asyncio.Future) -> None:
+        if future.exception() is not None:
+            self._on_failure(future.exception())
+            return
+        engine, app = future.result()
+        engine.start()
+        self.engine, self.app = engine, app
+        self._on_ready(engine)

@@ -1,0 +1,105 @@
+"""`mambaserve serve` as users start it: the port is bound before the model loads (503 `loading` until
+ready), a taken port or a bad model fails in one line, and the banner appears only once serving."""
+
+import asyncio
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from mambaserve.server.api.app import create_app
+from mambaserve.server.api.loading import LoadingApp
+from tests.server.conftest import free_port, make_engine
+
+
+def _serve(model, port, *flags):
+    return subprocess.Popen([sys.executable, "-m", "mambaserve.server", "serve", "--model", str(model), "--port",
+                             str(port), "--log-level", "warning", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_requests_get_503_loading_until_the_engine_is_ready(tiny_ckpt):
+    go = threading.Event()
+    engines = []
+
+    def load():
+        go.wait(30)
+        engines.append(make_engine(tiny_ckpt))
+        return engines[0], create_app(engines[0])
+
+    app = LoadingApp(load)
+
+    async def scenario():
+        startup = asyncio.Queue()
+        await startup.put({"type": "lifespan.startup"})
+        sent = []
+        lifespan = asyncio.ensure_future(app({"type": "lifespan"}, startup.get, lambda m: _append(sent, m)))
+        while not sent:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            before = await c.get("/health")
+            go.set()
+            deadline = time.monotonic() + 30
+            while app.app is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            after = await c.get("/health")
+            gen = await c.post("/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
+        await startup.put({"type": "lifespan.shutdown"})
+        await lifespan
+        return sent, before, after, gen
+
+    sent, before, after, gen = asyncio.run(scenario())
+    assert sent[0] == {"type": "lifespan.startup.complete"}  # startup does not wait for the load
+    assert before.status_code == 503 and before.json()["error"]["code"] == "loading"
+    assert before.headers["retry-after"] == "5"
+    assert after.status_code == 200 and gen.status_code == 200
+    assert not engines[0].healthy  # shutdown stopped the engine
+
+
+async def _append(sent, message):
+    sent.append(message)
+
+
+def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt):
+    port = free_port()
+    proc = _serve(tiny_ckpt, port)
+    try:
+        deadline, first = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            first = first or r
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert first is not None and (first.status_code == 200 or first.json()["error"]["code"] == "loading")
+        assert r.status_code == 200
+        gen = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
+                         timeout=30)
+        assert gen.status_code == 200
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert "mambaserve: serving '" in out  # the banner, once serving
+
+
+def test_a_taken_port_or_a_bad_model_fails_in_one_line_without_the_banner(tiny_ckpt, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve(tiny_ckpt, port)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+    assert "serving" not in out and "loading" not in out  # nothing was loaded
+
+    proc = _serve(tmp_path / "missing", free_port())
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "does not exist" in err and "Traceback" not in err
+    assert "serving" not in out

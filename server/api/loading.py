@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
+import threading
 from typing import Callable
 
-log = logging.getLogger(__name__)
 
 
 class LoadingApp:
@@ -40,7 +39,19 @@ class LoadingApp:
 
     async def _lifespan(self, receive, send):
         await receive()  # lifespan.startup
-        loading = asyncio.get_running_loop().run_in_executor(None, self._load)
+        loop = asyncio.get_running_loop()
+        loading = loop.create_future()
+
+        def run():
+            try:
+                result = self._load()
+            except BaseException as e:  # noqa: BLE001 - reported through on_failure
+                loop.call_soon_threadsafe(loading.set_exception, e)
+            else:
+                loop.call_soon_threadsafe(loading.set_result, result)
+
+        # a daemon thread: stopping the server during a minutes-long load must not wait for it
+        threading.Thread(target=run, name="model-load", daemon=True).start()
         loading.add_done_callback(self._loaded)
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown
@@ -49,6 +60,8 @@ class LoadingApp:
         await send({"type": "lifespan.shutdown.complete"})
 
     def _loaded(self, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return
         if future.exception() is not None:
             self._on_failure(future.exception())
             return

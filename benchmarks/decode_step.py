@@ -11,8 +11,10 @@ With --profile: the kernels of one step (batch --profile-batch; torch.profiler a
 device time, the number of kernels per step and per layer, and the share of the step spent between
 kernels. With --projections: each projection of the model at batch 1, its norm kernel + cuBLAS against
 the fused kernels.*norm_linear and a sweep of its tiles, as a fraction of copy bandwidth. --unfused
-captures the graphs with norms and projections as separate kernels (the A/B baseline). --variants
-times the same graphs again under other kernels.KernelConfig variants (tiles, early reads, fusion) or MAMBASERVE_PDL in the same process.
+captures the graphs with norms and projections as separate kernels (KernelConfig(fuse_norm_linear=False),
+the A/B baseline). --variants times the same graphs again, captured again, under other kernels.KernelConfig
+settings (tiles, early reads, fusion, PDL of the gated norm) or environment variables (MAMBASERVE_PDL) in
+the same process, set on the model with ``use_kernel_config`` and restored after.
 
   python3 benchmarks/decode_step.py --size 2.7b --profile
   python3 benchmarks/decode_step.py --size 130m,2.7b --batches 1,8,64 --json decode_step.json
@@ -150,11 +152,8 @@ def bench_projections(size: str, bw: float) -> list[dict]:
     layer's weight once."""
     import torch.nn.functional as F
 
-    from mambaserve.kernels import KernelConfig, gated_rmsnorm, rmsnorm
+    from mambaserve.kernels import gated_rmsnorm, rmsnorm
     from mambaserve.kernels.norm_linear import _tiles, gated_rmsnorm_linear, rmsnorm_linear
-
-    def tiled(K, tiles):
-        return KernelConfig(linear_tiles={K: tiles}) if tiles else None
 
     s = SIZES[size]
     H, d_inner = s["hidden_size"], 2 * s["hidden_size"]
@@ -178,10 +177,10 @@ def bench_projections(size: str, bw: float) -> list[dict]:
 
         if name == "out_proj":
             unfused = lambda w: F.linear(gated_rmsnorm(x, z, nw, 1e-5, K), w)  # noqa: E731
-            fused = lambda w, c=None: gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, config=tiled(K, c))  # noqa: E731
+            fused = lambda w, c=None: gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, tiles=c)  # noqa: E731
         else:
             unfused = lambda w: F.linear(rmsnorm(x, res, nw, 1e-5, True)[0], w)  # noqa: E731
-            fused = lambda w, c=None: rmsnorm_linear(x, res, nw, 1e-5, True, w, config=tiled(K, c))  # noqa: E731
+            fused = lambda w, c=None: rmsnorm_linear(x, res, nw, 1e-5, True, w, tiles=c)  # noqa: E731
         ref = graph_us(call(unfused), calls=copies * 4)
         configs = [_tiles(K)] + [{**_tiles(K), **c} for c in sweep]
         ours = {tuple(sorted(c.items())): graph_us(call(lambda w, c=c: fused(w, c)), calls=copies * 4)
@@ -201,14 +200,15 @@ def bench_projections(size: str, bw: float) -> list[dict]:
 
 
 def apply_variant(model, v: dict):
-    """Apply one --variants entry: KernelConfig fields (``linear_tiles`` keyed by K) on ``model``, and
-    ``"env.NAME": value`` entries in os.environ; returns a function that restores both."""
+    """Apply one --variants entry: its KernelConfig fields over the model's config (``use_kernel_config``;
+    ``linear_tiles`` keyed by K, JSON's string keys made ints), and its ``"env.NAME": value`` entries in
+    os.environ. Returns a function that restores both; capture the graphs again after either."""
     import dataclasses
     import os
 
     from mambaserve.kernels import KernelConfig
 
-    fields = {k: v for k, v in v.items() if not k.startswith("env.")}
+    fields = {k: value for k, value in v.items() if not k.startswith("env.")}
     if "linear_tiles" in fields:  # JSON keys are strings
         fields["linear_tiles"] = {int(k): t for k, t in fields["linear_tiles"].items()}
     if "state_update_small_tiles" in fields:
@@ -279,12 +279,13 @@ def main() -> None:
     p.add_argument("--profile-batch", type=int, default=1, help="the batch --profile profiles (one of --batches)")
     p.add_argument("--top", type=int, default=25, help="kernels listed by --profile")
     p.add_argument("--unfused", action="store_true",
-                   help="norms and projections as separate kernels (norm kernel + cuBLAS) instead of fused (A/B)")
+                   help="norms and projections as separate kernels (norm kernel + cuBLAS) instead of fused: "
+                        "KernelConfig(fuse_norm_linear=False), the A/B baseline")
     p.add_argument("--projections", action="store_true",
                    help="also time each batch-1 projection: norm + cuBLAS vs fused (and a tile sweep)")
     p.add_argument("--variants", type=json.loads, default=[],
-                   help='JSON list of knob settings, each timed after the default with the graphs captured again, '
-                        'each an object of kernels.KernelConfig fields and "env.NAME" entries, e.g. '
+                   help='JSON list of variants, each timed after the default with the graphs captured again: '
+                        'an object of kernels.KernelConfig fields (over the default) and "env.NAME" entries, e.g. '
                         '\'[{"linear_tiles": {"5120": {"PREFETCH_COLS": 0}}}, {"early_state": false}, '
                         '{"env.MAMBASERVE_PDL": 0}]\'')
     p.add_argument("--json", help="write the results here")

@@ -12,13 +12,16 @@ modules are loaded, without running the packages' ``__init__`` (which needs comp
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
+import inspect
 import itertools
 import json
 import os
 import sys
 import tempfile
 import types
+from pathlib import Path
 
 import torch
 
@@ -40,6 +43,7 @@ import importlib  # noqa: E402
 # (the package re-exports functions under the module names, so import the modules explicitly)
 conv1d, ssu_mod, ssd_scan, state_ops = (importlib.import_module(f"mambaserve.kernels.{m}") for m in
                                         ("conv1d", "selective_state_update", "ssd_scan", "state_ops"))
+from mambaserve.kernels.config import KernelConfig  # noqa: E402
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref  # noqa: E402
 
 ROWS: list[dict] = []
@@ -85,12 +89,54 @@ def device_time(fn, n=10, key_len=48):
     return sum(per.values()), per
 
 
-def load_file(path: str, name: str = "ssd_scan_baseline"):
-    """A Python file as a module (a previous version of a kernel file, for same-process A/Bs)."""
+def _exec_file(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_file(path: str, name: str = "ssd_scan_baseline"):
+    """A Python file as a module (a previous version of a kernel file, for same-process A/Bs).
+
+    A launcher whose jitted kernels are a module of their own (ssd_scan.py imports
+    mambaserve.kernels.ssd_scan_kernels) runs that module's version from beside the file, named
+    ``<file stem>_kernels.py`` (e.g. both from ``git show REV:kernels/...``): importing the checkout's
+    would time the current kernels under the old launcher."""
+    path = Path(path)
+    own = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mambaserve.kernels.")
+                and node.module.endswith("_kernels")):
+            beside = path.with_name(f"{path.stem}_kernels.py")
+            if not beside.exists():
+                raise SystemExit(f"{path} imports {node.module}: put that file's version beside it as {beside}")
+            own[node.module] = _exec_file(beside, f"{name}_kernels")
+    saved = {m: sys.modules.get(m) for m in own}
+    sys.modules.update(own)  # only while the file runs: its imports bind to its own kernels
+    try:
+        return _exec_file(path, name)
+    finally:
+        for m, old in saved.items():
+            if old is None:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = old
+
+
+def scan_launcher(mod):
+    """``mod.ssd_scan_varlen`` called as the checkout's is: ``tiles=`` (one call's overrides of SCAN_CONFIG)
+    and ``config=`` (a KernelConfig, its ``scan_tiles`` under ``tiles``). Previous files took the overrides
+    as one ``config`` dict, the first ones none at all."""
+    fn = mod.ssd_scan_varlen
+    if "tiles" in inspect.signature(fn).parameters:
+        return fn
+
+    def launch(*args, tiles=None, config=None, **kw):
+        overrides = {**(config.scan_tiles if config is not None else {}), **(tiles or {})}
+        return fn(*args, **kw, **({"config": overrides} if overrides else {}))
+
+    return launch
 
 
 def record(kernel, shape, t, *, nbytes=None, flops=None, ref_t=None, ext_t=None, ext_name="", note=""):
@@ -246,9 +292,9 @@ def sweep_scan(run, pool, label):
         for cfg in configs:
             try:
                 pool.zero_()
-                y1, _ = run(config=cfg)  # same inputs: every config must compute the same y and state
+                y1, _ = run(tiles=cfg)  # same inputs: every config must compute the same y and state
                 err = max(rel(y1, y0), rel(pool, s0))
-                tt = bench(lambda: run(config=cfg), rep_ms=100)
+                tt = bench(lambda: run(tiles=cfg), rep_ms=100)
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                 print(f"scan {label} {kernel} config {cfg} failed: {repr(e)[:160]}", flush=True)
                 continue
@@ -260,14 +306,13 @@ def sweep_scan(run, pool, label):
     return best
 
 
-def bench_scan(ext, cases, sweep):
+def bench_scan(ext, cases, sweep, base: KernelConfig):
     H, P, N, G, _ = MODELS["mamba2-2.7b"]
     Q = 256
     for nseq, L in cases:
         T = nseq * L
         x, dt, A, B, C, D, bias, pool, kw = scan_inputs(nseq, L)
-        run = lambda config=None: ssd_scan.ssd_scan_varlen(x, dt, A, B, C, config={**SCAN_BASE, **(config or {})},  # noqa: E731
-                                                           **kw)
+        run = lambda tiles=None: ssd_scan.ssd_scan_varlen(x, dt, A, B, C, tiles=tiles, config=base, **kw)  # noqa: E731
         t = bench(run)
         note = ""
         if sweep:
@@ -302,8 +347,8 @@ def mamba_configs():
     return out
 
 
-def scan_breakdown(ext, configs=({},)):
-    """Per-kernel device time of one scan call (ours with each of ``configs`` over the defaults, and
+def scan_breakdown(ext, configs=({},), base: KernelConfig | None = None):
+    """Per-kernel device time of one scan call (ours with each of ``configs`` over ``base``'s tiles, and
     mamba_ssm's), through the torch profiler. The ratio of summed device times is the fair comparison:
     `mamba_chunk_scan_combined`'s wall time per call (bench_scan) sometimes includes host time (seen on the
     H100: 1045 us wall for 732 us of kernels), ours stays within ~3% of its device time."""
@@ -312,7 +357,7 @@ def scan_breakdown(ext, configs=({},)):
         x, dt, A, B, C, D, bias, pool, kw = scan_inputs(nseq, L)
         kw.pop("dt_softplus")
         fns = {f"ours {json.dumps(cfg)}" if cfg else "ours": (lambda cfg=cfg: ssd_scan.ssd_scan_varlen(
-            x, dt, A, B, C, config={**SCAN_BASE, **cfg}, **kw)) for cfg in configs}
+            x, dt, A, B, C, tiles=cfg, config=base, **kw)) for cfg in configs}
         if "scan" in ext:
             xb, dtb = x.view(nseq, L, H, P), dt.view(nseq, L, H)
             Bb, Cb = B.view(nseq, L, G, N), C.view(nseq, L, G, N)
@@ -438,9 +483,6 @@ def print_table():
         print("| " + " | ".join(vals) + " |")
 
 
-SCAN_BASE: dict = {}  # --scan-config: overrides every scan call of this run passes (over SCAN_CONFIG)
-
-
 def main():
     global COPY_BW
     ap = argparse.ArgumentParser()
@@ -453,7 +495,7 @@ def main():
     ap.add_argument("--breakdown-configs", default="[{}]", help="JSON list of scan configs to break down")
     a = ap.parse_args()
     only = set(a.only.split(","))
-    SCAN_BASE.update(json.loads(a.scan_config))
+    scan_base = KernelConfig(scan_tiles=json.loads(a.scan_config))  # under each call's sweep tiles
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
@@ -465,9 +507,9 @@ def main():
     if "ssu" in only:
         bench_ssu(ext, batches, list(MODELS), a.sweep)
     if "breakdown" in only:
-        scan_breakdown(ext, json.loads(a.breakdown_configs))
+        scan_breakdown(ext, json.loads(a.breakdown_configs), scan_base)
     if "scan" in only:
-        bench_scan(ext, [(8, 2048), (1, 16384)], a.sweep)
+        bench_scan(ext, [(8, 2048), (1, 16384)], a.sweep, scan_base)
     if "conv" in only:
         bench_conv(ext, [1, 64, 512])
     if "state" in only:

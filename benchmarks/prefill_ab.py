@@ -3,8 +3,9 @@
     python benchmarks/prefill_ab.py --variants '{"new": {}, "pointers": {"tma": false, "state_tma": false}}' \
         [--baseline old_ssd_scan.py] [--size 2.7b] [--rounds 3]
 
-Each variant is a SCAN_CONFIG override for kernels/ssd_scan.py; a variant named "baseline*" runs the file
-given by --baseline (a previous ssd_scan.py) instead. Per round and variant: prefill tokens/s of 8 x 2048
+Each variant is a SCAN_CONFIG override for kernels/ssd_scan.py (the model's KernelConfig.scan_tiles); a variant
+named "baseline*" runs the file given by --baseline (a previous ssd_scan.py; scan_ab.py's docstring says where
+its ssd_scan_kernels.py goes) instead. Per round and variant: prefill tokens/s of 8 x 2048
 tokens, TTFT of one 2048- and one 8192-token prompt (each after a warm-up of the same shape), and the host
 time of one scan call at 2048 tokens (launch only, no synchronisation; rough, since the engine's scheduler
 thread shares the interpreter); medians over the rounds at the end.
@@ -47,13 +48,15 @@ def main():
     ap.add_argument("--size", default="2.7b", choices=sorted(e2e.SIZES))
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
+    import dataclasses
+
     import mambaserve.kernels as K
     from mambaserve.server.config import ServerConfig
     from mambaserve.server.engine.engine import Engine
 
     base_fn = None
     if a.baseline:
-        base_fn = kb.load_file(a.baseline).ssd_scan_varlen
+        base_fn = kb.scan_launcher(kb.load_file(a.baseline))
     new_fn = K.ssd_scan_varlen
     tmp = Path(tempfile.mkdtemp(prefix="mambaserve-prefill-ab-"))
     e2e.build_checkpoint(a.size, tmp, "cuda", torch.bfloat16)
@@ -69,22 +72,23 @@ def main():
         return asyncio.run(e2e.timed_batch(engine, prompts, 1))
 
     x, dt, A, B, C, D, bias, pool, kw = kb.scan_inputs(1, 2048)
+    default = engine.model.kernel_config
     res = {}
     for rnd in range(a.rounds):
         for name, override in json.loads(a.variants).items():
-            engine.model.use_kernel_config(K.KernelConfig(scan_tiles=override))
+            engine.model.use_kernel_config(dataclasses.replace(default, scan_tiles=override))
             fn = base_fn if name.startswith("baseline") else new_fn
             K.ssd_scan_varlen = fn  # a previous file's launcher: the model calls kernels.ssd_scan_varlen
             run(8, 2048), run(1, 2048), run(1, 8192)  # warm-up: compiles per shape class
             _, ends = run(8, 2048)
             f2, _ = run(1, 2048)
             f8, _ = run(1, 8192)
-            host = host_us(lambda: fn(x, dt, A, B, C, config=override or None, **kw))
+            host = host_us(lambda: fn(x, dt, A, B, C, tiles=override, **kw))
             row = dict(prefill=16384 / max(ends), ttft_2k_ms=f2[0] * 1e3, ttft_8k_ms=f8[0] * 1e3, scan_host_us=host)
             for k, v in row.items():
                 res.setdefault(name, {}).setdefault(k, []).append(v)
             print(rnd, name, {k: round(v, 1) for k, v in row.items()}, flush=True)
-    engine.model.use_kernel_config(K.KernelConfig())
+    engine.model.use_kernel_config(default)
     K.ssd_scan_varlen = new_fn
     for name, r in res.items():
         print("median", name, {k: round(statistics.median(v), 1) for k, v in r.items()}, flush=True)

@@ -3,12 +3,14 @@
     python benchmarks/scan_ab.py --configs '{"default": {}, "pointers": {"tma": false}}' \
         [--baseline old_ssd_scan.py] [--shapes '[[8, 2048], [1, 16384]]'] [--boundary] [--third-party third_party]
 
-Each named config (over kernels/ssd_scan.py's SCAN_CONFIG) runs on `kernels.py`'s 2.7b inputs with initial
-states; names starting with "baseline" run the file given by --baseline instead (a previous version of
-ssd_scan.py, e.g. from `git show REV:kernels/ssd_scan.py`). Printed per config and shape: the summed device
-time of each kernel over 10 calls (torch profiler), the relative difference of y and the final state to the
-first config's, the relative error of both against the fp32 torch reference, and the ratio of
-`mamba_chunk_scan_combined`'s summed device time (same inputs, same process) to ours.
+Each named config (tile overrides over kernels/ssd_scan.py's SCAN_CONFIG, passed as `tiles=`) runs on
+`kernels.py`'s 2.7b inputs with initial states; names starting with "baseline" run the file given by
+--baseline instead (a previous version of ssd_scan.py, e.g. from `git show REV:kernels/ssd_scan.py`; where
+that version imports its jitted kernels from ssd_scan_kernels.py, that file's version goes beside it as
+`<baseline stem>_kernels.py`, e.g. old_ssd_scan.py and old_ssd_scan_kernels.py). Printed per config and
+shape: the summed device time of each kernel over 10 calls (torch profiler), the relative difference of y
+and the final state to the first config's, the relative error of both against the fp32 torch reference,
+and the ratio of `mamba_chunk_scan_combined`'s summed device time (same inputs, same process) to ours.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main():
     ap.add_argument("--third-party", default="third_party")
     a = ap.parse_args()
     configs = json.loads(a.configs)
-    baseline = kb.load_file(a.baseline) if a.baseline else None
+    baseline = kb.scan_launcher(kb.load_file(a.baseline)) if a.baseline else None
     ext = kb.load_third_party(a.third_party)
     H, P, N, G, _ = kb.MODELS["mamba2-2.7b"]
     for nseq, L in json.loads(a.shapes):
@@ -45,8 +47,8 @@ def main():
         y_ref, _ = kb.ssd_scan.ssd_scan_varlen_ref(x, dt, A, B, C, **dict(kw, ssm_state=ref_pool))
         first, totals = None, {}
         for name, cfg in configs.items():
-            mod = baseline if name.startswith("baseline") else kb.ssd_scan
-            run = lambda: mod.ssd_scan_varlen(x, dt, A, B, C, config=cfg, **kw)  # noqa: E731
+            launch = baseline if name.startswith("baseline") else kb.ssd_scan.ssd_scan_varlen
+            run = lambda: launch(x, dt, A, B, C, tiles=cfg, **kw)  # noqa: E731
             pool.copy_(init)
             y, _ = run()
             out = (y.clone(), pool.clone())

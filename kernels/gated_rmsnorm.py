@@ -69,7 +69,8 @@ def gated_rmsnorm(x, z, weight, eps: float, group_size: int, *, force_triton: bo
         return out
     BLOCK = next_pow2(group_size)
     zz = z if z is not None else x
+    pdl = pdl_args(x) if (config or DEFAULT).gated_norm_pdl else {}
     _gated_rmsnorm_kernel[(T, D // group_size)](
         x, zz, weight, out, group_size, float(eps), x.stride(0), zz.stride(0), out.stride(0),
-        HAS_Z=z is not None, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **(pdl_args(x) if (config or DEFAULT).gated_norm_pdl else {}))
+        HAS_Z=z is not None, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **pdl)
     return out

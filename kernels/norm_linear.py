@@ -140,7 +140,7 @@ if HAS_TRITON:
         tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=mn)
 
 
-def _tiles(K: int, config: KernelConfig = DEFAULT) -> dict:
+def _tiles(K: int, config: KernelConfig = DEFAULT, tiles: dict | None = None) -> dict:
     """Tiles from H100 sweeps of whole decode steps at batch 1 (benchmarks/decode_step.py --variants;
     benchmarks/README.md), per-column partial sums (ACC_2D) reduced once everywhere.
     From K = 2048 (mamba2-2.7b: in_proj and lm_head 2560, out_proj 5120) two warps per program and the
@@ -148,20 +148,22 @@ def _tiles(K: int, config: KernelConfig = DEFAULT) -> dict:
     flight per program without holding them in registers): 8 columns x 512-wide steps below K = 4096,
     4 x 1024 from it. Shorter rows (mamba2-130m: 768, 1536) run two to three K steps, too few to
     pipeline: 4 columns x 512, unpipelined, two warps up to K = 1024. PREFETCH_COLS: weight columns per
-    row each program asks L2 for before its PDL wait."""
+    row each program asks L2 for before its PDL wait. Overridden by ``config.linear_tiles[K]``, then by
+    ``tiles``."""
     if K >= 4096:
-        tiles = {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 2, "STAGES": 4, "PREFETCH_COLS": 2048}
+        base = {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 2, "STAGES": 4, "PREFETCH_COLS": 2048}
     elif K >= 2048:
-        tiles = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "STAGES": 4, "PREFETCH_COLS": 1024}
+        base = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "STAGES": 4, "PREFETCH_COLS": 1024}
     else:
-        tiles = {"BLOCK_N": 4, "BLOCK_K": min(512, max(16, next_pow2(K))), "num_warps": 2 if K <= 1024 else 4,
-                 "STAGES": 1, "PREFETCH_COLS": 1024}
-    return {**tiles, "ACC_2D": True, **config.linear_tiles.get(K, {})}
+        base = {"BLOCK_N": 4, "BLOCK_K": min(512, max(16, next_pow2(K))), "num_warps": 2 if K <= 1024 else 4,
+                "STAGES": 1, "PREFETCH_COLS": 1024}
+    return {**base, "ACC_2D": True, **config.linear_tiles.get(K, {}), **(tiles or {})}
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, force_triton: bool | None, config: KernelConfig, *others) -> bool:
-    return (config.fuse_norm_linear and x.dim() == 2 and x.shape[0] == 1 and weight.is_contiguous() and weight.dtype == x.dtype
-            and all(t is None or t.is_contiguous() for t in (x, *others)) and use_triton(x, force_triton))
+    return (config.fuse_norm_linear and x.dim() == 2 and x.shape[0] == 1 and weight.is_contiguous()
+            and weight.dtype == x.dtype and all(t is None or t.is_contiguous() for t in (x, *others))
+            and use_triton(x, force_triton))
 
 
 class ConvStep(NamedTuple):
@@ -174,10 +176,10 @@ class ConvStep(NamedTuple):
     col0: int
 
 
-def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_res, config, conv=None):
+def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_res, config, overrides, conv=None):
     N, K = weight.shape
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    tiles = _tiles(K, config)
+    tiles = _tiles(K, config, overrides)
     cols = min(K, tiles.pop("PREFETCH_COLS"))
     pdl = pdl_args(x)
     if pdl and cols > 0:
@@ -217,16 +219,17 @@ def _unfused(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, conv
 
 
 def rmsnorm_linear(x, residual, norm_weight, eps: float, residual_in_fp32: bool, weight, bias=None,
-                   conv: ConvStep | None = None, *, force_triton: bool | None = None,
+                   conv: ConvStep | None = None, *, force_triton: bool | None = None, tiles: dict | None = None,
                    config: KernelConfig | None = None):
     """``(linear(norm(residual + x)), residual + x)``: kernels.rmsnorm then the projection, then
-    ``conv`` over its columns if given. ``config``: fused or not, tiles by K (benchmark sweeps)."""
+    ``conv`` over its columns if given. ``config``: fused or not, conv step fused or not, tiles by K;
+    ``tiles``: this call's tile overrides (benchmark sweeps)."""
     config = config or DEFAULT
     if not _fits(x, weight, force_triton, config, residual) or norm_weight.dtype != x.dtype:
         return _unfused(x, residual, norm_weight, eps, residual_in_fp32, weight, bias, conv, force_triton)
     res_out = new_residual(x, residual, residual_in_fp32)
     y = _launch(RESIDUAL, x, residual, None, norm_weight, eps, weight, bias, res_out, res_out is not x, config,
-                conv if config.fuse_conv else None)
+                tiles, conv if config.fuse_conv else None)
     return (y if config.fuse_conv else _conv_columns(y, conv, force_triton)), res_out
 
 
@@ -235,10 +238,12 @@ def gated_rmsnorm_linear_ref(x, z, norm_weight, eps, group_size, weight, bias=No
 
 
 def gated_rmsnorm_linear(x, z, norm_weight, eps: float, group_size: int, weight, bias=None, *,
-                         force_triton: bool | None = None, config: KernelConfig | None = None):
-    """``linear(gated_rmsnorm(x, z))``; fused for one row and a single norm group."""
+                         force_triton: bool | None = None, tiles: dict | None = None,
+                         config: KernelConfig | None = None):
+    """``linear(gated_rmsnorm(x, z))``; fused for one row and a single norm group. ``config`` and
+    ``tiles`` as ``rmsnorm_linear``'s."""
     config = config or DEFAULT
     if (not _fits(x, weight, force_triton, config, z) or z is None or group_size != x.shape[-1]
             or norm_weight.dtype != x.dtype):
         return F.linear(gated_rmsnorm(x, z, norm_weight, eps, group_size, config=config).to(x.dtype), weight, bias)
-    return _launch(GATED, x, None, z, norm_weight, eps, weight, bias, x, False, config)
+    return _launch(GATED, x, None, z, norm_weight, eps, weight, bias, x, False, config, tiles)

@@ -13,6 +13,9 @@ mid-chunk emits the same boundary states as one pass would; the states at every 
 ``chunk_size`` that this call crosses are returned when asked (the radix cache's tracked snapshots).
 Positions are counted in tokens covered: a boundary state at position ``k`` is the state after the
 first ``k`` tokens of the history.
+
+This module holds the launcher (its host planning and tiles) and the pure-torch reference
+``ssd_scan_varlen_ref``; the four jitted kernels are in ``ssd_scan_kernels``, whose docstring says what each does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import (HAS_TRITON, hopper_or_newer, interpreting, next_pow2, seq_block,
                                           sm_count, tl, triton, use_triton)
+from mambaserve.kernels.config import DEFAULT, KernelConfig
 
 if HAS_TRITON:
     from mambaserve.kernels.ssd_scan_kernels import (_ssd_bmm_kernel, _ssd_chunk_scan_kernel, _ssd_prep_kernel,
@@ -182,19 +186,19 @@ def _track_index(b_seq: list[int], b_pos: list[int], track: list[tuple[int, int]
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRITON else {}
 
-# Tiles of the kernels; overridable per call for benchmark sweeps. Picked from H100 sweeps at 2.7b dims, 8x2048
-# and 1x16384 tokens. chunk: the kernels work on
-# chunks of this many tokens when the model's chunk size is larger (boundary states stay at the model's
-# multiples): half of Q = 256 halves the causal products inside a chunk and doubles the start states written
-# and read, a net gain. Output kernel: block_m rows x block_p columns per program, block_k tokens per step, the
-# start-state product over N in block_n slices, 4 warps capped at maxnreg registers (80: 5-6 programs per SM
-# instead of 4 at the uncapped 128; 275 vs 309 us at 8x2048). State kernel: a [state_block_p,
-# state_block_n] tile per program on state_warps warps, state_block_k tokens per step, the token blocks unrolled and
-# the chunk loop pipelined (state_unroll). The tile follows the number of walks: with fewer than
-# state_small_per_sm programs per SM at state_small_p rows (one or two long sequences) it is state_small_p rows on
-# state_small_warps warps (1x16384: 439 vs 460 us for the scan at 64 rows); with at least state_wide_per_sm per SM
-# at state_wide_n columns (many sequences) it spans those columns (x read once and B half as often); between, the
-# default tile (an H100 sweep); a config naming the tile or the warps gets exactly that.
+# Tiles of the kernels, picked from H100 sweeps at 2.7b dims, 8x2048 and 1x16384 tokens (KernelConfig.scan_tiles
+# and a call's tiles= override them). chunk: the kernels work on chunks of this many tokens when the model's chunk
+# size is larger (boundary states stay at the model's multiples): half of Q = 256 halves the causal products
+# inside a chunk and doubles the start states written and read, a net gain. Output kernel: block_m rows x
+# block_p columns per program, block_k tokens per step, the start-state product over N in block_n slices, 4 warps
+# capped at maxnreg registers (80: 5-6 programs per SM instead of 4 at the uncapped 128; 275 vs 309 us at
+# 8x2048). State kernel: a [state_block_p, state_block_n] tile per program on state_warps warps, state_block_k
+# tokens per step, the token blocks unrolled and the chunk loop pipelined (state_unroll). The tile follows the
+# number of walks: with fewer than state_small_per_sm programs per SM at state_small_p rows (one or two long
+# sequences) it is state_small_p rows on state_small_warps warps (1x16384: 439 vs 460 us for the scan at 64
+# rows); with at least state_wide_per_sm per SM at state_wide_n columns (many sequences) it spans those columns
+# (x read once and B half as often); between, the default tile (the best of an H100 sweep); overrides naming
+# the tile or the warps get exactly that.
 # tma / state_tma: tiles read through TMA tensor descriptors where the layout allows (Hopper or newer, and the
 # interpreter) and the call has at least tma_min_tokens tokens: with descriptors at every size the 2.7b 2k-token
 # TTFT was 52.5 ms against 43.4 through pointers (most likely their host time per launch), while from 8k tokens
@@ -226,8 +230,8 @@ def _rows_of(t: torch.Tensor, inner: int):
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
-                     seq_start_pos, D, dt_bias, dt_softplus, dt_limit, return_boundary_states, track, config):
-    cfg = {**SCAN_CONFIG, **(config or {})}
+                     seq_start_pos, D, dt_bias, dt_softplus, dt_limit, return_boundary_states, track, overrides):
+    cfg = {**SCAN_CONFIG, **overrides}
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     S = state_indices.numel()
@@ -250,7 +254,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     # bf16 operands wrongly, so under it the operands go in as fp32 (same values, exact products).
     dot_t = tl.float32 if interpreting() or x.dtype == torch.float32 else _TL_DTYPES[x.dtype]
     # Start states and C B^T are only ever matrix-unit operands: stored in the inputs' 16-bit type when
-    # they have one (half the bytes; the output kernel rounded them to it before), else fp32.
+    # they have one (half the bytes, no precision lost: the output kernel's products take them in it), else fp32.
     op_dtype = x.dtype if x.dtype in _TL_DTYPES else torch.float32
     dtp = torch.empty(H, T, dtype=torch.float32, device=dev)
     cs = torch.empty(H, T, dtype=torch.float32, device=dev)
@@ -291,7 +295,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         Q=QI, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
         BLOCK_Q=QI, BLOCK_S=BLOCK_S, BLOCK_H=PH, num_warps=4)
     SBP, SBN, state_warps = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN), cfg["state_warps"]
-    if dev.type == "cuda" and not {"state_block_p", "state_block_n", "state_warps"} & set(config or {}):
+    if dev.type == "cuda" and not {"state_block_p", "state_block_n", "state_warps"} & set(overrides):
         small_p = min(cfg["state_small_p"], BP)
         sms = sm_count(dev)
         if S * H * triton.cdiv(P, small_p) * triton.cdiv(N, SBN) < cfg["state_small_per_sm"] * sms:
@@ -343,13 +347,15 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
 def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices,
                     has_initial_state, seq_start_pos=None, D=None, dt_bias=None, dt_softplus=True,
                     dt_limit=(0.0, float("inf")), return_boundary_states=False, track=None,
-                    force_triton: bool | None = None, config: dict | None = None):
+                    force_triton: bool | None = None, tiles: dict | None = None,
+                    config: KernelConfig | None = None):
     """Prefill scan: see the module docstring. Mutates ``ssm_state`` in place.
 
     ``track``: (sequence, absolute position) pairs, each a multiple of ``chunk_size`` that the call crosses:
     only those boundary states are returned (in that order) and written. Triton path: no host
     synchronisation unless boundary states are asked for (one, to size the output). Sequences must have
-    distinct slots. ``config`` overrides ``SCAN_CONFIG`` (benchmark sweeps).
+    distinct slots. Tiles: ``SCAN_CONFIG``, overridden by ``config.scan_tiles``, then by this call's
+    ``tiles`` (benchmark sweeps).
     """
     if x.shape[1] % B.shape[1]:
         raise ValueError(f"heads {x.shape[1]} not divisible by groups {B.shape[1]}")
@@ -360,4 +366,5 @@ def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_
     pow2 = chunk_size >= 16 and not chunk_size & (chunk_size - 1)  # tl.dot tiles need >= 16
     if not use_triton(x, force_triton) or not pow2 or x.shape[0] == 0 or state_indices.numel() == 0:
         return ssd_scan_varlen_ref(x, dt, A, B, C, **kwargs)
-    return _ssd_scan_triton(x, dt, A, B, C, config=config, **kwargs)
+    overrides = {**(config or DEFAULT).scan_tiles, **(tiles or {})}
+    return _ssd_scan_triton(x, dt, A, B, C, overrides=overrides, **kwargs)

@@ -72,7 +72,7 @@ class Mamba2Mixer(nn.Module):
             chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
             has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
             dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, track=bt.track or None,
-            config=self.kernel_config.scan_tiles or None)
+            config=self.kernel_config)
         tracked = (conv_windows, boundary.states) if bt.track else None
         return self._out(y, z), tracked
 

@@ -40,14 +40,14 @@ def _cu(lengths):
 # 64-row state tiles and one sequence the 16-row one-warp tiles), and through TMA descriptors; 32-token k blocks and
 # the start-state product over N in two slices (TMA); 2 warps without a register cap, the state tile over all
 # of N; the kernels' chunks the model's and a quarter of it
-SCAN_CONFIGS = [None, dict(tma_min_tokens=0), dict(block_k=32, block_n=64, num_stages=2, tma_min_tokens=0),
-                dict(num_warps=2, num_stages=1, maxnreg=None, state_block_n=128),
-                dict(chunk=256, num_stages=3, state_stages=2, tma_min_tokens=0), dict(chunk=64)]
+SCAN_TILES = [None, dict(tma_min_tokens=0), dict(block_k=32, block_n=64, num_stages=2, tma_min_tokens=0),
+              dict(num_warps=2, num_stages=1, maxnreg=None, state_block_n=128),
+              dict(chunk=256, num_stages=3, state_stages=2, tma_min_tokens=0), dict(chunk=64)]
 
 
-@pytest.mark.parametrize("config", SCAN_CONFIGS)
+@pytest.mark.parametrize("tiles", SCAN_TILES)
 @pytest.mark.parametrize("G", [1, 8])
-def test_scan_packed_real_shapes(G, config):
+def test_scan_packed_real_shapes(G, tiles):
     lengths = [1, 3, Q - 1, Q, Q + 1, 3 * Q + 5]
     S = len(lengths)
     x, dt, A, B, C, D, bias = _scan_inputs(sum(lengths), G, G)
@@ -57,7 +57,7 @@ def test_scan_packed_real_shapes(G, config):
               has_initial_state=torch.tensor([True, False] * 3, device="cuda"),
               seq_start_pos=torch.tensor([0, 5, 2 * Q + 3, Q, 1, 7], device="cuda"), D=D, dt_bias=bias,
               return_boundary_states=True)
-    y, bnd = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, config=config, **kw)
+    y, bnd = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, tiles=tiles, **kw)
     y_ref, bnd_ref = ssd_scan_varlen_ref(x, dt, A, B, C, ssm_state=ref_pool, **kw)
     assert_close(y, y_ref, 1e-2)
     assert_close(pool, ref_pool, 5e-3)
@@ -66,8 +66,8 @@ def test_scan_packed_real_shapes(G, config):
     assert_close(bnd.states, bnd_ref.states, 5e-3)
 
 
-@pytest.mark.parametrize("config", SCAN_CONFIGS)
-def test_scan_split_resume_and_extreme_decay_real_shapes(config):
+@pytest.mark.parametrize("tiles", SCAN_TILES)
+def test_scan_split_resume_and_extreme_decay_real_shapes(tiles):
     L, cut = 2000, 700
     x, dt, A, B, C, D, bias = _scan_inputs(L, 1, 3)
     dt[::7] = 30.0
@@ -76,7 +76,7 @@ def test_scan_split_resume_and_extreme_decay_real_shapes(config):
     one, two = torch.zeros(2, H, P, N, device="cuda"), torch.zeros(2, H, P, N, device="cuda")
     slot = torch.tensor([1], device="cuda")
     base = dict(chunk_size=Q, state_indices=slot, D=D, dt_bias=bias, return_boundary_states=True)
-    run = lambda *a, **k: ssd_scan_varlen(*a, config=config, **k)  # noqa: E731
+    run = lambda *a, **k: ssd_scan_varlen(*a, tiles=tiles, **k)  # noqa: E731
     y1, b1 = run(x, dt, A, B, C, cu_seqlens=_cu([L]), ssm_state=one,
                  has_initial_state=torch.tensor([False], device="cuda"), **base)
     ya, ba = run(x[:cut], dt[:cut], A, B[:cut], C[:cut], cu_seqlens=_cu([cut]), ssm_state=two,
@@ -221,8 +221,7 @@ def test_rmsnorm_linear_real_shapes(N, K):
         assert torch.equal(r, r_ref)
         assert_close(y, y_ref, 1e-2)
         # the shared-memory pipeline only moves loads: the sums are the unpipelined loop's, bit for bit
-        assert torch.equal(y, rmsnorm_linear(x, residual, nw, 1e-5, True, w,
-                                                  config=KernelConfig(linear_tiles={K: {"STAGES": 1}}))[0])
+        assert torch.equal(y, rmsnorm_linear(x, residual, nw, 1e-5, True, w, tiles={"STAGES": 1})[0])
 
 
 @pytest.mark.parametrize("N,K", [(2560, 5120), (768, 1536)])  # out_proj 2.7b / 130m
@@ -235,5 +234,5 @@ def test_gated_rmsnorm_linear_real_shapes(N, K):
     nw = (1 + 0.1 * torch.randn(K, generator=g, device="cuda")).to(BF)
     y = gated_rmsnorm_linear(x, z, nw, 1e-5, K, w)
     assert_close(y, gated_rmsnorm_linear_ref(x, z, nw, 1e-5, K, w), 1e-2)
-    assert torch.equal(y, gated_rmsnorm_linear(x, z, nw, 1e-5, K, w,
-                                                         config=KernelConfig(linear_tiles={K: {"STAGES": 1}})))
+    unpipelined = KernelConfig(linear_tiles={K: {"STAGES": 1}})  # by K, through the config
+    assert torch.equal(y, gated_rmsnorm_linear(x, z, nw, 1e-5, K, w, config=unpipelined))

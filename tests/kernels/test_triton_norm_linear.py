@@ -91,14 +91,14 @@ def test_conv_step_in_the_epilogue(dev, width, conv_bias, slot):
         assert not torch.equal(state[slot], _rand(4, D, width - 1, seed=7).to(dev)[slot])
 
 
-@pytest.mark.parametrize("config", [{"ACC_2D": False}, {"ACC_2D": True}, {"BLOCK_N": 8, "num_warps": 2},
-                                    {"STAGES": 3}])
-def test_loop_variants_agree(dev, config):
-    """The tile and loop knobs the benchmarks sweep compute the same product."""
+@pytest.mark.parametrize("tiles", [{"ACC_2D": False}, {"ACC_2D": True}, {"BLOCK_N": 8, "num_warps": 2},
+                                   {"STAGES": 3}])
+def test_loop_variants_agree(dev, tiles):
+    """The tile and loop knobs the benchmarks sweep (one call's ``tiles``) compute the same product."""
     K, N = 1100, 37
     x, w = _rand(1, K, seed=1).to(dev), (_rand(N, K, seed=2) / K ** 0.5).to(dev)
     nw, residual = (1 + 0.1 * _rand(K, seed=3)).to(dev), _rand(1, K, seed=4).to(dev)
-    y, _ = rmsnorm_linear(x, residual, nw, 1e-5, True, w, force_triton=True, config=_tiles(K, BLOCK_K=256, **config))
+    y, _ = rmsnorm_linear(x, residual, nw, 1e-5, True, w, force_triton=True, tiles={"BLOCK_K": 256, **tiles})
     torch.testing.assert_close(y, rmsnorm_linear_ref(x, residual, nw, 1e-5, True, w)[0], rtol=1e-5, atol=1e-5)
 
 

@@ -96,10 +96,10 @@ def test_prefill_then_decode_equals_long_prefill(dev):
     del z
 
 
-@pytest.mark.parametrize("chunk,config", [(Q, None), (4 * Q, dict(block_m=16, block_k=16)),
-                                          (4 * Q, dict(block_m=32, block_k=16)),
-                                          (4 * Q, dict(chunk=2 * Q, block_m=16, block_k=16))])
-def test_extreme_decay_and_dt_range_are_finite(dev, chunk, config):
+@pytest.mark.parametrize("chunk,tiles", [(Q, None), (4 * Q, dict(block_m=16, block_k=16)),
+                                         (4 * Q, dict(block_m=32, block_k=16)),
+                                         (4 * Q, dict(chunk=2 * Q, block_m=16, block_k=16))])
+def test_extreme_decay_and_dt_range_are_finite(dev, chunk, tiles):
     """Decays down to exp(-480) per token, also across the row blocks of a chunk (second case: the
     output kernel's factored weights for tokens before a row block)."""
     L, H, P, G, N = 2 * Q + 3, 2, 4, 1, 4
@@ -113,7 +113,7 @@ def test_extreme_decay_and_dt_range_are_finite(dev, chunk, config):
     y, bnd = ssd_scan_varlen(x, dt, A, B, C, chunk_size=chunk, cu_seqlens=torch.tensor([0, L], device=dev),
                              ssm_state=pool, state_indices=torch.tensor([1], device=dev),
                              has_initial_state=torch.tensor([False], device=dev), D=D,
-                             return_boundary_states=True, force_triton=True, config=config)
+                             return_boundary_states=True, force_triton=True, tiles=tiles)
     assert torch.isfinite(y).all() and torch.isfinite(pool[1]).all() and torch.isfinite(bnd.states).all()
     assert pool[2].isnan().all()
     ry, rs = ssm_recurrence(x.cpu(), dt.cpu(), A.cpu(), B.cpu(), C.cpu(), D.cpu())
@@ -136,7 +136,7 @@ def test_bf16_inputs_and_state(dev):
     assert_close(pool, ref_pool, TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("config", [
+@pytest.mark.parametrize("tiles", [
     # several output row blocks per chunk, C.B^T tiles as small as them, P split over two output programs,
     # N over two slices there, the state split over 2 x 2 programs (the last ones partial)
     dict(block_m=16, block_k=16, block_p=16, block_n=16, cb_tile=16, state_block_p=16, state_block_n=16,
@@ -148,7 +148,7 @@ def test_bf16_inputs_and_state(dev):
     dict(chunk=Q, block_m=16, block_k=16, state_block_k=16, state_unroll=False, prep_heads=2),
     dict(chunk=Q, block_m=16, block_k=16, state_block_k=16),
 ])
-def test_tile_configs_match_reference(dev, config):
+def test_tile_configs_match_reference(dev, tiles):
     Q2 = 2 * Q
     lengths = [1, Q2 - 1, Q2 + 1, 3 * Q2 + 5, 7]
     H, P, G, N, S = 4, 20, 2, 24, len(lengths)
@@ -161,7 +161,7 @@ def test_tile_configs_match_reference(dev, config):
               has_initial_state=torch.tensor([True, False, True, True, False], device=dev),
               seq_start_pos=torch.tensor([3, 0, Q2 + 7, 5, Q2 - 1], device=dev), D=D, dt_bias=bias,
               return_boundary_states=True)
-    y, bnd = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, force_triton=True, config=config, **kw)
+    y, bnd = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, force_triton=True, tiles=tiles, **kw)
     y_ref, bnd_ref = ssd_scan_varlen_ref(x, dt, A, B, C, ssm_state=ref_pool, **kw)
     assert_close(y, y_ref, 1e-5)
     assert_close(pool, ref_pool, 1e-5)
@@ -174,10 +174,10 @@ def test_kernel_chunk_must_be_a_power_of_two(dev):
     pool = torch.zeros(2, 2, 4, 4, device=dev)
     with pytest.raises(ValueError, match="power of two"):
         _run(ssd_scan_varlen, x, dt, A, B, C, [5], pool, torch.tensor([1], device=dev),
-             torch.tensor([False], device=dev), None, D, bias, force_triton=True, config=dict(chunk=12))
+             torch.tensor([False], device=dev), None, D, bias, force_triton=True, tiles=dict(chunk=12))
 
 
-@pytest.mark.parametrize("config", [
+@pytest.mark.parametrize("tiles", [
     # tiles through TMA tensor descriptors (the interpreter emulates them), two row blocks per chunk and the
     # diagonal's x tile reused for the D term; then the same through pointers; then k blocks smaller than
     # the row blocks and a C.B^T tile larger than them
@@ -187,7 +187,7 @@ def test_kernel_chunk_must_be_a_power_of_two(dev):
     dict(block_m=32, block_k=16, block_p=16, block_n=32, cb_tile=32, state_block_p=16, state_block_n=16,
          state_block_k=16, tma_min_tokens=0),
 ])
-def test_output_weights_factored_or_exact_per_block(dev, config):
+def test_output_weights_factored_or_exact_per_block(dev, tiles):
     """Heads from slow to fast decay, so row blocks take both output paths: weights factored through the
     block's middle row (cs spans < 60 on each side of it) and exact pairwise weights (it does not), with
     blocks where only the span across the middle row or only one side decides."""
@@ -203,7 +203,7 @@ def test_output_weights_factored_or_exact_per_block(dev, config):
     kw = dict(chunk_size=Q2, cu_seqlens=cu, state_indices=torch.tensor([2, 0, 3], device=dev),
               has_initial_state=torch.tensor([True, False, True], device=dev),
               seq_start_pos=torch.tensor([0, 7, Q2 + 1], device=dev), D=D, dt_bias=torch.zeros(H, device=dev))
-    y, _ = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, force_triton=True, config=config, **kw)
+    y, _ = ssd_scan_varlen(x, dt, A, B, C, ssm_state=pool, force_triton=True, tiles=tiles, **kw)
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         slot = kw["state_indices"][i].item()
         init = before[slot].cpu() if kw["has_initial_state"][i] else None

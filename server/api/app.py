@@ -23,6 +23,7 @@ from mambaserve.server.api.native import native_routes
 from mambaserve.server.api.openai import openai_routes
 from mambaserve.server.api.responses import ClientGone, error_response
 from mambaserve.server.api.schemas import ERRORS, PLAIN_TEXT
+from mambaserve.server.api.timing import StageTimer
 from mambaserve.server.api.sessions import session_routes
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, Overloaded, SamplingParams
@@ -106,6 +107,7 @@ def create_app(engine: Engine) -> FastAPI:
     if engine.cfg.api_key:  # added last: it runs first, before any body is read
         app.add_middleware(ApiKeyAuth, key=engine.cfg.api_key,
                            on_reject=lambda: engine.metrics.rejected.labels("unauthorized").inc())
+    app.add_middleware(StageTimer, histogram=engine.metrics.stages)  # outermost: stamps arrival first
     app.include_router(native_routes(engine))
     app.include_router(session_routes(engine))
     app.include_router(openai_routes(engine))

@@ -138,6 +138,8 @@ class Admission:
         rows = []
         for i, (req, n) in enumerate(plan):
             req.in_state += n
+            if batch.mode is ForwardMode.EXTEND and req.timeline is not None:
+                req.timeline.mark("launched")
             if req.folding:  # its last token is in the state now: hand the slot to the session
                 self.output.finish(req, req.finish_reason, emit=False)
                 continue

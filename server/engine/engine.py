@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from mambaserve.server.config import ServerConfig
+from mambaserve.server.engine import timeline
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
@@ -141,6 +142,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         rid = rid or self.new_rid()
+        tl = timeline.current.get()
+        if tl is not None:
+            tl.mark("validated")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -151,7 +155,7 @@ class Engine:
                   emit=lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                   stop_token_ids=frozenset(stop_ids), session_id=session_id,
-                  turn_params=turn_params or TurnParams())
+                  turn_params=turn_params or TurnParams(), timeline=tl)
         self.scheduler.submit(req)
         self._active += 1
         return Generation(self, rid, q)

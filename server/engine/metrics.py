@@ -6,12 +6,14 @@ from __future__ import annotations
 import collections
 import time
 
+from mambaserve.server.engine.timeline import STAGES
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 # `_created` series double the scrape size and no dashboard uses them.
 disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 
 
@@ -30,6 +32,9 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("mambaserve_inter_token_latency_seconds", "Time between output tokens",
                              buckets=ITL_BUCKETS, registry=r)
+        self.stages = Histogram("mambaserve_request_stage_seconds",
+                                "Time to first byte by stage: from the stage before to this one (engine.timeline)",
+                                ["stage"], buckets=STAGE_BUCKETS, registry=r)
         self.e2e = Histogram("mambaserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.slots_total = Gauge("mambaserve_state_slots_total", "State slots in the pool", registry=r)
@@ -55,6 +60,8 @@ class ServerMetrics:
         for tier in ("gpu", "session"):
             self.cache_hit.labels(tier)
         self.evictions.labels("gpu")
+        for stage in STAGES[1:]:
+            self.stages.labels(stage)
         for reason in ("client", "timeout", "error"):
             self.sessions_closed.labels(reason)
         for reason in ("stop", "length", "abort", "error"):

@@ -40,6 +40,8 @@ class OutputProcessor:
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
+            if req.timeline is not None:
+                req.timeline.mark("first_token")
             self.metrics.ttft.observe(now - req.created)
         else:
             self.metrics.itl.observe(now - req.last_token_time)
@@ -126,6 +128,8 @@ class OutputProcessor:
 
     def _emit_final(self, req: Req, reason: FinishReason, error: str | None = None,
                     error_code: str | None = None) -> None:
+        if req.timeline is not None:
+            req.timeline.mark("finished")
         out = self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release(final=True),
                            finish=reason, error=error)
         out.error_code = error_code or ("internal_error" if error else None)

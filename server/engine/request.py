@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
+from mambaserve.server.engine.timeline import Timeline
 
 
 class BadRequest(ValueError):
@@ -137,6 +138,7 @@ class Req:
     matched_stop: int | str | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    timeline: Timeline | None = None  # where its time to first byte goes (HTTP requests)
     last_token_time: float | None = None
     # what has been sent to the client
     sent_tokens: int = 0
@@ -179,6 +181,8 @@ class RequestQueues:
     def start(self, req: Req) -> None:
         self.waiting.remove(req)
         self.running.append(req)
+        if req.timeline is not None:
+            req.timeline.mark("admitted")
 
     def remove(self, req: Req) -> None:
         if req in self.waiting:

@@ -198,6 +198,8 @@ class Scheduler:
         # the prompt minus that token exists and can be kept: the same prompt sent again then hits.
         req.prefill_len = len(req.prompt_ids) - (1 if self.cache.enabled else 0)
         self.queues.add(req)
+        if req.timeline is not None:
+            req.timeline.mark("queued")
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
 
     def _abort(self, rid: str) -> None:

@@ -1,0 +1,31 @@
+"""The HTTP edge of the request timeline (``engine.timeline``): an ASGI middleware that opens a timeline
+when a generation request arrives, makes it current while the app handles the request, and observes
+it when the first byte of the answer is sent."""
+
+from __future__ import annotations
+
+from mambaserve.server.engine import timeline
+
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+
+
+class StageTimer:
+    def __init__(self, app, histogram):
+        self.app, self.histogram = app, histogram
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        tl = timeline.Timeline()
+        token = timeline.current.set(tl)
+
+        async def timed_send(message):
+            if message["type"] == "http.response.body" and "first_byte" not in tl.marks:
+                tl.mark("first_byte")
+                timeline.observe(tl, self.histogram)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            timeline.current.reset(token)

@@ -8,7 +8,9 @@ contiguous, except where the decode update is given ``out`` (the model writes it
 
 Prefill reads each sequence's initial conv state from its slot (or zeros when
 ``has_initial_state`` is false) and writes the last ``K-1`` inputs back to the same slot. Decode rows
-with slot index ``-1`` are padding: their output is zero and no slot is touched.
+with slot index ``-1`` are padding: their output is zero and no slot is touched; prefill sequences with
+slot ``-1`` (padding of the prefill CUDA graphs, ``has_initial_state`` false) are computed and their
+state is dropped, and empty sequences touch nothing.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ if HAS_TRITON:
         L = tl.load(cu_ptr + s + 1).to(tl.int32) - beg
         slot = tl.load(slot_ptr + s).to(tl.int64)
         has_init = tl.load(init_ptr + s) != 0
-        m = d < tl.where(L > 0, Dm, 0)
+        m = d < tl.where((L > 0) & (slot >= 0), Dm, 0)  # slot -1: a padding sequence, no state
         base = state_ptr + slot * st_s + d * st_d
         # Load every new column before storing any: new column j is the input at position L + j - (K - 1),
         # an old column when the sequence is shorter than the window. 1-D tiles keep all columns of
@@ -211,6 +213,8 @@ def causal_conv1d_varlen_ref(
     has_init = has_initial_state.tolist()
     for i, slot in enumerate(slots):
         start, end = bounds[i], bounds[i + 1]
+        if end == start:
+            continue  # an empty sequence: no output, its slot untouched
         seq = x[start:end].t().float()  # [D, L]
         if has_init[i]:
             prev = conv_state[slot].float()
@@ -219,7 +223,8 @@ def causal_conv1d_varlen_ref(
         full = torch.cat([prev, seq], dim=1)  # [D, K-1+L]
         y = F.conv1d(full.unsqueeze(0), weight.float().unsqueeze(1), bias.float() if bias is not None else None, groups=D)[0]
         out[start:end] = _activate(y, activation).t().to(x.dtype)
-        conv_state[slot] = full[:, full.shape[1] - (K - 1):].to(conv_state.dtype)
+        if slot >= 0:
+            conv_state[slot] = full[:, full.shape[1] - (K - 1):].to(conv_state.dtype)
     return out
 
 

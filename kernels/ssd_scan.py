@@ -7,7 +7,8 @@ Shapes (``T`` packed tokens, ``S`` sequences, ``H`` heads, ``P`` head dim, ``G``
   has_initial_state ``[S]`` (read the slot, or start from zero), seq_start_pos ``[S]`` (absolute
   position of each sequence's first token in its whole history).
 
-Each sequence's final state is written back to its slot. Chunks are aligned to *absolute* positions
+Each sequence's final state is written back to its slot (slot -1: a padding sequence, whose state is
+neither read nor written; the prefill CUDA graphs pad with them). Chunks are aligned to *absolute* positions
 (multiples of ``chunk_size`` in the sequence's history, not in this call), so a sequence resumed
 mid-chunk emits the same boundary states as one pass would; the states at every absolute multiple of
 ``chunk_size`` that this call crosses are returned when asked (the radix cache's tracked snapshots).
@@ -142,6 +143,8 @@ def ssd_scan_varlen_ref(
     b_states, b_seq, b_pos = [], [], []
     for i, slot in enumerate(slots):
         s, e = bounds[i], bounds[i + 1]
+        if e == s:
+            continue  # an empty sequence: no output, its slot untouched
         xs = x[s:e].float()
         Bs = B[s:e].float().repeat_interleave(H // G, dim=1)
         Cs = C[s:e].float().repeat_interleave(H // G, dim=1)
@@ -151,7 +154,8 @@ def ssd_scan_varlen_ref(
         if D is not None:
             ys = ys + D.float()[:, None] * xs
         y[s:e] = ys.to(x.dtype)
-        ssm_state[slot] = final.to(ssm_state.dtype)
+        if slot >= 0:
+            ssm_state[slot] = final.to(ssm_state.dtype)
         if return_boundary_states and n_full:
             b_states.append(ends[:n_full])
             b_seq += [i] * n_full

@@ -152,8 +152,9 @@ if HAS_TRITON:
                 d = tl.load(bnd_dest_ptr + b, mask=e % Q == 0, other=-1)
                 tl.store(bnd_ptr + (d * H + h).to(tl.int64) * P * N + tile, state,
                          mask=(p < tl.where(d >= 0, P, 0))[:, None] & mn[None, :])
+        # slot -1: a padding sequence (prefill CUDA graphs), whose state goes nowhere
         tl.store(sptr, state.to(ssm_ptr.dtype.element_ty),
-                 mask=(p < tl.where(n_chunks > 0, P, 0))[:, None] & mn[None, :])
+                 mask=(p < tl.where((n_chunks > 0) & (slot >= 0), P, 0))[:, None] & mn[None, :])
 
     @triton.jit
     def _ssd_bmm_kernel(C_ptr, B_ptr, meta_ptr, cb_ptr, G, N, C_t, C_g, C_n, B_t, B_g, B_n,

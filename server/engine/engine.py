@@ -48,13 +48,16 @@ class Engine:
         self.metrics = ServerMetrics()
         self.track_interval = self._track_interval()
         runner = ModelRunner(self.model, self.pool, self.device)
-        if is_cuda and not cfg.disable_cuda_graph:
-            runner.enable_cuda_graphs(min(cfg.running_limit(is_cuda), cfg.cuda_graph_max_bs))
-        if is_cuda:
+        if is_cuda:  # eager prefill variants first: the graphs capture what is compiled by then
             t = time.monotonic()
             runner.warm_up(d.chunk_size, self.track_interval,
                            min(cfg.running_limit(is_cuda), cfg.chunked_prefill_size))
             log.info("prefill kernels compiled in %.1f s", time.monotonic() - t)
+        if is_cuda and not cfg.disable_cuda_graph:
+            t = time.monotonic()
+            runner.enable_cuda_graphs(min(cfg.running_limit(is_cuda), cfg.cuda_graph_max_bs),
+                                      cfg.chunked_prefill_size, cfg.running_limit(is_cuda))
+            log.info("CUDA graphs captured in %.1f s", time.monotonic() - t)
         self.scheduler = Scheduler(
             cfg, runner, self.metrics, max_running=cfg.running_limit(is_cuda), context_length=self.context_length,
             track_interval=self.track_interval,

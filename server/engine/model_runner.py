@@ -29,12 +29,19 @@ class ModelRunner:
     def __init__(self, model: Mamba2ForCausalLM, pool: MambaStatePool, device: torch.device):
         self.model, self.pool, self.device = model, pool, device
         self.graphs = None
+        self.prefill_graphs = None
 
-    def enable_cuda_graphs(self, max_batch: int) -> None:
-        from mambaserve.server.engine.cuda_graphs import DecodeGraphs
+    def enable_cuda_graphs(self, max_batch: int, max_prefill_tokens: int = 0, max_prefill_seqs: int = 0) -> None:
+        """Capture decode graphs up to ``max_batch`` rows and, with ``max_prefill_tokens``, prefill graphs
+        up to that many tokens and ``max_prefill_seqs`` sequences."""
+        from mambaserve.server.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 
         self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.device)
         self.graphs.capture()
+        if max_prefill_tokens:
+            self.prefill_graphs = PrefillGraphs(self.model, self.pool, max_prefill_tokens, max_prefill_seqs,
+                                                self.device)
+            self.prefill_graphs.capture()
 
     def warm_up(self, chunk_size: int, track_interval: int = 0, max_seqs: int = 2) -> None:
         """Run a prefill of each class of shape the Triton kernels compile a variant for (1, 2 and up to
@@ -106,6 +113,12 @@ class ModelRunner:
         ids = self._token_ids(batch)
         if self.graphs is not None and batch.mode is ForwardMode.DECODE and batch.batch_size <= self.graphs.buckets[-1]:
             return ForwardOutput(logits=self.graphs.run(ids, batch.slots))
+        if (self.prefill_graphs is not None and batch.mode is ForwardMode.EXTEND and not batch.track
+                and not batch.all_logits):
+            bucket = self.prefill_graphs.bucket(batch.batch_size, batch.num_tokens)
+            if bucket is not None:
+                return ForwardOutput(logits=self.prefill_graphs.run(bucket, ids, batch.seq_lens, batch.slots,
+                                                                    batch.has_initial_state, batch.start_pos))
         dev = self.device
         cu = [0]
         for n in batch.seq_lens:

@@ -119,3 +119,27 @@ def test_strided_input_equals_contiguous(dev, force_triton):
         assert_close(causal_conv1d_update(step, pool, w, b, idx, force_triton=True),
                      causal_conv1d_update_ref(step, ref_pool, w, b, idx), TOL[torch.bfloat16])
         assert torch.equal(pool, ref_pool)
+
+
+@pytest.mark.parametrize("force_triton", [True, False])
+def test_padding_sequences_leave_every_slot_alone(dev, force_triton):
+    """Prefill padding (prefill CUDA graphs): slot -1 sequences, one with tokens and empty ones, change no
+    slot and nothing of the real sequences."""
+    lengths, Dm, width = [3, 6], 8, 4
+    g = gen(5)
+    x = randn(g, sum(lengths) + 5, Dm, dev=dev)
+    w, b = randn(g, Dm, width, dev=dev), randn(g, Dm, dev=dev)
+    pool = randn(g, 3, Dm, width - 1, dev=dev)
+
+    def run(lens, slots, has):
+        p = pool.clone()
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        fn = causal_conv1d_varlen if force_triton else causal_conv1d_varlen_ref
+        kw = {"force_triton": True} if force_triton else {}
+        out = fn(x[:sum(lens)], w, b, p, cu, torch.tensor(slots, device=dev), torch.tensor(has, device=dev), **kw)
+        return out, p
+
+    out_alone, alone = run(lengths, [0, 1], [True, False])
+    out, padded = run(lengths + [5, 0], [0, 1, -1, -1], [True, False, False, False])
+    assert torch.equal(padded, alone) and torch.equal(padded[2], pool[2])
+    assert_close(out[:sum(lengths)], out_alone, 1e-6)

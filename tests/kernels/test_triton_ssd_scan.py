@@ -234,3 +234,25 @@ def test_tracked_boundary_states_only(dev, impl):
     assert torch.equal(some.states, all_.states[[3, 0, len(pairs) - 1]]) and torch.equal(y, y_all)
     with pytest.raises(ValueError, match="not a chunk boundary"):
         _run(fn, x, dt, A, B, C, lengths, pool.clone(), slots, has, starts, D, bias, track=[(0, Q + 1)])
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_padding_sequences_leave_every_slot_alone(dev, impl):
+    """The prefill CUDA graphs pad a batch with slot -1 sequences (one holding the padding tokens, the
+    rest empty): the real sequences' outputs and states are as without them, and no slot changes."""
+    H, P, N, lengths = 4, 4, 16, [5, Q + 3]
+    x, dt, A, B, C, D, bias = _inputs(sum(lengths) + 7, H, P, 1, N, 11, dev)
+    pool = torch.randn(4, H, P, N, generator=gen(3)).to(dev)
+    kw = {"force_triton": True} if impl == "triton" else {}
+    fn = ssd_scan_varlen if impl == "triton" else ssd_scan_varlen_ref
+    alone = pool.clone()
+    y_alone, _ = _run(fn, x[:sum(lengths)], dt[:sum(lengths)], A, B[:sum(lengths)], C[:sum(lengths)], lengths,
+                      alone, torch.tensor([2, 0], device=dev), torch.tensor([True, False], device=dev),
+                      torch.tensor([4, 0], device=dev), D, bias, **kw)
+    padded = pool.clone()
+    y, _ = _run(fn, x, dt, A, B, C, lengths + [7, 0, 0], padded, torch.tensor([2, 0, -1, -1, -1], device=dev),
+                torch.tensor([True, False, False, False, False], device=dev), torch.tensor([4, 0, 0, 0, 0], device=dev),
+                D, bias, **kw)
+    assert torch.equal(padded, alone)  # slots 1 and 3 (and the last, -1 from the end) untouched
+    assert torch.equal(padded[[1, 3]], pool[[1, 3]])
+    assert_close(y[:sum(lengths)], y_alone, 1e-6)

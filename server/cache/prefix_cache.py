@@ -58,8 +58,15 @@ class DisabledCache:
     def clear(self, slot: int) -> None:
         self.pending.clears.append(slot)
 
-    def alloc(self) -> int | None:
+    def alloc(self, unused_since: int | None = None) -> int | None:
+        """A free slot, else (with a tree) the slot of the least recently used snapshot; ``unused_since``:
+        only one not used after that tick of ``clock`` (a speculative snapshot must not displace what
+        requests used or queued for since its own request arrived)."""
         return self.allocator.alloc()
+
+    @property
+    def clock(self) -> int:
+        return 0
 
     def free(self, slot: int) -> None:
         # a deferred op into a slot that is given up must not land on its next owner
@@ -80,6 +87,12 @@ class DisabledCache:
     def take(self, node: TreeNode | None) -> int | None:
         """The slot of ``node``'s snapshot, moved out of the cache to the caller (None if it cannot be)."""
         return None
+
+    def sole_reader_of_leaf(self, node: TreeNode | None) -> bool:
+        return False
+
+    def touch(self, tokens: Sequence[int]) -> int:
+        return 0
 
     @property
     def tree_slots(self) -> int:
@@ -103,10 +116,10 @@ class PrefixCache(DisabledCache):
         super().__init__(allocator)
         self.tree = MambaRadixCache(page_size)
 
-    def alloc(self) -> int | None:
+    def alloc(self, unused_since: int | None = None) -> int | None:
         slot = self.allocator.alloc()
         if slot is None and self.tree.evictable_slots:
-            freed = self.tree.evict(1)
+            freed = self.tree.evict(1, unused_since)
             self.evictions += len(freed)
             for s in freed:
                 self.free(s)
@@ -128,6 +141,20 @@ class PrefixCache(DisabledCache):
 
     def take(self, node: TreeNode | None) -> int | None:
         return self.tree.take(node) if node is not None else None
+
+    @property
+    def clock(self) -> int:
+        return self.tree.clock
+
+    def sole_reader_of_leaf(self, node: TreeNode | None) -> bool:
+        """``node`` (matched and locked by the caller) is a leaf nobody else reads: taking its slot over
+        costs no other request anything."""
+        return node is not None and node.lock_ref == 1 and not node.children
+
+    def touch(self, tokens: Sequence[int]) -> int:
+        """Mark the snapshot ``tokens`` would match as just used (a queued request will read it: eviction
+        spares it over older ones) and return its length, without locking it."""
+        return self.tree.match_prefix(tokens).length if tokens else 0
 
     def keep(self, tokens: Sequence[int], slot: int) -> bool:
         if not tokens:

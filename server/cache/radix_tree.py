@@ -213,15 +213,22 @@ class MambaRadixCache:
 
     # ---------------------------------------------------------------- eviction
 
-    def evict(self, num_slots: int) -> list[int]:
+    @property
+    def clock(self) -> int:
+        """The recency clock now: ``evict(..., unused_since=clock)`` later spares what is used from now on."""
+        return self._clock
+
+    def evict(self, num_slots: int, unused_since: int | None = None) -> list[int]:
         """Free up to ``num_slots`` unlocked snapshots, LRU first; returns their slot ids in order.
+        ``unused_since``: only snapshots not used after that tick of ``clock``.
 
         O(S log S) in the number of snapshots S per call, which is bounded by the state pool
         (hundreds to a few thousand slots), so a scan beats keeping an ordered index in sync.
         """
         if num_slots <= 0:
             return []
-        candidates = [n for n in self._owner.values() if n.lock_ref == 0]
+        candidates = [n for n in self._owner.values()
+                      if n.lock_ref == 0 and (unused_since is None or n.last_access <= unused_since)]
         victims = heapq.nsmallest(num_slots, candidates, key=lambda n: (n.last_access, n.depth))
         return [self._drop(node) for node in victims]
 

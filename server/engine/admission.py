@@ -13,12 +13,13 @@ from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.output import OutputProcessor
-from mambaserve.server.engine.policy import PrefillCandidate, next_mode_is_decode, plan_prefill
+from mambaserve.server.engine.policy import PrefillCandidate, admission_order, next_mode_is_decode, plan_prefill
 from mambaserve.server.engine.request import FinishReason, Req, RequestQueues
 from mambaserve.server.engine.sampling import Launched
 from mambaserve.server.sessions.manager import SessionManager
 
 Plan = list[tuple[Req, int]]  # (request, tokens it runs in the step)
+MAX_OVERTAKEN = 4  # admission rounds a waiting request may be passed by shorter prefills (policy.admission_order)
 
 
 class Admission:
@@ -41,17 +42,23 @@ class Admission:
         if next_mode_is_decode(has_prefill, bool(decode), self.last_was_extend):
             return self._decode_batch(decode, inflight)
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in running if not r.prefill_done]
-        cands += [PrefillCandidate(r, r.prefill_len, True, not _has_live_slot(r)) for r in waiting
-                  if r.session is None or not r.session.awaiting_fold]  # the live state arrives next step
+        ready = [(r, max(0, r.prefill_len - r.expected_cached), r.overtaken) for r in waiting
+                 if r.session is None or not r.session.awaiting_fold]  # the live state arrives next step
+        new_tokens = {id(r): n for r, n, _ in ready}
+        cands += [PrefillCandidate(r, new_tokens[id(r)], True, not _has_live_slot(r))
+                  for r in admission_order(ready, MAX_OVERTAKEN)]
         plan = plan_prefill(cands, self.chunk, self.cache.allocator.num_free + self.cache.evictable_slots,
                             len(running), self.max_running)
-        chunks = []
+        chunks, admitted, arrivals = [], [], list(waiting)
         for req, n in plan:
-            if req.slot is None and not self._admit(req):
-                break  # no slot after all (a locked match): wait for one
-            n = min(n, req.prefill_len - req.in_state)  # a cache hit shortens the prefill
+            if req.slot is None:
+                if not self._admit(req):
+                    break  # no slot after all (a locked match): wait for one
+                admitted.append(req)
+            n = min(n, req.prefill_len - req.in_state)  # the real hit, not the estimate, decides
             if n > 0:
                 chunks.append((req, n))
+        _count_overtaken(arrivals, admitted)
         if chunks:
             return self._extend_batch(chunks), chunks
         return self._decode_batch([r for r in running if r.prefill_done], inflight)
@@ -82,7 +89,7 @@ class Admission:
             if self.track_interval:
                 # strictly inside the chunk: its end is donated whole after the step
                 for pos in range((s // self.track_interval + 1) * self.track_interval, s + n, self.track_interval):
-                    slot = self.cache.alloc()
+                    slot = self.cache.alloc(unused_since=self._speculative_horizon(req))
                     if slot is None:
                         break
                     track.append((i, pos, slot))
@@ -99,12 +106,17 @@ class Admission:
             return True
         # the last token must run to produce logits: never match the whole prompt
         cached, node, src = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
-        slot = self.cache.alloc()
+        # A hit copies its snapshot into a free slot: the snapshot stays for others. With no slot free,
+        # a leaf snapshot only this request reads is taken over (its slot changes hands, no copy) rather
+        # than evicting another conversation's snapshot to copy into: this request's own state
+        # supersedes it. Only then does the cache evict; and when nothing is free or evictable outside
+        # the locked path, any snapshot only this request reads is taken over instead of waiting for a
+        # slot only it holds. A miss, or a snapshot others read, waits: the requests holding slots run.
+        slot = self.cache.allocator.alloc() if cached else None
+        if slot is None and not (cached and self.cache.sole_reader_of_leaf(node)):
+            slot = self.cache.alloc()
         moved = slot is None
         if moved:
-            # Nothing is free or evictable outside the path this match locked: continue from the matched
-            # snapshot itself (its slot changes hands, no copy) instead of waiting for a slot only this
-            # request holds. A miss, or a snapshot others copy from, waits: the requests holding slots run.
             self.cache.unlock(node)
             slot = self.cache.take(node)
             if slot is None:
@@ -156,9 +168,16 @@ class Admission:
             rows.append(i)
         return rows
 
+    def _speculative_horizon(self, req: Req) -> int:
+        """A snapshot made in case it is needed (a chunk end, a tracked position) may displace only
+        snapshots unused since before ``req`` and every waiting request arrived: a queued request's
+        snapshot was refreshed when it arrived, and others used since belong to live conversations."""
+        oldest = self.queues.waiting[0].arrival_tick if self.queues.waiting else req.arrival_tick
+        return min(oldest, req.arrival_tick) - 1
+
     def _donate(self, req: Req) -> None:
         """Give the request's state to the tree and continue in a fresh slot filled by a deferred copy."""
-        fresh = self.cache.alloc()
+        fresh = self.cache.alloc(unused_since=self._speculative_horizon(req))
         if fresh is None:
             return
         if self.cache.keep(req.tokens(req.in_state), req.slot):
@@ -166,6 +185,18 @@ class Admission:
             req.slot = fresh
         else:
             self.cache.free(fresh)
+
+
+def _count_overtaken(arrivals: list[Req], admitted: list[Req]) -> None:
+    """Every request still waiting that arrived before one admitted now (``arrivals``: the queue before
+    admission) was overtaken once more."""
+    if not admitted:
+        return
+    ids = {id(r) for r in admitted}
+    last = max(i for i, r in enumerate(arrivals) if id(r) in ids)
+    for r in arrivals[:last]:
+        if id(r) not in ids:
+            r.overtaken += 1
 
 
 def _has_live_slot(req: Req) -> bool:

@@ -25,8 +25,8 @@ def plan_prefill(candidates: list[PrefillCandidate], token_budget: int, free_slo
     """Chunks for the next EXTEND step, in candidate order: ``[(key, num_tokens), ...]``.
 
     Candidates are ordered: requests already prefilling first (they hold slots), then waiting
-    requests in arrival order. Admission stops at the first waiting request that cannot get a slot
-    or a running place, so arrival order is kept (no small request overtakes a large one forever).
+    requests in ``admission_order``. Admission stops at the first waiting request that cannot get a
+    slot or a running place, so that order is kept (no request overtakes one that aged).
     """
     plan = []
     budget = token_budget
@@ -42,6 +42,16 @@ def plan_prefill(candidates: list[PrefillCandidate], token_budget: int, free_slo
         plan.append((c.key, n))
         budget -= n
     return plan
+
+
+def admission_order(waiting: list[tuple[object, int, int]], max_overtaken: int) -> list[object]:
+    """Waiting requests ``(key, new tokens to prefill, times overtaken)`` (in arrival order) in the order
+    they are offered admission: first those overtaken ``max_overtaken`` times already, in arrival order;
+    then the others by fewest new tokens (a cache hit's short prefill before a long cold one), arrival
+    order among equals. A long request waits behind shorter ones at most ``max_overtaken`` rounds."""
+    aged = [key for key, _, n in waiting if n >= max_overtaken]
+    rest = sorted((w for w in waiting if w[2] < max_overtaken), key=lambda w: w[1])  # stable: arrival order kept
+    return aged + [key for key, _, _ in rest]
 
 
 def next_mode_is_decode(has_prefill_work: bool, has_decode_work: bool, last_was_extend: bool) -> bool:

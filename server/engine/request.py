@@ -128,6 +128,9 @@ class Req:
     prefill_len: int = 0  # prompt tokens run as prefill; the rest (the last one, with a cache) runs as decode
     in_state: int = 0  # tokens of prompt + output already folded into the slot's state
     cached_tokens: int = 0
+    expected_cached: int = 0  # the cache's match when it arrived (admission's estimate of its prefill)
+    arrival_tick: int = 0  # the cache's recency clock when it arrived (admission._speculative_horizon)
+    overtaken: int = 0  # admission rounds in which a later request was admitted while it waited
     locked_node: object | None = None  # radix node whose snapshot is being copied in (unlocked after the copy)
     session_id: str | None = None
     turn_params: object | None = None  # sessions.table.TurnParams

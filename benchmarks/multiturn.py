@@ -22,15 +22,16 @@ import time
 import httpx
 
 from _server import launched  # noqa: E402 (the script's folder is on sys.path)
+from ttft import STAGES, stage_sums  # noqa: E402
 
 
 async def one_request(c: httpx.AsyncClient, ids: list[int], out_len: int) -> tuple[float, list[int], int]:
     """Stream one /generate; returns (TTFT seconds, output ids, cached tokens)."""
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}}
-    t0 = time.perf_counter()
+    body = json.dumps({"input_ids": ids, "stream": True,
+                       "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}})
+    t0 = time.perf_counter()  # after encoding the body (thousands of ids): the client's time is not TTFT
     ttft, last = None, None
-    async with c.stream("POST", "/generate", json=body) as r:
+    async with c.stream("POST", "/generate", content=body, headers={"content-type": "application/json"}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -47,6 +48,7 @@ async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
     convs = [[rng.randrange(1, vocab_hi) for _ in range(a.request_length)] for _ in range(a.clients)]
     rounds = [dict(ttft=[], cached=0, prompt=0) for _ in range(a.rounds)]
     barrier = asyncio.Barrier(a.clients) if a.round_barrier else None
+    stages: dict = {}
 
     async def client(k: int, c: httpx.AsyncClient):
         history = convs[k]
@@ -60,11 +62,18 @@ async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
             history = history + out + [rng.randrange(1, vocab_hi) for _ in range(a.question_length)]
             if barrier:
                 await barrier.wait()
+                if k == 0:  # every request of the round has answered: its share of the server's stages
+                    nonlocal stages
+                    now = stage_sums((await c.get("/metrics")).text)
+                    rounds[r]["stages_ms"] = {s: round(1e3 * (now.get(s, (0, 0))[1] - stages.get(s, (0, 0))[1])
+                                                       / a.clients, 2) for s in STAGES}
+                    stages = now
+                await barrier.wait()
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=a.clients + 8)) as c:
         await asyncio.gather(*(client(k, c) for k in range(a.clients)))
     return [{"round": i + 1, "mean_ttft_s": statistics.mean(r["ttft"]), "hit_rate": r["cached"] / r["prompt"],
-             "prompt_tokens": r["prompt"]} for i, r in enumerate(rounds)]
+             "prompt_tokens": r["prompt"], "stages_ms": r.get("stages_ms", {})} for i, r in enumerate(rounds)]
 
 
 def main() -> None:
@@ -108,6 +117,11 @@ def main() -> None:
         if a.compare:
             row += f"| {results['no_cache'][i]['mean_ttft_s'] / results['radix'][i]['mean_ttft_s']:8.2f}x"
         print(row)
+    if a.round_barrier:
+        print("mean stage shares per request (ms; mambaserve_request_stage_seconds), by round:")
+        for n in names:
+            for r in results[n]:
+                print(f"  {n} round {r['round']}: " + " ".join(f"{s} {v}" for s, v in r["stages_ms"].items() if v))
     with open(a.out, "w") as f:
         json.dump({"args": vars(a) | {"request_rate": str(a.request_rate)}, "results": results}, f, indent=1)
     print(f"wrote {a.out}")

@@ -28,7 +28,7 @@ from mambaserve.server.engine.state_pool import MambaStatePool
 log = logging.getLogger(__name__)
 
 PREFILL_SEQS = (2, 3, 5, 9, 17, 33)  # sequences per prefill graph: up to one fewer real ones, then the padding
-PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+PREFILL_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # steps of at most 1.5x: padding costs
 
 
 def buckets_up_to(n: int) -> list[int]:

@@ -1,0 +1,111 @@
+"""Bursts through HTTP against the same bursts in process: does the HTTP path keep up with the engine?
+
+N requests with random --prompt-length-token prompts and a fixed output length (ignore_eos) are sent at
+once (SGLang bench_serving's request pattern at an infinite request rate), non-streamed `/generate`
+through a server process, then `Engine.generate` in this process on the same checkpoint and flags.
+Prints output tokens/s per burst: the first burst after start separately, then the best of the rest,
+and the HTTP / in-process ratio.
+
+  python benchmarks/burst.py --model /tmp/m27 --flags "--mamba-cache-size 300" --bursts 8x256,64x256,256x256,256x1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from _server import launched  # noqa: E402 (the script's folder is on sys.path)
+
+
+def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def http_burst(c: httpx.AsyncClient, batch: list[list[int]], out: int) -> float:
+    bodies = [json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": out, "temperature": 0,
+                                                                 "ignore_eos": True}}) for ids in batch]
+    t0 = time.perf_counter()
+    rs = await asyncio.gather(*(c.post("/generate", content=b, headers={"content-type": "application/json"})
+                                for b in bodies))
+    wall = time.perf_counter() - t0
+    assert all(r.status_code == 200 and len(r.json()["output_ids"]) == out for r in rs), rs[0].text[:300]
+    return len(batch) * out / wall
+
+
+async def engine_burst(engine, batch: list[list[int]], out: int) -> float:
+    from mambaserve.server.engine.request import SamplingParams
+
+    params = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
+
+    async def one(ids):
+        async for o in engine.generate(ids, params, stream=False):
+            last = o
+        assert last.completion_tokens == out, last
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(ids) for ids in batch))
+    return len(batch) * out / (time.perf_counter() - t0)
+
+
+async def run_bursts(burst, bursts: list[tuple[int, int]], a: argparse.Namespace) -> dict[str, list[float]]:
+    """``a.repeats`` bursts of each size through ``burst(prompts, output length)``, the same prompts on both sides."""
+    rng = random.Random(a.seed)
+    res = {}
+    for n, length in bursts:
+        rates = [await burst(prompts(rng, n, a.prompt_length, a.vocab), length) for _ in range(a.repeats)]
+        res[f"{n}x{length}"] = rates
+        print(f"  {n:4d} requests x {length:5d} tokens: " + ", ".join(f"{r:8.0f}" for r in rates) + " tok/s",
+              flush=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--flags", default="", help="server flags, one string (used for both sides)")
+    p.add_argument("--bursts", default="8x256,64x256,256x256,256x1024", help="requests x output tokens, ...")
+    p.add_argument("--repeats", type=int, default=2, help="bursts per size (the first of the first size is the "
+                                                          "first burst after start)")
+    p.add_argument("--prompt-length", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=4000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args()
+    bursts = [tuple(int(x) for x in b.split("x")) for b in a.bursts.split(",")]
+    flags = a.flags.split()
+    longest = a.prompt_length + max(length for _, length in bursts) + 8
+    flags += ["--context-length", str(longest)]
+
+    print(f"through HTTP ({a.model}, flags {flags})", flush=True)
+    with launched(a.model, flags) as url:
+        async def through_http():
+            limits = httpx.Limits(max_connections=max(n for n, _ in bursts) + 8)
+            async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as c:
+                return await run_bursts(lambda batch, length: http_burst(c, batch, length), bursts, a)
+        http = asyncio.run(through_http())
+
+    print("in process (Engine.generate, same flags)", flush=True)
+    from mambaserve.server.cli import build_parser, config_from_args
+    from mambaserve.server.engine.engine import Engine
+
+    engine = Engine(config_from_args(build_parser().parse_args(["serve", "--model", a.model, *flags])))
+    engine.start()
+    inproc = asyncio.run(run_bursts(lambda batch, length: engine_burst(engine, batch, length), bursts, a))
+    engine.stop()
+    print("burst            HTTP first  HTTP best  in-process best  HTTP/in-process")
+    for key in http:
+        h, e = http[key], inproc[key]
+        print(f"  {key:14s} {h[0]:10.0f} {max(h):10.0f} {max(e):16.0f} {max(h) / max(e):16.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"http": http, "in_process": inproc, "argv": sys.argv}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,7 @@ Where snapshots come from (docs/design.md §5):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -58,10 +59,11 @@ class DisabledCache:
     def clear(self, slot: int) -> None:
         self.pending.clears.append(slot)
 
-    def alloc(self, unused_since: int | None = None) -> int | None:
-        """A free slot, else (with a tree) the slot of the least recently used snapshot; ``unused_since``:
-        only one not used after that tick of ``clock`` (a speculative snapshot must not displace what
-        requests used or queued for since its own request arrived)."""
+    def alloc(self, unused_since: int | None = None, speculative: bool = False) -> int | None:
+        """A free slot, else (with a tree) the slot of the least recently used snapshot. For a speculative
+        snapshot (``speculative``), only one that is speculative itself and unused after the
+        ``unused_since`` tick of ``clock``: a snapshot kept in case it is needed must not displace a
+        conversation's state, nor one that requests used or queued for since its request arrived."""
         return self.allocator.alloc()
 
     @property
@@ -77,8 +79,9 @@ class DisabledCache:
     def match(self, tokens: Sequence[int]) -> tuple[int, TreeNode | None, int | None]:
         return 0, None, None
 
-    def keep(self, tokens: Sequence[int], slot: int) -> bool:
-        """Offer a state to the cache; True if it took the slot (else the caller still owns it)."""
+    def keep(self, tokens: Sequence[int], slot: int, speculative: bool = False) -> bool:
+        """Offer a state to the cache; True if it took the slot (else the caller still owns it).
+        ``speculative``: kept in case it is needed (a chunk end, a tracked position), not a request's end."""
         return False
 
     def unlock(self, node: TreeNode | None) -> None:
@@ -90,6 +93,9 @@ class DisabledCache:
 
     def sole_reader_of_leaf(self, node: TreeNode | None) -> bool:
         return False
+
+    def capacity_miss(self, tokens: Sequence[int], cached: int) -> int:
+        return 0
 
     def touch(self, tokens: Sequence[int]) -> int:
         return 0
@@ -112,19 +118,40 @@ class DisabledCache:
 class PrefixCache(DisabledCache):
     enabled = True
 
-    def __init__(self, allocator: SlotAllocator, page_size: int = 1):
+    def __init__(self, allocator: SlotAllocator, page_size: int = 1, ghosts: int | None = None):
         super().__init__(allocator)
         self.tree = MambaRadixCache(page_size)
+        # Keys of evicted snapshots, LRU-bounded (a tree with ids for slots): a later prompt that would
+        # have matched one of them missed for lack of space, a miss more slots would have turned into a
+        # hit (a *capacity* miss), unlike a prefix never seen (a compulsory miss).
+        self.ghosts = MambaRadixCache(page_size)
+        self.ghost_limit = ghosts if ghosts is not None else 4 * allocator.capacity
+        self._ghost_ids = itertools.count()
 
-    def alloc(self, unused_since: int | None = None) -> int | None:
+    def alloc(self, unused_since: int | None = None, speculative: bool = False) -> int | None:
         slot = self.allocator.alloc()
         if slot is None and self.tree.evictable_slots:
-            freed = self.tree.evict(1, unused_since)
+            keys: list = []
+            freed = self.tree.evict(1, unused_since, keys, speculative_only=speculative)
             self.evictions += len(freed)
             for s in freed:
                 self.free(s)
+            for key in keys:
+                self._remember_evicted(key)
             slot = self.allocator.alloc()
         return slot
+
+    def _remember_evicted(self, key: tuple[int, ...]) -> None:
+        if self.ghost_limit <= 0:
+            return
+        if self.ghosts.snapshot_slots >= self.ghost_limit:
+            self.ghosts.evict(1)
+        if not self.ghosts.insert(key, next(self._ghost_ids)).stored:
+            self.ghosts.match_prefix(key)  # seen before: refresh it
+
+    def capacity_miss(self, tokens: Sequence[int], cached: int) -> int:
+        """Tokens of ``tokens`` beyond the ``cached`` hit that an evicted snapshot covered."""
+        return max(0, self.ghosts.match_prefix(tokens).length - cached) if self.ghosts.snapshot_slots else 0
 
     def match(self, tokens: Sequence[int]) -> tuple[int, TreeNode | None, int | None]:
         """Longest cached prefix of ``tokens``: (length, locked node, its slot). Unlock the node once
@@ -156,10 +183,10 @@ class PrefixCache(DisabledCache):
         spares it over older ones) and return its length, without locking it."""
         return self.tree.match_prefix(tokens).length if tokens else 0
 
-    def keep(self, tokens: Sequence[int], slot: int) -> bool:
+    def keep(self, tokens: Sequence[int], slot: int, speculative: bool = False) -> bool:
         if not tokens:
             return False
-        return self.tree.insert(tokens, slot).stored
+        return self.tree.insert(tokens, slot, speculative).stored
 
     @property
     def tree_slots(self) -> int:

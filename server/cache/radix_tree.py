@@ -60,7 +60,7 @@ class TreeNode:
     existing object as the lower half (where its snapshot and holders' expectations live).
     """
 
-    __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access")
+    __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access", "speculative")
 
     def __init__(self, key: tuple[int, ...], parent: TreeNode | None, depth: int, last_access: int = 0):
         self.key = key
@@ -70,6 +70,7 @@ class TreeNode:
         self.slot: int | None = None  # snapshot slot id, None = no snapshot (tombstone or split point)
         self.lock_ref = 0  # locks on this node + locks on all its descendants
         self.last_access = last_access
+        self.speculative = False  # its snapshot was kept in case it is needed, and no request has used it yet
 
     def __repr__(self) -> str:
         return (f"TreeNode(depth={self.depth}, edge={len(self.key)}, slot={self.slot}, "
@@ -153,10 +154,12 @@ class MambaRadixCache:
                 best = node
         if best is not self.root:
             self._touch(best)
+            best.speculative = False  # used: kept like any other from now on
         return MatchResult(best, best.depth)
 
-    def insert(self, key: Sequence[int], slot: int) -> InsertResult:
-        """Store ``slot`` as the snapshot after ``len(key)`` tokens; see the module docstring for ownership."""
+    def insert(self, key: Sequence[int], slot: int, speculative: bool = False) -> InsertResult:
+        """Store ``slot`` as the snapshot after ``len(key)`` tokens; see the module docstring for ownership.
+        ``speculative``: kept in case it is needed (``evict(..., speculative_only=True)`` may take it)."""
         if slot < 0:
             raise ValueError(f"slot {slot} is not a pool slot (negative slots mark padding rows)")
         if slot in self._owner:
@@ -182,6 +185,7 @@ class MambaRadixCache:
         if node.slot is not None:
             return InsertResult(node, existed=True, stored=False)
         node.slot = slot
+        node.speculative = speculative
         self._owner[slot] = node
         if node.lock_ref:
             self._protected += 1
@@ -218,9 +222,11 @@ class MambaRadixCache:
         """The recency clock now: ``evict(..., unused_since=clock)`` later spares what is used from now on."""
         return self._clock
 
-    def evict(self, num_slots: int, unused_since: int | None = None) -> list[int]:
+    def evict(self, num_slots: int, unused_since: int | None = None, keys: list | None = None,
+              speculative_only: bool = False) -> list[int]:
         """Free up to ``num_slots`` unlocked snapshots, LRU first; returns their slot ids in order.
-        ``unused_since``: only snapshots not used after that tick of ``clock``.
+        ``unused_since``: only snapshots not used after that tick of ``clock``; ``speculative_only``: only
+        speculative ones; ``keys``: the evicted snapshots' token keys are appended to it.
 
         O(S log S) in the number of snapshots S per call, which is bounded by the state pool
         (hundreds to a few thousand slots), so a scan beats keeping an ordered index in sync.
@@ -228,9 +234,20 @@ class MambaRadixCache:
         if num_slots <= 0:
             return []
         candidates = [n for n in self._owner.values()
-                      if n.lock_ref == 0 and (unused_since is None or n.last_access <= unused_since)]
+                      if n.lock_ref == 0 and (unused_since is None or n.last_access <= unused_since)
+                      and (n.speculative or not speculative_only)]
         victims = heapq.nsmallest(num_slots, candidates, key=lambda n: (n.last_access, n.depth))
+        if keys is not None:
+            keys.extend(self.key_of(node) for node in victims)
         return [self._drop(node) for node in victims]
+
+    def key_of(self, node: TreeNode) -> tuple[int, ...]:
+        """The token ids from the root to the end of ``node``'s edge."""
+        parts = []
+        while node is not None:
+            parts.append(node.key)
+            node = node.parent
+        return tuple(t for part in reversed(parts) for t in part)
 
     def take(self, node: TreeNode) -> int | None:
         """Remove ``node``'s snapshot and hand its slot to the caller, who owns it from now on (a move

@@ -89,7 +89,7 @@ class Admission:
             if self.track_interval:
                 # strictly inside the chunk: its end is donated whole after the step
                 for pos in range((s // self.track_interval + 1) * self.track_interval, s + n, self.track_interval):
-                    slot = self.cache.alloc(unused_since=self._speculative_horizon(req))
+                    slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
                     if slot is None:
                         break
                     track.append((i, pos, slot))
@@ -131,7 +131,8 @@ class Admission:
             req.locked_node = node
         elif req.prefill_len == 0:  # a one-token prompt decodes straight from the zero state
             self.cache.clear(slot)
-        self.metrics.observe_lookup(len(req.prompt_ids), cached)
+        self.metrics.observe_lookup(len(req.prompt_ids), cached,
+                                    capacity_miss=self.cache.capacity_miss(req.prompt_ids[:-1], cached))
         if req.prefill_done and req.params.max_new_tokens == 0:
             self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
         return True
@@ -145,7 +146,7 @@ class Admission:
             self.cache.unlock(req.locked_node)
             req.locked_node = None
         for i, pos, slot in batch.track:
-            if not self.cache.keep(plan[i][0].prompt_ids[:pos], slot):
+            if not self.cache.keep(plan[i][0].prompt_ids[:pos], slot, speculative=True):
                 self.cache.free(slot)
         rows = []
         for i, (req, n) in enumerate(plan):
@@ -169,18 +170,18 @@ class Admission:
         return rows
 
     def _speculative_horizon(self, req: Req) -> int:
-        """A snapshot made in case it is needed (a chunk end, a tracked position) may displace only
-        snapshots unused since before ``req`` and every waiting request arrived: a queued request's
+        """A snapshot made in case it is needed (a chunk end, a tracked position) may displace only other
+        such snapshots, unused since before ``req`` and every waiting request arrived: a queued request's
         snapshot was refreshed when it arrived, and others used since belong to live conversations."""
         oldest = self.queues.waiting[0].arrival_tick if self.queues.waiting else req.arrival_tick
         return min(oldest, req.arrival_tick) - 1
 
     def _donate(self, req: Req) -> None:
         """Give the request's state to the tree and continue in a fresh slot filled by a deferred copy."""
-        fresh = self.cache.alloc(unused_since=self._speculative_horizon(req))
+        fresh = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
         if fresh is None:
             return
-        if self.cache.keep(req.tokens(req.in_state), req.slot):
+        if self.cache.keep(req.tokens(req.in_state), req.slot, speculative=True):
             self.cache.copy_into(req.slot, fresh)
             req.slot = fresh
         else:

@@ -45,6 +45,9 @@ class ServerMetrics:
                                      "Prompt tokens looked up in the prefix cache", registry=r)
         self.cache_hit = Counter("mambaserve_prefix_cache_hit_tokens", "Prompt tokens served from a cache",
                                  ["tier"], registry=r)
+        self.capacity_miss = Counter("mambaserve_prefix_cache_capacity_miss_tokens",
+                                     "Prompt tokens missed because their cached prefix had been evicted for space "
+                                     "(more cache would have hit them)", registry=r)
         self.hit_rate = Gauge("mambaserve_cache_hit_rate",
                               "Hit tokens / queried tokens over a sliding window (convenience)", registry=r)
         self.evictions = Counter("mambaserve_cache_evictions", "Snapshots evicted", ["tier"], registry=r)
@@ -69,10 +72,12 @@ class ServerMetrics:
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
 
-    def observe_lookup(self, queried: int, hit: int, tier: str = "gpu") -> None:
+    def observe_lookup(self, queried: int, hit: int, tier: str = "gpu", capacity_miss: int = 0) -> None:
         self.cache_queried.inc(queried)
         if hit:
             self.cache_hit.labels(tier).inc(hit)
+        if capacity_miss:
+            self.capacity_miss.inc(capacity_miss)
         now = time.monotonic()
         self._window.append((now, queried, hit))
         while self._window and self._window[0][0] < now - self._window_s:

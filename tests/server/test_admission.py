@@ -46,3 +46,31 @@ def test_conversations_keep_their_snapshots_in_a_pool_barely_larger_than_them(ti
         hit_rate = sum(h for h, _ in r) / sum(p for _, p in r)
         assert hit_rate > 0.75, rounds
     assert_idle(acc)
+
+
+def test_capacity_misses_count_evicted_prefixes_not_new_ones(tiny_ckpt):
+    """A prompt whose snapshot was evicted for space is a capacity miss (more slots would have hit it);
+    prompts never seen are compulsory misses and count nothing there."""
+    engine = make_engine(tiny_ckpt, mamba_cache_size=3, max_running_requests=1)
+    first = _prompt(30, 1)
+
+    async def gen(c, ids):
+        r = await c.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    def capacity_misses(text):
+        line = next(x for x in text.splitlines() if x.startswith("mambaserve_prefix_cache_capacity_miss_tokens_total"))
+        return float(line.split()[-1])
+
+    async def go():
+        async with serving(engine) as c:
+            await gen(c, first)
+            fresh = [await gen(c, _prompt(30, s)) for s in range(2, 8)]  # new prompts: evict the first's states
+            misses_before = capacity_misses((await c.get("/metrics")).text)
+            again = await gen(c, first)
+            return fresh, misses_before, again, capacity_misses((await c.get("/metrics")).text)
+
+    fresh, before, again, after = run(go())
+    assert fresh == [0] * 6 and before == 0  # compulsory: never cached
+    assert again < 29 and after == 29 - again  # the first prompt's snapshot (29 tokens) was evicted for space

@@ -266,3 +266,15 @@ def test_check_invariants_catches_corruption(cache):
     with pytest.raises(AssertionError, match="tombstone leaf"):
         cache.check_invariants()
     a.slot = 1
+
+
+def test_speculative_eviction_spares_used_and_conversation_snapshots():
+    """``speculative_only`` evicts only snapshots kept in case they are needed; a match promotes one."""
+    t = MambaRadixCache()
+    t.insert([1, 2, 3], 0)  # a request's end
+    t.insert([1, 2, 3, 4, 5], 1, speculative=True)
+    t.insert([7, 8], 2, speculative=True)
+    t.match_prefix([7, 8, 9])  # used by a request: kept like any other from now on
+    assert t.evict(3, speculative_only=True) == [1]
+    keys: list = []
+    assert sorted(t.evict(3, keys=keys)) == [0, 2] and sorted(keys) == [(1, 2, 3), (7, 8)]

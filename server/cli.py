@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mamba-track-interval", type=int, help="extra snapshots every N prompt tokens (extra_buffer)")
     s.add_argument("--page-size", type=int, default=1, help="KV page size (hybrid models)")
     s.add_argument("--disable-radix-cache", action="store_true", help="turn prefix caching off")
+    s.add_argument("--host-cache-size", type=byte_size, default=0,
+                   help="host memory for the host cache tier, e.g. 32GiB: snapshots evicted from the device go "
+                        "there and are loaded back on a hit (default 0: no host tier)")
     s.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
     s.add_argument("--session-timeout", type=float, default=600.0, help="default idle timeout of a session (s)")
     s.add_argument("--session-slot-fraction", type=float, default=0.5,
@@ -74,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="prompts in one /v1/completions request (a list of prompts) at most")
     return p
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """``123``, ``512MiB``, ``32GiB``, ``1.5GB``: bytes (argparse type)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4096, 512MiB, 32GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -24,6 +24,7 @@ class ServerConfig:
     mamba_track_interval: int | None = None
     page_size: int = 1
     disable_radix_cache: bool = False
+    host_cache_size: int = 0  # bytes of host memory for the host cache tier (0: none)
     max_sessions: int = 1024
     session_timeout: float = 600.0
     session_slot_fraction: float = 0.5
@@ -51,6 +52,8 @@ class ServerConfig:
         for name in ("context_length", "max_running_requests", "mamba_cache_size", "mamba_track_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.host_cache_size < 0:
+            raise ValueError(f"--host-cache-size must be >= 0 bytes, got {self.host_cache_size}")
         for name in ("chunked_prefill_size", "page_size", "max_sessions", "cuda_graph_max_bs", "max_request_bytes",
                      "max_queued_requests", "max_prompts_per_request", "session_snapshot_max_bytes",
                      "session_snapshot_max_per_session"):

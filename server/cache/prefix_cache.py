@@ -25,19 +25,46 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from mambaserve.server.cache.host_tier import HostLock, HostTier
 from mambaserve.server.cache.radix_tree import MambaRadixCache, TreeNode
 from mambaserve.server.cache.slots import SlotAllocator
 
 
 @dataclass
 class StateOps:
-    """Deferred state mutations, run on the device before the next forward, in list order."""
+    """Deferred state mutations, run on the device before the next forward in the order recorded: a
+    slot evicted and taken again within one step is read by an earlier op and written by a later one.
+    Each op is (kind, a, b): ("copy", src slot, dst slot), ("clear", slot, slot), ("offload", slot,
+    host slot), ("load", host slot, slot)."""
 
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
-    clears: list[int] = field(default_factory=list)
+    ops: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.ops.append(("copy", src, dst))
+
+    def clear(self, slot: int) -> None:
+        self.ops.append(("clear", slot, slot))
+
+    def offload(self, slot: int, host_slot: int) -> None:
+        self.ops.append(("offload", slot, host_slot))
+
+    def load(self, host_slot: int, slot: int) -> None:
+        self.ops.append(("load", host_slot, slot))
+
+    def drop_writes_to(self, slot: int) -> None:
+        self.ops = [op for op in self.ops if op[0] == "offload" or op[2] != slot]
+
+    def runs(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        """Consecutive ops of one kind grouped, in order: (kind, [(a, b), ...]); a run is one launch."""
+        out: list[tuple[str, list[tuple[int, int]]]] = []
+        for kind, a, b in self.ops:
+            if not out or out[-1][0] != kind:
+                out.append((kind, []))
+            out[-1][1].append((a, b))
+        return out
 
     def __bool__(self) -> bool:
-        return bool(self.copies or self.clears)
+        return bool(self.ops)
 
 
 class DisabledCache:
@@ -54,10 +81,10 @@ class DisabledCache:
         return ops
 
     def copy_into(self, src: int, dst: int) -> None:
-        self.pending.copies.append((src, dst))
+        self.pending.copy(src, dst)
 
     def clear(self, slot: int) -> None:
-        self.pending.clears.append(slot)
+        self.pending.clear(slot)
 
     def alloc(self, unused_since: int | None = None, speculative: bool = False) -> int | None:
         """A free slot, else (with a tree) the slot of the least recently used snapshot. For a speculative
@@ -72,12 +99,18 @@ class DisabledCache:
 
     def free(self, slot: int) -> None:
         # a deferred op into a slot that is given up must not land on its next owner
-        self.pending.copies = [(s, d) for s, d in self.pending.copies if d != slot]
-        self.pending.clears = [c for c in self.pending.clears if c != slot]
+        self.pending.drop_writes_to(slot)
         self.allocator.free(slot)
 
-    def match(self, tokens: Sequence[int]) -> tuple[int, TreeNode | None, int | None]:
+    host: HostTier | None = None
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, object, str | None]:
+        """Longest cached prefix of ``tokens``: (length, a lock on it, the tier it is in: "gpu" or "host").
+        Fill a slot from it with ``restore``; unlock once that has *executed* (after the next forward)."""
         return 0, None, None
+
+    def restore(self, lock, slot: int) -> None:
+        """Record the fill of ``slot`` from the matched snapshot ``lock``: a copy, or a load from the host."""
 
     def keep(self, tokens: Sequence[int], slot: int, speculative: bool = False) -> bool:
         """Offer a state to the cache; True if it took the slot (else the caller still owns it).
@@ -118,9 +151,11 @@ class DisabledCache:
 class PrefixCache(DisabledCache):
     enabled = True
 
-    def __init__(self, allocator: SlotAllocator, page_size: int = 1, ghosts: int | None = None):
+    def __init__(self, allocator: SlotAllocator, page_size: int = 1, ghosts: int | None = None,
+                 host: HostTier | None = None):
         super().__init__(allocator)
         self.tree = MambaRadixCache(page_size)
+        self.host = host  # evicted snapshots go there first (None: they are dropped)
         # Keys of evicted snapshots, LRU-bounded (a tree with ids for slots): a later prompt that would
         # have matched one of them missed for lack of space, a miss more slots would have turned into a
         # hit (a *capacity* miss), unlike a prefix never seen (a compulsory miss).
@@ -134,9 +169,10 @@ class PrefixCache(DisabledCache):
             keys: list = []
             freed = self.tree.evict(1, unused_since, keys, speculative_only=speculative)
             self.evictions += len(freed)
-            for s in freed:
+            for s, key in zip(freed, keys):
+                if self.host is not None and (h := self.host.store(key)) is not None:
+                    self.pending.offload(s, h)  # runs before anything recorded later writes to s
                 self.free(s)
-            for key in keys:
                 self._remember_evicted(key)
             slot = self.allocator.alloc()
         return slot
@@ -153,35 +189,50 @@ class PrefixCache(DisabledCache):
         """Tokens of ``tokens`` beyond the ``cached`` hit that an evicted snapshot covered."""
         return max(0, self.ghosts.match_prefix(tokens).length - cached) if self.ghosts.snapshot_slots else 0
 
-    def match(self, tokens: Sequence[int]) -> tuple[int, TreeNode | None, int | None]:
-        """Longest cached prefix of ``tokens``: (length, locked node, its slot). Unlock the node once
-        the copy from its slot has been recorded *and executed* (after the next forward)."""
-        m = self.tree.match_prefix(tokens)
-        if m.length == 0:
-            return 0, None, None
-        self.tree.lock(m.node)
-        return m.length, m.node, m.node.slot
-
-    def unlock(self, node: TreeNode | None) -> None:
-        if node is not None:
-            self.tree.unlock(node)
-
-    def take(self, node: TreeNode | None) -> int | None:
-        return self.tree.take(node) if node is not None else None
-
     @property
     def clock(self) -> int:
         return self.tree.clock
 
-    def sole_reader_of_leaf(self, node: TreeNode | None) -> bool:
-        """``node`` (matched and locked by the caller) is a leaf nobody else reads: taking its slot over
-        costs no other request anything."""
-        return node is not None and node.lock_ref == 1 and not node.children
+    def match(self, tokens: Sequence[int]) -> tuple[int, object, str | None]:
+        m = self.tree.match_prefix(tokens)
+        if self.host is not None and len(tokens) > m.length:
+            length, lock = self.host.match(tokens)
+            if length > m.length:
+                return length, lock, "host"
+            if lock is not None:
+                self.host.unlock(lock)
+        if m.length == 0:
+            return 0, None, None
+        self.tree.lock(m.node)
+        return m.length, m.node, "gpu"
+
+    def restore(self, lock, slot: int) -> None:
+        if isinstance(lock, HostLock):
+            self.pending.load(lock.slot, slot)
+        else:
+            self.copy_into(lock.slot, slot)
+
+    def unlock(self, lock) -> None:
+        if isinstance(lock, HostLock):
+            self.host.unlock(lock)
+        elif lock is not None:
+            self.tree.unlock(lock)
+
+    def take(self, lock) -> int | None:
+        return self.tree.take(lock) if isinstance(lock, TreeNode) else None
+
+    def sole_reader_of_leaf(self, lock) -> bool:
+        """``lock`` (matched and locked by the caller) is a device leaf nobody else reads: taking its slot
+        over costs no other request anything."""
+        return isinstance(lock, TreeNode) and lock.lock_ref == 1 and not lock.children
 
     def touch(self, tokens: Sequence[int]) -> int:
         """Mark the snapshot ``tokens`` would match as just used (a queued request will read it: eviction
         spares it over older ones) and return its length, without locking it."""
-        return self.tree.match_prefix(tokens).length if tokens else 0
+        if not tokens:
+            return 0
+        length = self.tree.match_prefix(tokens).length
+        return max(length, self.host.tree.match_prefix(tokens).length) if self.host is not None else length
 
     def keep(self, tokens: Sequence[int], slot: int, speculative: bool = False) -> bool:
         if not tokens:
@@ -197,11 +248,13 @@ class PrefixCache(DisabledCache):
         return self.tree.evictable_slots
 
     def flush(self) -> int:
-        """Empty the tree (raises CacheBusyError while any snapshot is locked)."""
+        """Empty the tree and the host tier (raises CacheBusyError while any snapshot is locked)."""
         slots = self.tree.flush()
         for s in slots:
             self.free(s)
-        return len(slots)
+        return len(slots) + (self.host.flush() if self.host is not None else 0)
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()

@@ -105,7 +105,7 @@ class Admission:
             self.queues.start(req)
             return True
         # the last token must run to produce logits: never match the whole prompt
-        cached, node, src = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
+        cached, node, tier = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
         # A hit copies its snapshot into a free slot: the snapshot stays for others. With no slot free,
         # a leaf snapshot only this request reads is taken over (its slot changes hands, no copy) rather
         # than evicting another conversation's snapshot to copy into: this request's own state
@@ -126,12 +126,12 @@ class Admission:
         if moved:
             req.in_state = req.cached_tokens = cached
         elif cached:
-            self.cache.copy_into(src, slot)
+            self.cache.restore(node, slot)  # a copy on the device, or a load from the host tier
             req.in_state = req.cached_tokens = cached
             req.locked_node = node
         elif req.prefill_len == 0:  # a one-token prompt decodes straight from the zero state
             self.cache.clear(slot)
-        self.metrics.observe_lookup(len(req.prompt_ids), cached,
+        self.metrics.observe_lookup(len(req.prompt_ids), cached, tier=tier or "gpu",
                                     capacity_miss=self.cache.capacity_miss(req.prompt_ids[:-1], cached))
         if req.prefill_done and req.params.max_new_tokens == 0:
             self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate

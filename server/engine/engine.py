@@ -21,7 +21,7 @@ from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.request import BadRequest, Overloaded, Req, SamplingParams, StepOutput, fit_to_context
 from mambaserve.server.engine.scheduler import Scheduler
-from mambaserve.server.engine.state_pool import MambaStatePool
+from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
 from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
 from mambaserve.server.sessions import snapshot as session_snapshot
@@ -46,8 +46,10 @@ class Engine:
         self.pool = MambaStatePool(d.num_layers, cfg.slot_count(is_cuda), d.conv_dim, d.conv_kernel, d.num_heads,
                                    d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)
         self.metrics = ServerMetrics()
+        host_pool = self._host_pool(is_cuda)
         self.track_interval = self._track_interval()
         runner = ModelRunner(self.model, self.pool, self.device)
+        runner.host_pool = host_pool
         if is_cuda:  # eager prefill variants first: the graphs capture what is compiled by then
             t = time.monotonic()
             runner.warm_up(d.chunk_size, self.track_interval,
@@ -70,6 +72,19 @@ class Engine:
         self._active = 0  # requests between submit and their last output (touched on the event loop only)
         log.info("state pool: %d slots x %.2f MiB; context length %d; max running %d", self.pool.allocator.capacity,
                  self.pool.bytes_per_slot / 2**20, self.context_length, cfg.running_limit(is_cuda))
+
+    def _host_pool(self, is_cuda: bool) -> HostStatePool | None:
+        """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache)."""
+        size = self.cfg.host_cache_size
+        if not size or self.cfg.disable_radix_cache:
+            return None
+        per = self.pool.bytes_per_slot
+        if size < per:
+            raise ValueError(f"--host-cache-size {size} bytes holds no snapshot: one takes {per} bytes here")
+        pool = HostStatePool(self.pool, size // per, pin=is_cuda)
+        log.info("host cache tier: %d snapshots x %.2f MiB (%s)", pool.capacity, per / 2**20,
+                 "pinned" if is_cuda else "host memory")
+        return pool
 
     def _track_interval(self) -> int:
         """Tracked-snapshot interval: states come from the chunked scan's chunk boundaries, so it must be

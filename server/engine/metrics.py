@@ -50,6 +50,11 @@ class ServerMetrics:
                                      "(more cache would have hit them)", registry=r)
         self.hit_rate = Gauge("mambaserve_cache_hit_rate",
                               "Hit tokens / queried tokens over a sliding window (convenience)", registry=r)
+        self.host_slots_total = Gauge("mambaserve_host_cache_slots_total", "State slots of the host tier", registry=r)
+        self.host_slots_used = Gauge("mambaserve_host_cache_slots_used", "Host tier slots holding a snapshot",
+                                     registry=r)
+        self.tier_bytes = Counter("mambaserve_cache_tier_bytes", "State bytes copied between tiers", ["direction"],
+                                  registry=r)
         self.evictions = Counter("mambaserve_cache_evictions", "Snapshots evicted", ["tier"], registry=r)
         self.sessions_open = Gauge("mambaserve_sessions_open", "Open sessions", registry=r)
         self.session_held_slots = Gauge("mambaserve_session_held_slots",
@@ -60,9 +65,12 @@ class ServerMetrics:
                                         registry=r)
         # Every label value exists from the start, at 0: a ratio of counters (hit rate in PromQL, the
         # autoscaler's miss ratio) must not vanish on a pod that has had no hit yet.
-        for tier in ("gpu", "session"):
+        for tier in ("gpu", "host", "session"):
             self.cache_hit.labels(tier)
-        self.evictions.labels("gpu")
+        for tier in ("gpu", "host"):
+            self.evictions.labels(tier)
+        for direction in ("gpu_to_host", "host_to_gpu"):
+            self.tier_bytes.labels(direction)
         for stage in STAGES[1:]:
             self.stages.labels(stage)
         for reason in ("client", "timeout", "error"):

@@ -17,7 +17,7 @@ from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.model.inputs import BatchTensors
 from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
 from mambaserve.server.engine.sampling import to_device
-from mambaserve.server.engine.state_pool import MambaStatePool
+from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
 
 
 @dataclass
@@ -30,6 +30,7 @@ class ModelRunner:
         self.model, self.pool, self.device = model, pool, device
         self.graphs = None
         self.prefill_graphs = None
+        self.host_pool: HostStatePool | None = None  # the host tier's tensors, when it has one
 
     def enable_cuda_graphs(self, max_batch: int, max_prefill_tokens: int = 0, max_prefill_seqs: int = 0) -> None:
         """Capture decode graphs up to ``max_batch`` rows and, with ``max_prefill_tokens``, prefill graphs
@@ -69,21 +70,32 @@ class ModelRunner:
             for lens, starts, track in cases:
                 ids = [1 + i % 7 for i in range(sum(lens))]
                 self.forward(ForwardBatch(ForwardMode.EXTEND, ids, list(lens), list(starts), slots[:len(lens)],
-                                          StateOps(copies=[(a, c)], clears=[c]), track=track))
+                                          StateOps([("copy", a, c), ("clear", c, c)]), track=track))
         finally:
             for slot in slots:
                 self.pool.allocator.free(slot)
 
     def apply_state_ops(self, ops: StateOps) -> None:
-        if ops.copies:
-            src = to_device([s for s, _ in ops.copies], torch.long, self.device)
-            dst = to_device([d for _, d in ops.copies], torch.long, self.device)
-            kernels.copy_slots(self.pool.conv, src, dst)
-            kernels.copy_slots(self.pool.ssm, src, dst)
-        if ops.clears:
-            idx = to_device(ops.clears, torch.long, self.device)
-            kernels.clear_slots(self.pool.conv, idx)
-            kernels.clear_slots(self.pool.ssm, idx)
+        """In the order recorded, on the forward's stream (so before the forward, and in order with the
+        steps before it): copies and clears batched per run, moves between tiers per slot."""
+        for kind, pairs in ops.runs():
+            if kind == "copy":
+                src = to_device([s for s, _ in pairs], torch.long, self.device)
+                dst = to_device([d for _, d in pairs], torch.long, self.device)
+                kernels.copy_slots(self.pool.conv, src, dst)
+                kernels.copy_slots(self.pool.ssm, src, dst)
+            elif kind == "clear":
+                idx = to_device([s for s, _ in pairs], torch.long, self.device)
+                kernels.clear_slots(self.pool.conv, idx)
+                kernels.clear_slots(self.pool.ssm, idx)
+            elif kind == "offload":
+                for slot, h in pairs:
+                    self.host_pool.conv[h].copy_(self.pool.conv[:, slot], non_blocking=True)
+                    self.host_pool.ssm[h].copy_(self.pool.ssm[:, slot], non_blocking=True)
+            else:  # load
+                for h, slot in pairs:
+                    self.pool.conv[:, slot].copy_(self.host_pool.conv[h], non_blocking=True)
+                    self.pool.ssm[:, slot].copy_(self.host_pool.ssm[h], non_blocking=True)
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
         """A copy of one slot's state, every layer: ``{"conv": [L, conv_dim, K-1], "ssm": [L, H, P, N]}``."""

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from mambaserve.server.cache.host_tier import HostTier
 from mambaserve.server.cache.prefix_cache import DisabledCache, PrefixCache
 from mambaserve.server.cache.radix_tree import CacheBusyError
 from mambaserve.server.config import ServerConfig
@@ -56,7 +57,9 @@ class Scheduler:
                  context_length: int, track_interval: int = 0, compat: dict | None = None):
         self.runner, self.metrics = runner, metrics
         self.slots = runner.pool.allocator
-        self.cache = DisabledCache(self.slots) if cfg.disable_radix_cache else PrefixCache(self.slots, cfg.page_size)
+        host = HostTier(runner.host_pool.capacity, cfg.page_size) if runner.host_pool is not None else None
+        self.cache = (DisabledCache(self.slots) if cfg.disable_radix_cache
+                      else PrefixCache(self.slots, cfg.page_size, host=host))
         self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout),
                                        session_slot_limit(cfg.session_slot_fraction, self.slots.capacity),
                                        self.cache.free, self._keep_or_free,
@@ -83,6 +86,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         metrics.slots_total.set(self.slots.capacity)
+        metrics.host_slots_total.set(host.allocator.capacity if host is not None else 0)
 
     # ---- thread-safe API -------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,6 +137,7 @@ class Scheduler:
         batch, plan = self.admission.schedule(self.inflight)
         launched = None
         if batch is not None:
+            self._count_moves(batch.state_ops)
             out = self.runner.forward(batch)  # launched; the device runs it while the host goes on
             rows = self.admission.commit(batch, plan)
             if rows:
@@ -231,6 +236,12 @@ class Scheduler:
                                        error=f"the request ran past the server's timeout of {self.request_timeout:g} s")
 
     # ---- bookkeeping --------------------------------------------------------------------------------
+    def _count_moves(self, ops) -> None:
+        for kind, a, _ in ops.ops:
+            if kind in ("offload", "load"):
+                self.metrics.tier_bytes.labels("gpu_to_host" if kind == "offload" else "host_to_gpu").inc(
+                    self.runner.pool.bytes_per_slot)
+
     def _update_gauges(self) -> None:
         m = self.metrics
         m.running.set(len(self.queues.running))
@@ -242,6 +253,12 @@ class Scheduler:
         if self.cache.evictions:
             m.evictions.labels("gpu").inc(self.cache.evictions)
             self.cache.evictions = 0
+        host = self.cache.host
+        if host is not None:
+            m.host_slots_used.set(host.allocator.num_used)
+            if host.evictions:
+                m.evictions.labels("host").inc(host.evictions)
+                host.evictions = 0
 
     def check_invariants(self) -> None:
         """free + held by requests + by the tree + by sessions == capacity; no slot shared or leaked."""
@@ -262,7 +279,9 @@ class Scheduler:
 
     def accounting(self) -> dict:
         q = self.queues
+        host = self.cache.host
         return {"capacity": self.slots.capacity, "free": self.slots.num_free, "held_by_requests": len(q.running),
+                "host_capacity": host.allocator.capacity if host else 0, "held_by_host": host.allocator.num_used if host else 0,
                 "held_by_tree": self.cache.tree_slots, "held_by_sessions": len(self.sessions.held_slots),
                 "evictable": self.cache.evictable_slots, "running": len(q.running), "waiting": len(q.waiting),
                 "sessions": len(self.sessions.table.sessions)}

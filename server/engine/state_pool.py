@@ -24,3 +24,15 @@ class MambaStatePool:
     @property
     def bytes_per_slot(self) -> int:
         return (self.conv[:, 0].numel() * self.conv.element_size() + self.ssm[:, 0].numel() * self.ssm.element_size())
+
+
+class HostStatePool:
+    """The host tier's states (``cache.host_tier``): ``conv[S, L, conv_dim, K-1]`` and ``ssm[S, L, H, P, N]``,
+    slot-major so one slot is one contiguous block for its device copies; pinned on CUDA hosts so the
+    copies run asynchronously on the forward's stream."""
+
+    def __init__(self, device_pool: MambaStatePool, capacity: int, pin: bool):
+        conv, ssm = device_pool.conv, device_pool.ssm
+        self.capacity = capacity
+        self.conv = torch.zeros(capacity, conv.shape[0], *conv.shape[2:], dtype=conv.dtype, pin_memory=pin)
+        self.ssm = torch.zeros(capacity, ssm.shape[0], *ssm.shape[2:], dtype=ssm.dtype, pin_memory=pin)

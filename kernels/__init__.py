@@ -3,12 +3,12 @@ with the same signature (``<op>_ref``). Launchers pick Triton on CUDA and the re
 """
 
 from mambaserve.kernels.config import KernelConfig
-from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, conv_varlen_runs_triton
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
 from mambaserve.kernels.norm_linear import ConvStep, gated_rmsnorm_linear, rmsnorm_linear
 from mambaserve.kernels.rmsnorm import rmsnorm
 from mambaserve.kernels.selective_state_update import selective_state_update
-from mambaserve.kernels.ssd_scan import BoundaryStates, ssd_scan_varlen
+from mambaserve.kernels.ssd_scan import BoundaryStates, scan_runs_triton, ssd_scan_varlen
 from mambaserve.kernels.state_ops import clear_slots, copy_slots, scatter_steps
 
 __all__ = [
@@ -18,11 +18,13 @@ __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "clear_slots",
+    "conv_varlen_runs_triton",
     "copy_slots",
     "gated_rmsnorm",
     "gated_rmsnorm_linear",
     "rmsnorm",
     "rmsnorm_linear",
+    "scan_runs_triton",
     "scatter_steps",
     "selective_state_update",
     "ssd_scan_varlen",

@@ -250,12 +250,18 @@ def causal_conv1d_update_ref(
     return out
 
 
+def conv_varlen_runs_triton(width: int, t: torch.Tensor, force_triton: bool | None = None) -> bool:
+    """The Triton path (no host synchronisation) for tensors where ``t`` lives; else the reference. The
+    kernels unroll up to 3 state columns (Mamba2 uses width 4)."""
+    return 2 <= width <= 4 and use_triton(t, force_triton)
+
+
 def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state,
                          activation="silu", *, force_triton: bool | None = None, config: KernelConfig | None = None):
     """Prefill conv: see the module docstring. Mutates ``conv_state`` in place. Two launches (the
     state write-back must follow every read of the old state); no host synchronisation. Tiles from
     ``config.conv_varlen_tiles`` (the default: the best of 10 on an H100 at mamba2-2.7b dims)."""
-    if not use_triton(x, force_triton):
+    if not conv_varlen_runs_triton(weight.shape[1], x, force_triton):
         return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
                                         has_initial_state, activation)
     silu = _silu_flag(activation)
@@ -265,9 +271,6 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices,
     out = x.new_empty(x.shape)
     if T == 0 or S == 0:
         return out
-    if not 2 <= K <= 4:  # the kernels unroll up to 3 state columns (Mamba2 uses K = 4)
-        return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
-                                        has_initial_state, activation)
     b = bias if bias is not None else weight
     tiles = (config or DEFAULT).conv_varlen_tiles
     grid = (T // tiles["BLOCK_T"] + S, triton.cdiv(Dm, tiles["BLOCK_D"]))

@@ -348,6 +348,13 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     return y, boundary
 
 
+def scan_runs_triton(chunk_size: int, t: torch.Tensor, force_triton: bool | None = None) -> bool:
+    """The Triton path (no host synchronisation without boundary states) for tensors where ``t`` lives;
+    else the reference. tl.dot tiles need a power-of-two chunk of at least 16."""
+    pow2 = chunk_size >= 16 and not chunk_size & (chunk_size - 1)
+    return pow2 and use_triton(t, force_triton)
+
+
 def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices,
                     has_initial_state, seq_start_pos=None, D=None, dt_bias=None, dt_softplus=True,
                     dt_limit=(0.0, float("inf")), return_boundary_states=False, track=None,
@@ -367,8 +374,7 @@ def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_
                   state_indices=state_indices, has_initial_state=has_initial_state,
                   seq_start_pos=seq_start_pos, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                   dt_limit=dt_limit, return_boundary_states=return_boundary_states, track=track)
-    pow2 = chunk_size >= 16 and not chunk_size & (chunk_size - 1)  # tl.dot tiles need >= 16
-    if not use_triton(x, force_triton) or not pow2 or x.shape[0] == 0 or state_indices.numel() == 0:
+    if not scan_runs_triton(chunk_size, x, force_triton) or x.shape[0] == 0 or state_indices.numel() == 0:
         return ssd_scan_varlen_ref(x, dt, A, B, C, **kwargs)
     overrides = {**(config or DEFAULT).scan_tiles, **(tiles or {})}
     return _ssd_scan_triton(x, dt, A, B, C, overrides=overrides, **kwargs)

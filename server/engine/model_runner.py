@@ -7,6 +7,7 @@ one runs.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from mambaserve.server.model.inputs import BatchTensors
 from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
 from mambaserve.server.engine.sampling import to_device
 from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,7 +42,10 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.device)
         self.graphs.capture()
-        if max_prefill_tokens:
+        if max_prefill_tokens and not self.model.prefill_capturable():
+            log.info("prefill CUDA graphs off: this model's prefill runs reference kernels (chunk size %d, conv "
+                     "width %d), which synchronise with the host", self.model.dims.chunk_size, self.model.dims.conv_kernel)
+        elif max_prefill_tokens:
             self.prefill_graphs = PrefillGraphs(self.model, self.pool, max_prefill_tokens, max_prefill_seqs,
                                                 self.device)
             self.prefill_graphs.capture()

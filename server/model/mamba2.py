@@ -181,6 +181,13 @@ class Mamba2ForCausalLM(nn.Module):
                 p.copy_(tensor.to(p.dtype))
         self.refresh_derived()
 
+    def prefill_capturable(self) -> bool:
+        """An EXTEND forward synchronises with no host (so a CUDA graph can capture it): the Triton scan
+        and conv run, not their references."""
+        w = self.lm_head.weight
+        return kernels.scan_runs_triton(self.dims.chunk_size, w) and kernels.conv_varlen_runs_triton(
+            self.dims.conv_kernel, w)
+
     def refresh_derived(self) -> None:
         """Recompute what is derived from parameters (each mixer's ``A``). ``load_weights`` calls it;
         call it after changing parameters directly."""

@@ -1,14 +1,16 @@
 """Slot ownership between requests and the radix cache, and the deferred state operations it implies.
 
 The scheduler asks this module for slots and tells it when states become worth keeping; the cache
-records the state operations (copy-on-write, clear) the next batch must run first, behind two verbs
-(``copy_into``, ``clear``), and hands them over with ``take_pending``. Plain Python over slot ids: the
-tree (``radix_tree``) and the allocator (``slots``) are both tensor-free; the model runner executes
-the operations on the device, in list order, before the batch's layers run (docs/design.md §3).
+records the state operations the next batch must run first (``copy_into``, ``clear``, ``restore``, and
+the moves to and from the host tier it decides itself) and hands them over with ``take_pending``.
+Plain Python over slot ids: the trees (``radix_tree``, ``host_tier``) and the allocators (``slots``)
+are tensor-free; the model runner executes the operations on the device, in the order recorded,
+before the batch's layers run (docs/design.md §3).
 
 Where snapshots come from (docs/design.md §5):
-  * admission: a request whose prompt prefix has a snapshot gets a fresh slot filled by a deferred
-    copy from it (copy-on-write; the tree's slot is never written by a request);
+  * admission: a request whose prompt prefix has a snapshot gets a slot filled by a deferred copy from
+    it (copy-on-write; the tree's slot is never written by a request), or a load from the host tier,
+    or takes the snapshot's slot over when no slot is free and nobody else reads it;
   * the end of every prefill chunk that leaves the prompt unfinished, and the end of the prompt
     minus its last token (which runs as the request's first decode step): the request's slot is
     *donated* to the tree and the request continues in a fresh slot filled by a deferred copy;
@@ -16,6 +18,7 @@ Where snapshots come from (docs/design.md §5):
     emitted by the chunked scan are written into fresh slots during the forward;
   * the end of a finished request: its slot goes to the tree at prompt + output minus the last
     sampled token (whose state was never computed).
+Chunk ends, donations and tracked positions are *speculative*: they may evict only each other.
 ``DisabledCache`` keeps the same interface with no tree: the plain engine.
 """
 
@@ -69,6 +72,7 @@ class StateOps:
 
 class DisabledCache:
     enabled = False
+    host: HostTier | None = None  # the host tier, where evicted snapshots go (PrefixCache with one)
 
     def __init__(self, allocator: SlotAllocator):
         self.allocator = allocator
@@ -101,8 +105,6 @@ class DisabledCache:
         # a deferred op into a slot that is given up must not land on its next owner
         self.pending.drop_writes_to(slot)
         self.allocator.free(slot)
-
-    host: HostTier | None = None
 
     def match(self, tokens: Sequence[int]) -> tuple[int, object, str | None]:
         """Longest cached prefix of ``tokens``: (length, a lock on it, the tier it is in: "gpu" or "host").

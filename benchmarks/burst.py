@@ -28,13 +28,16 @@ def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[in
     return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
 
 
-async def http_burst(c: httpx.AsyncClient, batch: list[list[int]], out: int) -> float:
+async def http_burst(url: str, batch: list[list[int]], out: int) -> float:
+    """One client per burst: a pooled connection idle past the server's keep-alive (5 s) is closed by the
+    server, and a POST reusing it fails (httpx does not retry POSTs)."""
     bodies = [json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": out, "temperature": 0,
                                                                  "ignore_eos": True}}) for ids in batch]
-    t0 = time.perf_counter()
-    rs = await asyncio.gather(*(c.post("/generate", content=b, headers={"content-type": "application/json"})
-                                for b in bodies))
-    wall = time.perf_counter() - t0
+    async with httpx.AsyncClient(base_url=url, timeout=1200, limits=httpx.Limits(max_connections=len(batch))) as c:
+        t0 = time.perf_counter()
+        rs = await asyncio.gather(*(c.post("/generate", content=b, headers={"content-type": "application/json"})
+                                    for b in bodies))
+        wall = time.perf_counter() - t0
     assert all(r.status_code == 200 and len(r.json()["output_ids"]) == out for r in rs), rs[0].text[:300]
     return len(batch) * out / wall
 
@@ -85,11 +88,7 @@ def main() -> None:
 
     print(f"through HTTP ({a.model}, flags {flags})", flush=True)
     with launched(a.model, flags) as url:
-        async def through_http():
-            limits = httpx.Limits(max_connections=max(n for n, _ in bursts) + 8)
-            async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as c:
-                return await run_bursts(lambda batch, length: http_burst(c, batch, length), bursts, a)
-        http = asyncio.run(through_http())
+        http = asyncio.run(run_bursts(lambda batch, length: http_burst(url, batch, length), bursts, a))
 
     print("in process (Engine.generate, same flags)", flush=True)
     from mambaserve.server.cli import build_parser, config_from_args

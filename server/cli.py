@@ -141,8 +141,11 @@ def serve(cfg: ServerConfig) -> None:
 
     sock = listen(cfg.host, cfg.port)  # before anything loads: a taken port fails at once, in one line
     app = LoadingApp(load, ready, failure)
+    # Idle keep-alive connections live longer here than in the proxies and client pools in front (cloud
+    # load balancers idle out at 60 s): the server is never the side that closes a connection a client
+    # is about to reuse, which fails that request (uvicorn's default is 5 s, httpx's pools keep 5 s too).
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=75))
     print(f"mambaserve: loading {cfg.model} (503 at {url}/health until ready)", flush=True)
     server.run(sockets=[sock])
     if failed:

@@ -35,13 +35,14 @@ import torch.nn.functional as F
 from mambaserve.kernels._dispatch import (HAS_TRITON, next_pow2, pdl_args, pdl_trigger, pdl_wait, prefetch_l2, tl,
                                          triton, use_triton)
 from mambaserve.kernels.config import DEFAULT, KernelConfig
-from mambaserve.kernels.conv1d import MAX_DECODE_WIDTH, causal_conv1d_update, conv_finish, conv_load
+from mambaserve.kernels.conv1d import MAX_DECODE_WIDTH, causal_conv1d_update
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
 from mambaserve.kernels.rmsnorm import new_residual, rmsnorm
 
 RESIDUAL, GATED = 1, 2  # the prologue: residual-add RMSNorm, or gated RMSNorm (x * silu(z))
 
 if HAS_TRITON:
+    from mambaserve.kernels.conv1d import conv_finish, conv_load  # jitted helpers: they exist with Triton only
 
     @triton.jit
     def _pre_norm(x_ptr, r_ptr, z_ptr, k, mk, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,

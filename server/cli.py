@@ -31,10 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     s.add_argument("--context-length", type=int, help="longest prompt + output accepted (default: from the model, "
                    "else 8192)")
-    s.add_argument("--max-running-requests", type=int, help="requests decoded together (default 256 on CUDA, 64 on CPU)")
+    s.add_argument("--max-running-requests", type=int,
+                   help="requests decoded together (default 256 on CUDA, 64 on CPU, at most 3/4 of the state slots)")
     s.add_argument("--chunked-prefill-size", type=int, default=2048,
                    help="prompt tokens prefilled per step; longer prompts are split across steps")
-    s.add_argument("--mamba-cache-size", type=int, help="state slots in the pool (default 4 x max running requests)")
+    s.add_argument("--mamba-cache-size", type=int,
+                   help="state slots in the pool (default: what --mem-fraction-static leaves, at most 4 per running "
+                        "request); refused at start, with the numbers, when it does not fit")
+    s.add_argument("--mem-fraction-static", type=float, default=0.88,
+                   help="share of the device's memory (RAM on CPU) for weights, state pool, CUDA graphs and "
+                        "activations; the pool gets what the weights and a reserve leave of it")
     s.add_argument("--mamba-cache-strategy", default="no_buffer", choices=["no_buffer", "extra_buffer"],
                    help="where prefix-cache snapshots are taken (see docs/architecture.md)")
     s.add_argument("--mamba-track-interval", type=int, help="extra snapshots every N prompt tokens (extra_buffer)")

@@ -20,6 +20,7 @@ class ServerConfig:
     max_running_requests: int | None = None
     chunked_prefill_size: int = 2048
     mamba_cache_size: int | None = None
+    mem_fraction_static: float = 0.88  # of the device's memory (RAM on CPU): weights + state pool + graphs + activations
     mamba_cache_strategy: str = "no_buffer"
     mamba_track_interval: int | None = None
     page_size: int = 1
@@ -52,6 +53,8 @@ class ServerConfig:
         for name in ("context_length", "max_running_requests", "mamba_cache_size", "mamba_track_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         if self.host_cache_size < 0:
             raise ValueError(f"--host-cache-size must be >= 0 bytes, got {self.host_cache_size}")
         for name in ("chunked_prefill_size", "page_size", "max_sessions", "cuda_graph_max_bs", "max_request_bytes",
@@ -66,8 +69,3 @@ class ServerConfig:
         if not 0 <= self.session_slot_fraction < 1:
             raise ValueError(f"--session-slot-fraction must be in [0, 1), got {self.session_slot_fraction}")
 
-    def running_limit(self, is_cuda: bool) -> int:
-        return self.max_running_requests or (256 if is_cuda else 64)
-
-    def slot_count(self, is_cuda: bool) -> int:
-        return self.mamba_cache_size or self.running_limit(is_cuda) * 4

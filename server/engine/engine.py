@@ -17,6 +17,7 @@ from pathlib import Path
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine import timeline
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
+from mambaserve.server.engine.memory import PoolPlan, device_memory, plan_pool, reserve_bytes, slot_bytes
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.request import BadRequest, Overloaded, Req, SamplingParams, StepOutput, fit_to_context
@@ -43,7 +44,12 @@ class Engine:
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.context_length = cfg.context_length or self._default_context_length()
         is_cuda = self.device.type == "cuda"
-        self.pool = MambaStatePool(d.num_layers, cfg.slot_count(is_cuda), d.conv_dim, d.conv_kernel, d.num_heads,
+        plan = self._plan_pool(is_cuda)
+        self.max_running = plan.max_running
+        if cfg.max_running_requests and plan.max_running < cfg.max_running_requests:
+            log.warning("--max-running-requests %d lowered to %d: each running request needs one of the %d state slots",
+                        cfg.max_running_requests, plan.max_running, plan.slots)
+        self.pool = MambaStatePool(d.num_layers, plan.slots, d.conv_dim, d.conv_kernel, d.num_heads,
                                    d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)
         self.metrics = ServerMetrics()
         host_pool = self._host_pool(is_cuda)
@@ -53,15 +59,15 @@ class Engine:
         if is_cuda:  # eager prefill variants first: the graphs capture what is compiled by then
             t = time.monotonic()
             runner.warm_up(d.chunk_size, self.track_interval,
-                           min(cfg.running_limit(is_cuda), cfg.chunked_prefill_size))
+                           min(self.max_running, cfg.chunked_prefill_size))
             log.info("prefill kernels compiled in %.1f s", time.monotonic() - t)
         if is_cuda and not cfg.disable_cuda_graph:
             t = time.monotonic()
-            runner.enable_cuda_graphs(min(cfg.running_limit(is_cuda), cfg.cuda_graph_max_bs),
-                                      cfg.chunked_prefill_size, cfg.running_limit(is_cuda))
+            runner.enable_cuda_graphs(min(self.max_running, cfg.cuda_graph_max_bs),
+                                      cfg.chunked_prefill_size, self.max_running)
             log.info("CUDA graphs captured in %.1f s", time.monotonic() - t)
         self.scheduler = Scheduler(
-            cfg, runner, self.metrics, max_running=cfg.running_limit(is_cuda), context_length=self.context_length,
+            cfg, runner, self.metrics, max_running=self.max_running, context_length=self.context_length,
             track_interval=self.track_interval,
             compat=session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]))
         eos = set(d.eos_token_id)
@@ -70,8 +76,23 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._ids = itertools.count()
         self._active = 0  # requests between submit and their last output (touched on the event loop only)
-        log.info("state pool: %d slots x %.2f MiB; context length %d; max running %d", self.pool.allocator.capacity,
-                 self.pool.bytes_per_slot / 2**20, self.context_length, cfg.running_limit(is_cuda))
+        log.info("state pool: %d slots x %.2f MiB = %.2f GiB (room for %d: %.2f GiB); context length %d; max running %d",
+                 self.pool.allocator.capacity, self.pool.bytes_per_slot / 2**20,
+                 self.pool.allocator.capacity * self.pool.bytes_per_slot / 2**30, plan.budget // plan.bytes_per_slot,
+                 plan.budget / 2**30, self.context_length, self.max_running)
+
+    def _plan_pool(self, is_cuda: bool) -> PoolPlan:
+        """State slots and the running limit from the memory left after the weights (engine/memory.py)."""
+        cfg, d = self.cfg, self.dims
+        default_running = 256 if is_cuda else 64
+        per = slot_bytes(d.num_layers, d.conv_dim, d.conv_kernel, d.num_heads, d.head_dim, d.state_size, self.dtype,
+                         DTYPES[cfg.state_dtype])
+        reserve = reserve_bytes(d.d_inner + d.conv_dim + d.num_heads, d.num_heads, d.head_dim, d.state_size,
+                                d.vocab_size, cfg.chunked_prefill_size, cfg.max_running_requests or default_running,
+                                self.dtype, graphs=is_cuda and not cfg.disable_cuda_graph)
+        total, in_use = device_memory(self.device)
+        return plan_pool(total=total, in_use=in_use, fraction=cfg.mem_fraction_static, per_slot=per, reserve=reserve,
+                         slots=cfg.mamba_cache_size, running=cfg.max_running_requests, default_running=default_running)
 
     def _host_pool(self, is_cuda: bool) -> HostStatePool | None:
         """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache)."""

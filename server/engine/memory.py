@@ -1,0 +1,86 @@
+"""How many state slots and running requests fit: the state pool sized from memory, as arithmetic.
+
+``--mem-fraction-static`` is the share of the device's memory (host RAM on CPU) this server may hold
+in all: weights, the state pool, CUDA graphs and activations. Measured after the weights are loaded::
+
+    pool budget = fraction x total - in use now (weights, CUDA context, other processes) - reserve
+
+where the reserve covers what is allocated after the pool: activations of the largest prefill step
+(``--chunked-prefill-size`` tokens through in_proj and the scan's buffers), the prefill and decode
+CUDA graphs' private memory (about as much again), and the logits of a full decode batch. The pool gets
+``budget // bytes per slot`` slots, at most 4 per running request (more only serves the cache, and a
+bounded pool keeps the first start fast); an explicit ``--mamba-cache-size`` that does not fit is
+refused with the numbers. Running requests default to at most three quarters of the slots, so the
+radix cache and sessions keep room, and never exceed the slots.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+GiB = 2**30
+RESERVE_FLOOR = GiB // 2  # allocator slack, cuBLAS workspaces, sampling buffers
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    slots: int
+    max_running: int
+    bytes_per_slot: int
+    budget: int  # bytes the pool could have had
+
+
+def slot_bytes(num_layers: int, conv_dim: int, conv_kernel: int, num_heads: int, head_dim: int, state_size: int,
+               conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
+    """One slot, every layer: the conv window (K - 1 inputs of conv_dim channels) and the SSM state."""
+    conv = conv_dim * (conv_kernel - 1) * conv_dtype.itemsize
+    ssm = num_heads * head_dim * state_size * ssm_dtype.itemsize
+    return num_layers * (conv + ssm)
+
+
+def reserve_bytes(in_proj_width: int, num_heads: int, head_dim: int, state_size: int, vocab_size: int,
+                  chunk_tokens: int, max_running: int, dtype: torch.dtype, graphs: bool) -> int:
+    """Memory allocated after the pool: one prefill step's activations (in_proj's output and a few
+    buffers of its size, the scan's per-chunk start states), as much again for the graphs' memory, and
+    a decode batch's fp32 logits."""
+    step = 6 * chunk_tokens * in_proj_width * dtype.itemsize
+    step += (chunk_tokens // 64 + 2 * max_running) * num_heads * head_dim * state_size * dtype.itemsize
+    logits = 2 * max_running * vocab_size * 4
+    return RESERVE_FLOOR + step * (2 if graphs else 1) + logits
+
+
+def plan_pool(*, total: int, in_use: int, fraction: float, per_slot: int, reserve: int, slots: int | None,
+              running: int | None, default_running: int) -> PoolPlan:
+    """The pool's slots and the running limit (``slots``/``running``: explicit flags, else None). Raises
+    ValueError, one line with the numbers, when the explicit values cannot fit."""
+    budget = int(fraction * total) - in_use - reserve
+    fits = max(0, budget // per_slot)
+    how = (f"{fraction:g} x {total / GiB:.1f} GiB (--mem-fraction-static) - {in_use / GiB:.1f} GiB in use "
+           f"- {reserve / GiB:.1f} GiB reserved for activations and graphs = {max(budget, 0) / GiB:.1f} GiB")
+    if slots is not None:
+        if slots > fits:
+            raise ValueError(f"--mamba-cache-size {slots} needs {slots * per_slot / GiB:.1f} GiB ({slots} x "
+                             f"{per_slot / 2**20:.1f} MiB per slot) but the state pool has {how}: at most {fits} "
+                             "slots; lower it or raise --mem-fraction-static")
+    elif fits < 2:
+        raise ValueError(f"the state pool needs {2 * per_slot / GiB:.2f} GiB for 2 slots ({per_slot / 2**20:.1f} MiB "
+                         f"each) but has {how}; raise --mem-fraction-static or free memory")
+    else:
+        slots = min(fits, 4 * (running or default_running))
+    if running is None:
+        running = max(1, min(default_running, slots * 3 // 4))
+    running = min(running, slots)  # each needs a slot: more can never run at once
+    return PoolPlan(slots, running, per_slot, budget)
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(total, in use) bytes: the GPU's, or on CPU the machine's physical memory and what is not available."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, total - free
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    return total, total - os.sysconf("SC_AVPHYS_PAGES") * page

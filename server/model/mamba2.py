@@ -210,4 +210,6 @@ class Mamba2ForCausalLM(nn.Module):
         if logit_rows is not None:
             x, residual = x[logit_rows], residual[logit_rows]
         logits, _ = self.backbone.norm_f.then_linear(x, residual, self.lm_head.weight, self.lm_head.bias)
+        if self.dims.real_vocab_size:  # padding rows of the embedding: never sampled
+            logits = logits[:, :self.dims.real_vocab_size]
         return logits.float(), tracked

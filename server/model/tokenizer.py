@@ -8,11 +8,22 @@ from mambaserve.server.model.config import ModelLoadError
 
 
 def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
+    """From a model or tokenizer directory, or a single ``tokenizer.json`` file (``--tokenizer``)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
+    if path.is_file():
+        try:
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise ModelLoadError(f"cannot load the tokenizer file {path}: {e}") from None
+        if tok.eos_token is None and "<|endoftext|>" in tok.get_vocab():
+            tok.eos_token = "<|endoftext|>"  # a bare tokenizer.json names no EOS: GPT-NeoX's and GPT-2's is this
+        return tok
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise ModelLoadError(f"no tokenizer in {path}: expected tokenizer.json (and tokenizer_config.json)")
+        raise ModelLoadError(f"no tokenizer in {path}: expected tokenizer.json (and tokenizer_config.json); pass "
+                             "--tokenizer DIR_OR_TOKENIZER_JSON (state-spaces/mamba2-* checkpoints use "
+                             "EleutherAI/gpt-neox-20b's tokenizer)")
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types here; the message is what matters

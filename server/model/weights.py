@@ -1,4 +1,5 @@
-"""Reading safetensors checkpoints: a single ``model.safetensors`` or a sharded index."""
+"""Reading checkpoints: ``model.safetensors`` or a sharded safetensors index, else PyTorch's
+``pytorch_model.bin`` or its sharded index (mamba_ssm's layout), read with ``weights_only``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from mambaserve.server.model.config import ModelLoadError
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
+    if not single.is_file() and not index.is_file() and (
+            (model_dir / "pytorch_model.bin").is_file() or (model_dir / "pytorch_model.bin.index.json").is_file()):
+        return _load_bin(model_dir)
     if single.is_file():
         files = [single]
     elif index.is_file():
@@ -27,13 +31,34 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         if missing:
             raise ModelLoadError(f"shards listed in {index.name} are missing: {', '.join(missing)}")
     else:
-        raise ModelLoadError(
-            f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json "
-            "(PyTorch .bin checkpoints are not loaded: convert them to safetensors)")
+        raise ModelLoadError(f"no weights in {model_dir}: expected model.safetensors, model.safetensors.index.json, "
+                             "pytorch_model.bin or pytorch_model.bin.index.json")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             state.update(load_file(str(f)))
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {f}: {e}") from None
+    return state
+
+
+def _load_bin(model_dir: Path) -> dict[str, torch.Tensor]:
+    index = model_dir / "pytorch_model.bin.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is not a valid checkpoint index: {e}") from None
+        files = [model_dir / n for n in names]
+    else:
+        files = [model_dir / "pytorch_model.bin"]
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:  # weights_only: a checkpoint is data, never code
+            part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # unpickling errors come in many types; the message says what is wrong
+            raise ModelLoadError(f"cannot read {f}: {e}") from None
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise ModelLoadError(f"{f} is not a state dict of tensors")
+        state.update(part)
     return state

@@ -18,10 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start the HTTP server", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Start an OpenAI- and SGLang-compatible server for a Mamba2 checkpoint.")
-    s.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, "
-                   "tokenizer.json)")
+    s.add_argument("--model", required=True, help="checkpoint directory: Hugging Face Mamba2ForCausalLM (config.json, "
+                   "*.safetensors, tokenizer) or mamba_ssm (config.json with d_model/n_layer/ssm_cfg, pytorch_model.bin)")
     s.add_argument("--served-model-name", help="model name in /v1/models and requests (default: directory name)")
-    s.add_argument("--tokenizer", help="tokenizer directory, if not the model's")
+    s.add_argument("--tokenizer", help="tokenizer directory or tokenizer.json file, if not the model's (mamba_ssm "
+                   "checkpoints ship none)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to listen on all interfaces)")
     s.add_argument("--port", type=int, default=30000, help="HTTP port for the API, health checks and /metrics")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaserve.server.api.auth import ApiKeyAuth
+from mambaserve.server.api.json_body import JsonBody
 from mambaserve.server.api.limits import BodyLimit
 from mambaserve.server.api.native import native_routes
 from mambaserve.server.api.openai import openai_routes
@@ -102,6 +103,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, max_bytes=engine.cfg.max_request_bytes,
                        on_reject=lambda: engine.metrics.rejected.labels("too_large").inc())
     if engine.cfg.api_key:  # added last: it runs first, before any body is read

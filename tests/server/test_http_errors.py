@@ -79,6 +79,24 @@ def test_unknown_routes_and_methods(engine):
     assert missing.status_code == 404 and wrong_method.status_code == 405
 
 
+def test_json_bodies_are_read_whatever_the_content_type_says(engine):
+    """``curl -d`` sends application/x-www-form-urlencoded and some clients send no type: the body is
+    JSON all the same; a body that is not JSON gets the JSON error, not a nameless 422."""
+    body = b'{"text": "hi", "sampling_params": {"max_new_tokens": 2}}'
+
+    async def go():
+        async with serving(engine) as c:
+            sent = [await c.post("/generate", content=body, headers={"content-type": ct} if ct else {})
+                    for ct in (None, "application/x-www-form-urlencoded", "text/plain; charset=utf-8")]
+            form = await c.post("/generate", content=b"text=hi",
+                                headers={"content-type": "application/x-www-form-urlencoded"})
+            return sent, form
+
+    sent, form = run(go())
+    assert [r.status_code for r in sent] == [200] * 3 and all(r.json()["output_ids"] for r in sent)
+    assert form.status_code == 400 and form.json()["error"]["code"] == "invalid_json"
+
+
 def test_one_requests_bad_values_or_duplicate_id_hurt_no_other(engine):
     """Bad values sent alongside good requests fail alone; a duplicate request id is a 409 while the
     first request with that id runs on to its normal end."""

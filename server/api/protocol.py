@@ -60,17 +60,19 @@ class _OpenAISampling(_Body):
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # (vLLM's extension)
+    min_tokens: int = 0  # (vLLM's name for min_new_tokens)
     session_id: str | None = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         if self.n != 1:
             raise BadRequest("only n=1 is supported", code="unsupported_parameter")
-        if self.presence_penalty or self.frequency_penalty:
-            raise BadRequest("presence_penalty and frequency_penalty are not supported", code="unsupported_parameter")
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                              min_new_tokens=self.min_tokens)
 
     @property
     def include_usage(self) -> bool:
@@ -131,13 +133,19 @@ class NativeSampling(_Body):
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
 
     def params(self) -> SamplingParams:
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                              min_new_tokens=self.min_new_tokens)
 
 
 class GenerateRequest(_Body):

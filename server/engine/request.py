@@ -43,9 +43,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0  # minus this x times each token was generated, on its logit
+    presence_penalty: float = 0.0  # minus this once a token was generated
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or the output: / it if positive, x it if not
+    min_new_tokens: int = 0  # stop tokens and EOS cannot end the answer before this many tokens
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise BadRequest(f"{name} must be a finite number, got {value}")
@@ -61,6 +69,14 @@ class SamplingParams:
             raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
             raise BadRequest("stop strings must be non-empty")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise BadRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise BadRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_new_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -1,11 +1,14 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling for a batch: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
+frequency / presence / repetition penalties and min_new_tokens.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits), as OpenAI and SGLang
 report them, independent of the sampling filters.
 
 Sampling never waits for the device: ``sample`` returns a ``DeviceSample`` whose tokens stay on the
 device (the next decode step reads them there) while their host copies are in flight; the scheduler
-reads the host side one step later, after it has launched the next forward (overlap scheduling).
+reads the host side one step later, after it has launched the next forward (overlap scheduling). So
+the penalties count tokens on the device too (``Penalties``: a row of counts per penalized request,
+updated from the sampled tokens where they are), and cost nothing in a batch without them.
 """
 
 from __future__ import annotations
@@ -113,6 +116,87 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return DeviceSample(tokens, logprob_rows, top_logprobs_num, chosen, top)
 
 
+class Penalties:
+    """Per penalized request, on the device: how often each token was generated, and which tokens the
+    prompt or the output hold (repetition). Rows are assigned on a request's first sample."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.counts: torch.Tensor | None = None  # [rows, V] int32
+        self.seen: torch.Tensor | None = None  # [rows, V] bool
+        self.rows: dict[str, int] = {}
+        self.free: list[int] = []
+
+    def _row(self, req, vocab: int) -> int:
+        row = self.rows.get(req.rid)
+        if row is not None:
+            return row
+        if not self.free:  # grow by doubling: rows are only made for requests that ask for penalties
+            n = 0 if self.counts is None else self.counts.shape[0]
+            grow = max(8, n)
+            new_counts = torch.zeros(n + grow, vocab, dtype=torch.int32, device=self.device)
+            new_seen = torch.zeros(n + grow, vocab, dtype=torch.bool, device=self.device)
+            if n:
+                new_counts[:n], new_seen[:n] = self.counts, self.seen
+            self.counts, self.seen = new_counts, new_seen
+            self.free = list(range(n + grow - 1, n - 1, -1))
+        row = self.rows[req.rid] = self.free.pop()
+        self.counts[row].zero_()
+        self.seen[row].zero_()
+        prompt = [t for t in req.prompt_ids if 0 <= t < vocab]
+        if prompt:
+            self.seen[row, to_device(prompt, torch.long, self.device)] = True
+        return row
+
+    def apply(self, logits: torch.Tensor, reqs: list) -> list[tuple[int, int]]:
+        """Penalize ``logits`` (rows of ``reqs``) in place; returns (batch row, state row) of those penalized."""
+        pairs = [(j, self._row(r, logits.shape[-1])) for j, r in enumerate(reqs) if r.params.penalized]
+        if not pairs:
+            return pairs
+        dev = logits.device
+        j = to_device([j for j, _ in pairs], torch.long, dev)
+        rows = to_device([r for _, r in pairs], torch.long, dev)
+        ps = [reqs[b].params for b, _ in pairs]
+        freq = to_device([p.frequency_penalty for p in ps], torch.float32, dev)[:, None]
+        pres = to_device([p.presence_penalty for p in ps], torch.float32, dev)[:, None]
+        counts = self.counts[rows].float()
+        x = logits[j] - freq * counts - pres * (counts > 0)
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            rep = to_device([p.repetition_penalty for p in ps], torch.float32, dev)[:, None]
+            x = torch.where(self.seen[rows], torch.where(x > 0, x / rep, x * rep), x)
+        logits[j] = x
+        return pairs
+
+    def count(self, tokens: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        dev = tokens.device
+        j = to_device([j for j, _ in pairs], torch.long, dev)
+        rows = to_device([r for _, r in pairs], torch.long, dev)
+        tok = tokens[j]
+        self.counts.index_put_((rows, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
+        self.seen[rows, tok] = True
+
+    def forget(self, rid: str) -> None:
+        row = self.rows.pop(rid, None)
+        if row is not None:
+            self.free.append(row)
+
+
+def hold_stops(logits: torch.Tensor, reqs: list) -> None:
+    """``min_new_tokens``: a request's stop tokens (EOS included) cannot be sampled before it has that many."""
+    rows, ids = [], []
+    for j, r in enumerate(reqs):
+        if r.params.min_new_tokens and r.stop_token_ids:
+            sampled = len(r.output_ids) + (r.pending is not None)  # the unread token of the step before counts
+            if sampled < r.params.min_new_tokens:
+                stops = [t for t in r.stop_token_ids if 0 <= t < logits.shape[-1]]
+                rows += [j] * len(stops)
+                ids += stops
+    if rows:
+        logits[to_device(rows, torch.long, logits.device), to_device(ids, torch.long, logits.device)] = float("-inf")
+
+
 @dataclass
 class Launched:
     """A launched step whose sampled tokens the host has not read yet."""
@@ -128,6 +212,7 @@ class Sampler:
         self.device = device
         self.default = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.penalties = Penalties(device)
 
     def seed(self, req) -> None:
         if req.params.seed is not None:
@@ -135,14 +220,22 @@ class Sampler:
 
     def forget(self, rid: str) -> None:
         self.generators.pop(rid, None)
+        self.penalties.forget(rid)
 
+    @torch.inference_mode()  # the logits are the forward's inference tensors: penalties edit them in place
     def launch(self, logits: torch.Tensor, rows: list[int], reqs: list) -> Launched:
         """Sample ``logits[rows]`` (one row per sequence of the step) for ``reqs``, without waiting."""
         if len(rows) < logits.shape[0]:
             logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
+        pairs = []
+        if any(r.params.penalized or r.params.min_new_tokens for r in reqs):
+            # logprobs report the distribution sampled from: penalized (as vLLM and SGLang report them)
+            pairs = self.penalties.apply(logits, reqs)
+            hold_stops(logits, reqs)
         result = sample(logits, [r.params for r in reqs], [self.generators.get(r.rid, self.default) for r in reqs],
                         [j for j, r in enumerate(reqs) if r.return_logprob],
                         [r.top_logprobs_num if r.return_logprob else 0 for r in reqs])
+        self.penalties.count(result.tokens, pairs)
         launched = Launched(reqs, result)
         for j, req in enumerate(reqs):
             req.pending = (launched, j)

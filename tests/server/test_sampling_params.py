@@ -1,0 +1,132 @@
+"""Frequency, presence and repetition penalties and min_new_tokens: the engine's logits processing against
+the formulas, greedy generations against transformers with the same penalties applied by hand, and
+refusals of values out of range on every endpoint."""
+
+import types
+
+import pytest
+import torch
+
+from mambaserve.server.engine.request import SamplingParams
+from mambaserve.server.engine.sampling import Penalties, hold_stops
+from tests.server.conftest import make_engine, run, serving
+from tests.server.hf_reference import _model
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _req(rid, prompt, params, output=(), stops=()):
+    return types.SimpleNamespace(rid=rid, prompt_ids=list(prompt), params=params, output_ids=list(output),
+                                 pending=None, stop_token_ids=frozenset(stops))
+
+
+def penalized(logits, prompt, generated, freq, pres, rep):
+    """The formula, written out: OpenAI's frequency/presence over generated tokens, then the repetition
+    penalty (CTRL, as transformers and SGLang apply it) over prompt and generated tokens."""
+    x = logits.clone()
+    for t in set(generated):
+        x[t] -= freq * generated.count(t) + pres
+    for t in set(prompt) | set(generated):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    return x
+
+
+def test_penalties_follow_the_formula_and_count_on_the_device():
+    V = 12
+    pen = Penalties(torch.device("cpu"))
+    a = _req("a", [1, 2, 3], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.5))
+    b = _req("b", [4], SamplingParams())  # not penalized: untouched, no row
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(0))
+    generated = []
+    for step in range(4):
+        x = logits.clone()
+        pairs = pen.apply(x, [a, b])
+        assert [j for j, _ in pairs] == [0] and torch.equal(x[1], logits[1])
+        torch.testing.assert_close(x[0], penalized(logits[0], a.prompt_ids, generated, 0.5, 0.25, 1.5))
+        tok = torch.tensor([5 if step % 2 else 2, 7])
+        pen.count(tok, pairs)
+        generated.append(int(tok[0]))
+    pen.forget("a")
+    assert pen.rows == {} and len(pen.free) == 8
+
+
+def test_min_new_tokens_holds_stop_tokens_until_reached():
+    logits = torch.zeros(2, 6)
+    early = _req("a", [1], SamplingParams(min_new_tokens=3), output=[5], stops=[0, 4])
+    early.pending = object()  # one more sampled, not read yet: 2 so far
+    done = _req("b", [1], SamplingParams(min_new_tokens=2), output=[5, 5], stops=[0])
+    hold_stops(logits, [early, done])
+    assert logits[0, 0] == float("-inf") and logits[0, 4] == float("-inf") and logits[0, 1] == 0
+    assert torch.equal(logits[1], torch.zeros(6))
+
+
+def _hf_penalized_greedy(path, prompt, n, freq, pres, rep):
+    model = _model(str(path))
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+            tok = int(penalized(logits, prompt, out, freq, pres, rep).argmax())
+            out.append(tok)
+            ids.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("endpoint", ["/generate", "/v1/completions"])
+def test_penalized_greedy_generation_matches_transformers_with_the_formula(tiny_ckpt, endpoint):
+    prompt = [5, 9, 14, 9, 23, 5, 31]
+    want = _hf_penalized_greedy(tiny_ckpt, prompt, 12, 0.7, 0.4, 1.3)
+    plain = _hf_penalized_greedy(tiny_ckpt, prompt, 12, 0.0, 0.0, 1.0)
+    assert want != plain  # the penalties change this greedy path: the test can fail
+
+    async def go():
+        async with serving(make_engine(tiny_ckpt)) as c:
+            native = (await c.post("/generate", json={"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 12, "frequency_penalty": 0.7, "presence_penalty": 0.4,
+                "repetition_penalty": 1.3, **GREEDY}})).json()
+            if endpoint == "/generate":
+                return native["output_ids"], None, None
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "frequency_penalty": 0.7,
+                                                      "presence_penalty": 0.4, "repetition_penalty": 1.3, **GREEDY})
+            assert r.status_code == 200, r.text
+            return native["output_ids"], native["text"], r.json()["choices"][0]["text"]
+
+    ids, native_text, openai_text = run(go())
+    assert ids == want
+    assert openai_text == native_text  # the OpenAI endpoint applies the same penalties
+
+
+def test_min_new_tokens_outlasts_a_stop_token(tiny_ckpt):
+    prompt = [5, 9, 14]
+
+    async def go():
+        async with serving(make_engine(tiny_ckpt)) as c:
+            first = (await c.post("/generate", json={"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 6, **GREEDY}})).json()["output_ids"]
+            stop = first[0]
+            bodies = [{"max_new_tokens": 6, "stop_token_ids": [stop], **GREEDY},
+                      {"max_new_tokens": 6, "stop_token_ids": [stop], "min_new_tokens": 4, **GREEDY}]
+            outs = [(await c.post("/generate", json={"input_ids": prompt, "sampling_params": b})).json()
+                    for b in bodies]
+            return stop, outs
+
+    stop, (plain, held) = run(go())
+    assert plain["output_ids"] == [stop] and plain["meta_info"]["finish_reason"]["type"] == "stop"
+    assert len(held["output_ids"]) >= 4 and stop not in held["output_ids"][:4]
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/generate", {"input_ids": [1], "sampling_params": {"frequency_penalty": 3}}, "frequency_penalty must be in"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty must be in"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -2.5}, "presence_penalty must be in"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 9},
+     "frequency_penalty must be in"),
+])
+def test_penalties_out_of_range_are_refused(tiny_ckpt, path, body, needle):
+    async def go():
+        async with serving(make_engine(tiny_ckpt)) as c:
+            return await c.post(path, json=body)
+
+    r = run(go())
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

@@ -48,9 +48,22 @@ def native_routes(engine: Engine) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request):
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
-        engine.check_load()
-        ids = await engine.tokenize(body.text) if body.text is not None else body.input_ids
+        prompts, n = body.prompts(), body.sampling_params.n
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
+        if body.batched or n > 1:  # a list of answers: n per prompt, prompt by prompt
+            if body.stream or body.session_params or body.rid:
+                raise BadRequest("a batch of prompts or n > 1 is answered as one list: stream, session_params and "
+                                 "rid take a single prompt and n = 1", code="unsupported_parameter")
+            engine.check_load(len(prompts) * n)
+            ids = [await engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
+            params = [engine.check_prompt(i, body.sampling_params.params(), explicit) for i in ids]
+            gens = [g for i, p in zip(ids, params)
+                    for g in engine.generate_n(i, p, n, return_logprob=body.return_logprob,
+                                               top_logprobs_num=body.top_logprobs_num, stream=False)]
+            results = await collect(request, *gens)
+            return [_native_payload(outs, outs[-1].rid, body.return_logprob) for outs in results]
+        engine.check_load()
+        ids = await engine.tokenize(prompts[0]) if isinstance(prompts[0], str) else prompts[0]
         params = engine.check_prompt(ids, body.sampling_params.params(), explicit)
         sp = body.session_params
         turn = TurnParams(sp.rid, sp.offset, sp.replace, sp.drop_previous_output) if sp else None

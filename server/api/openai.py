@@ -85,17 +85,19 @@ def openai_routes(engine: Engine) -> APIRouter:
             raise BadRequest("echo is not supported", code="unsupported_parameter")
         explicit = body.max_tokens is not None
         base = body.sampling(body.max_tokens if explicit else DEFAULT_COMPLETION_TOKENS)
-        engine.check_load(len(body.prompts()))
+        engine.check_load(len(body.prompts()) * body.n)
         prompts = [await engine.tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
         params = [engine.check_prompt(ids, base, explicit) for ids in prompts]
         want_lp = body.logprobs is not None
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         session_id = request.headers.get("x-session-id") or body.session_id
-        if (session_id or body.stream) and len(prompts) != 1:
-            raise BadRequest("streaming and session turns take a single prompt")
-        streams = [engine.generate(ids, p, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0,
-                                   session_id=session_id, stream=body.stream) for ids, p in zip(prompts, params)]
+        if (session_id or body.stream) and (len(prompts) != 1 or body.n != 1):
+            raise BadRequest("streaming and session turns take a single prompt and n = 1")
+        streams = [g for ids, p in zip(prompts, params)
+                   for g in engine.generate_n(ids, p, body.n, return_logprob=want_lp,
+                                              top_logprobs_num=body.logprobs or 0, session_id=session_id,
+                                              stream=body.stream)]
 
         if body.stream:
             stream = await admitted(streams[0])
@@ -131,10 +133,11 @@ def openai_routes(engine: Engine) -> APIRouter:
             choices.append({"index": i, "text": "".join(o.text for o in outs),
                             "logprobs": completion_logprobs(outs, 0) if want_lp else None,
                             "finish_reason": last.finish_reason.value})
-            u = _usage(last)
-            for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
-                usage[k] += u[k]
-            usage["prompt_tokens_details"]["cached_tokens"] += last.cached_tokens
+            first_of_prompt = i % body.n == 0  # a prompt's tokens count once, whatever n
+            usage["prompt_tokens"] += last.prompt_tokens if first_of_prompt else 0
+            usage["completion_tokens"] += last.completion_tokens
+            usage["prompt_tokens_details"]["cached_tokens"] += last.cached_tokens if first_of_prompt else 0
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
                 "choices": choices, "usage": usage}
 
@@ -142,7 +145,9 @@ def openai_routes(engine: Engine) -> APIRouter:
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model)
         session_id = request.headers.get("x-session-id") or body.session_id
-        engine.check_load()
+        if session_id and body.n != 1:
+            raise BadRequest("a session turn takes n = 1", code="unsupported_parameter")
+        engine.check_load(body.n)
         try:
             # with a session, `messages` are only the new turn's: rendered alone, appended to the history
             ids = await engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages])
@@ -152,8 +157,9 @@ def openai_routes(engine: Engine) -> APIRouter:
         explicit = max_tokens is not None
         params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)
         top_n = body.top_logprobs or 0
-        stream = engine.generate(ids, params, return_logprob=body.logprobs, top_logprobs_num=top_n,
+        gens = engine.generate_n(ids, params, body.n, return_logprob=body.logprobs, top_logprobs_num=top_n,
                                  session_id=session_id, stream=body.stream)
+        stream = gens[0]
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             stream = await admitted(stream)
@@ -177,14 +183,19 @@ def openai_routes(engine: Engine) -> APIRouter:
                 yield sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        (outs,) = await collect(request, stream)
-        last = outs[-1]
-        if last.error:
-            return ended_early(last)
-        message = {"role": "assistant", "content": "".join(o.text for o in outs)}
+        results = await collect(request, *gens)
+        choices = []
+        for i, outs in enumerate(results):
+            last = outs[-1]
+            if last.error:
+                return ended_early(last)
+            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                            "logprobs": chat_logprobs(outs) if body.logprobs else None,
+                            "finish_reason": last.finish_reason.value})
+        usage = _usage(results[0][-1])
+        usage["completion_tokens"] = sum(outs[-1].completion_tokens for outs in results)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": cid, "object": "chat.completion", "created": created, "model": engine.model_name,
-                "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(outs) if body.logprobs else None,
-                             "finish_reason": last.finish_reason.value}],
-                "usage": _usage(last)}
+                "choices": choices, "usage": usage}
 
     return app

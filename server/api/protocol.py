@@ -50,7 +50,7 @@ class _OpenAISampling(_Body):
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     seed: int | None = None
@@ -65,8 +65,8 @@ class _OpenAISampling(_Body):
     session_id: str | None = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise BadRequest("only n=1 is supported", code="unsupported_parameter")
+        if self.n > 1 and self.stream:
+            raise BadRequest("n > 1 is answered whole: use stream=false", code="unsupported_parameter")
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
@@ -137,6 +137,7 @@ class NativeSampling(_Body):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    n: int = Field(default=1, ge=1)
 
     def params(self) -> SamplingParams:
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
@@ -149,14 +150,27 @@ class NativeSampling(_Body):
 
 
 class GenerateRequest(_Body):
-    text: str | None = None
-    input_ids: list[StrictInt] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     rid: str | None = None
     session_params: "SessionParams | None" = None
+
+    @property
+    def batched(self) -> bool:
+        return isinstance(self.text, list) or bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, text or ids, one or a batch."""
+        p = self.text if self.text is not None else self.input_ids
+        if not self.batched:
+            return [p]
+        if not p:
+            raise BadRequest("the batch of prompts is empty")
+        return list(p)
 
 
 class AbortRequest(_Body):

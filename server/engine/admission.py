@@ -43,7 +43,8 @@ class Admission:
             return self._decode_batch(decode, inflight)
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in running if not r.prefill_done]
         ready = [(r, max(0, r.prefill_len - r.expected_cached), r.overtaken) for r in waiting
-                 if r.session is None or not r.session.awaiting_fold]  # the live state arrives next step
+                 if (r.session is None or not r.session.awaiting_fold)  # the live state arrives next step
+                 and not (self.cache.enabled and _waits_for_its_prompt(r))]
         new_tokens = {id(r): n for r, n, _ in ready}
         cands += [PrefillCandidate(r, new_tokens[id(r)], True, not _has_live_slot(r))
                   for r in admission_order(ready, MAX_OVERTAKEN)]
@@ -198,6 +199,16 @@ def _count_overtaken(arrivals: list[Req], admitted: list[Req]) -> None:
     for r in arrivals[:last]:
         if id(r) not in ids:
             r.overtaken += 1
+
+
+def _waits_for_its_prompt(req: Req) -> bool:
+    """A copy of generate_n waits until the first answer's prefill has put the prompt's state in the cache
+    (it then hits it: a snapshot copy instead of a second prefill)."""
+    lead = req.follows
+    if lead is None or lead.finished or lead.prefill_done:
+        req.follows = None  # (and the link to it is dropped: nothing keeps a finished request alive)
+        return False
+    return True
 
 
 def _has_live_slot(req: Req) -> bool:

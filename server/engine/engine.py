@@ -8,6 +8,7 @@ scheduler thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -171,7 +172,7 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, session_id: str | None = None,
-                 turn_params: TurnParams | None = None, stream: bool = True) -> Generation:
+                 turn_params: TurnParams | None = None, stream: bool = True, follows=None) -> Generation:
         """Submit a request now; its increments come from the returned async iterator until it finishes,
         and closing the iterator early aborts the request (call from the event loop).
 
@@ -194,10 +195,20 @@ class Engine:
                   emit=lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                   stop_token_ids=frozenset(stop_ids), session_id=session_id,
-                  turn_params=turn_params or TurnParams(), timeline=tl)
+                  turn_params=turn_params or TurnParams(), timeline=tl, follows=follows)
         self.scheduler.submit(req)
         self._active += 1
-        return Generation(self, rid, q)
+        return Generation(self, req, q)
+
+    def generate_n(self, prompt_ids: list[int], params: SamplingParams, n: int, **kw) -> list[Generation]:
+        """``n`` answers to one prompt: the first prefills it; the others wait for that prefill and start
+        from its state (a snapshot copy through the radix cache) instead of prefilling it again. A
+        request seed gives copy i the seed + i (distinct answers, reproducible)."""
+        gens = [self.generate(prompt_ids, params, **kw)]
+        for i in range(1, n):
+            p = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+            gens.append(self.generate(prompt_ids, p, follows=gens[0].req, **kw))
+        return gens
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -263,8 +274,9 @@ class Generation:
     before that (the client went away, the consumer stopped), it aborts the request, which frees its
     slot at the next step boundary."""
 
-    def __init__(self, engine: Engine, rid: str, outputs: asyncio.Queue):
-        self._engine, self.rid, self._outputs = engine, rid, outputs
+    def __init__(self, engine: Engine, req: Req, outputs: asyncio.Queue):
+        # ``req`` belongs to the scheduler thread: kept only to link the copies of generate_n to it
+        self._engine, self.req, self.rid, self._outputs = engine, req, req.rid, outputs
         self._open = True
 
     def __aiter__(self) -> Generation:

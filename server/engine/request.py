@@ -158,6 +158,7 @@ class Req:
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     timeline: Timeline | None = None  # where its time to first byte goes (HTTP requests)
+    follows: Req | None = None  # another answer to the same prompt: admitted once that one has prefilled it
     last_token_time: float | None = None
     # what has been sent to the client
     sent_tokens: int = 0

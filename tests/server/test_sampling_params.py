@@ -130,3 +130,49 @@ def test_penalties_out_of_range_are_refused(tiny_ckpt, path, body, needle):
 
     r = run(go())
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def _hit_tokens(metrics: str) -> float:
+    return sum(float(x.split()[-1]) for x in metrics.splitlines()
+               if x.startswith("mambaserve_prefix_cache_hit_tokens_total"))
+
+
+def test_n_answers_share_one_prefill_and_differ_by_seed(tiny_ckpt):
+    """n = 3: three choices; the second and third start from the first's prefilled prompt (cache hits of
+    len(prompt) - 1 tokens each), and seeds seed, seed+1, seed+2 make them differ, reproducibly."""
+    prompt = list(range(3, 40))
+    body = {"prompt": prompt, "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 5}
+
+    async def go():
+        async with serving(make_engine(tiny_ckpt)) as c:
+            before = _hit_tokens((await c.get("/metrics")).text)
+            first = (await c.post("/v1/completions", json=body)).json()
+            hits = _hit_tokens((await c.get("/metrics")).text) - before
+            again = (await c.post("/v1/completions", json=body)).json()
+            return first, hits, again
+
+    first, hits, again = run(go())
+    texts = [ch["text"] for ch in first["choices"]]
+    assert [ch["index"] for ch in first["choices"]] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [ch["text"] for ch in again["choices"]]
+    assert hits == 2 * (len(prompt) - 1)  # the copies did not prefill the prompt again
+    assert first["usage"]["prompt_tokens"] == len(prompt)  # counted once
+    assert first["usage"]["completion_tokens"] == 24
+
+
+def test_batched_generate_and_chat_n_answer_in_order(tiny_ckpt):
+    async def go():
+        async with serving(make_engine(tiny_ckpt)) as c:
+            single = [(await c.post("/generate", json={"text": t, "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+                                    )).json()["text"] for t in ("ab", "xyz")]
+            batch = (await c.post("/generate", json={"text": ["ab", "xyz"], "sampling_params": {
+                "max_new_tokens": 5, "n": 2, **GREEDY}})).json()
+            chat = (await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "n": 2, "max_tokens": 4, **GREEDY})).json()
+            return single, batch, chat
+
+    single, batch, chat = run(go())
+    assert [b["text"] for b in batch] == [single[0], single[0], single[1], single[1]]
+    assert [ch["index"] for ch in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]  # greedy: the same answer
+    assert chat["usage"]["completion_tokens"] == 8

@@ -18,7 +18,8 @@ Where snapshots come from (docs/design.md §5):
     emitted by the chunked scan are written into fresh slots during the forward;
   * the end of a finished request: its slot goes to the tree at prompt + output minus the last
     sampled token (whose state was never computed).
-Chunk ends, donations and tracked positions are *speculative*: they may evict only each other.
+Chunk ends, donations and tracked positions are *speculative*: they evict each other before a
+conversation's state.
 ``DisabledCache`` keeps the same interface with no tree: the plain engine.
 """
 
@@ -91,10 +92,10 @@ class DisabledCache:
         self.pending.clear(slot)
 
     def alloc(self, unused_since: int | None = None, speculative: bool = False) -> int | None:
-        """A free slot, else (with a tree) the slot of the least recently used snapshot. For a speculative
-        snapshot (``speculative``), only one that is speculative itself and unused after the
-        ``unused_since`` tick of ``clock``: a snapshot kept in case it is needed must not displace a
-        conversation's state, nor one that requests used or queued for since its request arrived."""
+        """A free slot, else (with a tree) the slot of the least recently used snapshot, one unused after the
+        ``unused_since`` tick of ``clock`` (a snapshot kept in case it is needed must not displace one that
+        requests used or queued for since its request arrived). For a speculative snapshot
+        (``speculative``), another speculative one first: a conversation's state goes last."""
         return self.allocator.alloc()
 
     @property
@@ -169,7 +170,9 @@ class PrefixCache(DisabledCache):
         slot = self.allocator.alloc()
         if slot is None and self.tree.evictable_slots:
             keys: list = []
-            freed = self.tree.evict(1, unused_since, keys, speculative_only=speculative)
+            # a speculative snapshot displaces another one first; a conversation's state only when none is left
+            freed = speculative and self.tree.evict(1, unused_since, keys, speculative_only=True)
+            freed = freed or self.tree.evict(1, unused_since, keys)
             self.evictions += len(freed)
             for s, key in zip(freed, keys):
                 if self.host is not None and (h := self.host.store(key)) is not None:

@@ -42,9 +42,9 @@ def test_conversations_keep_their_snapshots_in_a_pool_barely_larger_than_them(ti
             return rounds, await accounting(engine)
 
     rounds, acc = run(go())
-    for r in rounds[1:]:
+    for r in rounds[1:]:  # (0.29 in round 2 when hits copied into fresh slots and donations evicted freely)
         hit_rate = sum(h for h, _ in r) / sum(p for _, p in r)
-        assert hit_rate > 0.75, rounds
+        assert hit_rate >= 0.5, rounds
     assert_idle(acc)
 
 
@@ -74,3 +74,24 @@ def test_capacity_misses_count_evicted_prefixes_not_new_ones(tiny_ckpt):
     fresh, before, again, after = run(go())
     assert fresh == [0] * 6 and before == 0  # compulsory: never cached
     assert again < 29 and after == 29 - again  # the first prompt's snapshot (29 tokens) was evicted for space
+
+
+def test_resends_keep_hitting_in_a_pool_full_of_used_snapshots(tiny_ckpt):
+    """Prompts each sent twice (the second hits the first's prompt snapshot, which is kept from then on)
+    fill a small pool with snapshots in use; a new prompt's snapshot must still find room, else its
+    resend misses."""
+    engine = make_engine(tiny_ckpt, mamba_cache_size=6, max_running_requests=1)
+
+    async def go():
+        async with serving(engine) as c:
+            cached = []
+            for s in range(8):
+                for _ in range(2):
+                    r = await c.post("/generate", json={"input_ids": _prompt(20, s),
+                                                        "sampling_params": {"max_new_tokens": 1, **GREEDY}})
+                    cached.append(r.json()["meta_info"]["cached_tokens"])
+            return cached, await accounting(engine)
+
+    cached, acc = run(go())
+    assert cached[1::2] == [19] * 8, cached  # every resend hits all but the last token
+    assert_idle(acc)

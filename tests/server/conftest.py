@@ -27,8 +27,9 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def make_engine(path, **overrides) -> Engine:
+    # on the CPU even where a GPU is: these tests compare exact values (the GPU's are test_gpu_engine.py's)
     kw = dict(model=str(path), served_model_name="tiny", debug_cache_invariants=True, chunked_prefill_size=16,
-              mamba_cache_size=8, max_running_requests=6, context_length=256)
+              mamba_cache_size=8, max_running_requests=6, context_length=256, device="cpu")
     kw.update(overrides)
     return Engine(ServerConfig(**kw))
 

@@ -60,7 +60,7 @@ def hf_dir(tmp_path_factory):
 def test_mamba_ssm_checkpoint_matches_transformers_and_never_samples_padding(hf_dir, tmp_path, shards):
     path = to_mamba_ssm(hf_dir, tmp_path, shards=shards)
     engine = Engine(ServerConfig(model=str(path), tokenizer=str(hf_dir / "tokenizer.json"), mamba_cache_size=4,
-                                 max_running_requests=2, context_length=128))
+                                 max_running_requests=2, context_length=128, device="cpu"))
     assert engine.dims.vocab_size == VOCAB and engine.dims.real_vocab_size == REAL_VOCAB
     assert engine.eos_token_ids == {0}  # from the bare tokenizer.json's <|endoftext|> (the config names none)
     ids = torch.randint(1, REAL_VOCAB, (23,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -103,7 +103,7 @@ def test_codestral_group_shape_matches_transformers(tmp_path):
     Mamba2ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
     make_checkpoint(tmp_path / "tok", "h6_g1")  # only its tokenizer files are used
     engine = Engine(ServerConfig(model=str(tmp_path), tokenizer=str(tmp_path / "tok"), mamba_cache_size=4,
-                                 max_running_requests=2, context_length=128))
+                                 max_running_requests=2, context_length=128, device="cpu"))
     assert (engine.dims.n_groups, engine.dims.head_dim) == (8, 64)
     ids = torch.randint(1, 32768, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = engine.scheduler.runner.forward(ForwardBatch(ForwardMode.EXTEND, ids, [37], [0], [0], all_logits=True)).logits

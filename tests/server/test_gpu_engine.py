@@ -135,3 +135,21 @@ def test_prefill_graphs_match_eager_and_touch_only_their_slots(ckpt):
     free = [s for s in range(graphed.pool.ssm.shape[1]) if s not in used]
     assert torch.equal(graphed.pool.ssm[:, free], before[0][:, free])
     assert torch.equal(graphed.pool.conv[:, free], before[1][:, free])
+
+
+def test_host_tier_round_trip_on_pinned_memory_is_bit_exact(ckpt):
+    """Offload to pinned host memory and load back, asynchronous on the forward's stream: bit for bit."""
+    from mambaserve.server.cache.prefix_cache import StateOps
+    from mambaserve.server.engine.state_pool import HostStatePool
+
+    runner = _runner(ckpt, False)
+    runner.host_pool = HostStatePool(runner.pool, 3, pin=True)
+    assert runner.host_pool.ssm.is_pinned()
+    g = torch.Generator().manual_seed(0)
+    state = {"conv": torch.randn(runner.pool.conv[:, 0].shape, generator=g),
+             "ssm": torch.randn(runner.pool.ssm[:, 0].shape, generator=g)}
+    runner.write_slot(2, state)
+    runner.apply_state_ops(StateOps([("offload", 2, 1), ("clear", 2, 2), ("load", 1, 5)]))
+    back = runner.read_slot(5)
+    assert torch.equal(back["conv"].cpu(), state["conv"]) and torch.equal(back["ssm"].cpu(), state["ssm"])
+    assert not runner.read_slot(2)["ssm"].any()

@@ -25,3 +25,12 @@ def hf_greedy(path, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
             ids.append(tok)
             lps.append(float(logp[tok]))
     return ids[len(prompt):], lps
+
+
+def hf_norm_is_grouped() -> bool:
+    """transformers < 5.2x normalises the gated RMSNorm over all of d_inner, wrong for n_groups > 1."""
+    import inspect
+
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    return "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters

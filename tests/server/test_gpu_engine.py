@@ -7,6 +7,7 @@ from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.model.loader import load_model
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.state_pool import MambaStatePool
+from tests.server.hf_reference import hf_norm_is_grouped
 from tests.server.tiny_models import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -33,19 +34,10 @@ def ckpt(request, tmp_path_factory):
                            hidden_size=64, state_size=32, chunk_size=32)
 
 
-def _hf_norm_is_grouped() -> bool:
-    """transformers < 5.2x normalises the gated RMSNorm over all of d_inner, wrong for n_groups > 1."""
-    import inspect
-
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
-
-    return "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters
-
-
 def _comparable_with_hf(path) -> bool:
     import json
 
-    return json.loads((path / "config.json").read_text())["n_groups"] == 1 or _hf_norm_is_grouped()
+    return json.loads((path / "config.json").read_text())["n_groups"] == 1 or hf_norm_is_grouped()
 
 
 def test_triton_forward_matches_transformers_and_graphs_match_eager(ckpt):

@@ -7,8 +7,8 @@ The JSON files are the shipped artifact and are checked in; this script is how t
 Series labels: `namespace` and `pod` come from prometheus-operator's scrape, `mambaserve_io_session`
 from the session label (podTargetLabels), as with the chart's PodMonitor and the operator's
 ServiceMonitors. Only metric names the server or the operator export appear here (tests/charts
-collects them from a live server and operator and compares). Panels for the cache tiers' bytes and
-load latency wait for the server's mambaserve_tier_* metrics (not exported yet).
+collects them from a live server and operator and compares), and every family the server exports has
+a panel.
 
     .venv/bin/python scripts/build_dashboards.py          # rewrite the JSON
     .venv/bin/python scripts/build_dashboards.py --check  # fail if it is stale
@@ -132,6 +132,11 @@ OVERVIEW = Dashboard("mambaserve-overview", "mambaserve / Overview",
         T(f"sum by (namespace, mambaserve_io_session) (mambaserve_num_waiting_requests{{{SEL}}})", f"waiting {S}")]),
     Panel("Server pods per session", "Scraped server pods of each InferenceSession.",
           [T(f"count by (namespace, mambaserve_io_session) (mambaserve_state_slots_total{{{SEL}}})", S)], decimals=0),
+    Panel("Time to first byte by stage", "Mean share of each stage of a request's time to its first byte "
+          "(mambaserve_request_stage_seconds): validated, queued, admitted, launched, first_token, finished "
+          "(non-streamed answers), first_byte.",
+          [T(f"{rate('mambaserve_request_stage_seconds_sum', 'stage')} / "
+             f"{rate('mambaserve_request_stage_seconds_count', 'stage')}", "{{stage}}")], unit="s", stack=True),
 ])
 
 CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
@@ -164,6 +169,17 @@ CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
     Panel("Hit rate per pod (server's sliding window)", "The server's own windowed hit rate gauge per pod "
           "(what the operator reports in InferenceSession status).",
           [T(f"mambaserve_cache_hit_rate{{{SEL}}}", POD)], unit="percentunit", max=1),
+    Panel("Misses: capacity vs compulsory", "Missed prompt tokens per second: those whose cached prefix had been "
+          "evicted for space (more cache or replicas would have hit them), and the rest (never seen).", [
+        T(rate("mambaserve_prefix_cache_capacity_miss_tokens_total"), "capacity"),
+        T(f"{rate(QUERIED)} - {hits()} - {rate('mambaserve_prefix_cache_capacity_miss_tokens_total')}",
+          "compulsory")], stack=True),
+    Panel("Host tier occupancy per pod", "Snapshots in the host cache tier (--host-cache-size) / its capacity.",
+          [T(f"mambaserve_host_cache_slots_used{{{SEL}}} / mambaserve_host_cache_slots_total{{{SEL}}}", POD)],
+          unit="percentunit", max=1),
+    Panel("Bytes moved between tiers", "State bytes copied from the GPU to the host tier (evicted snapshots kept) "
+          "and back (host hits).", [T(rate("mambaserve_cache_tier_bytes_total", "direction"), "{{direction}}")],
+          unit="Bps"),
 ])
 
 SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",

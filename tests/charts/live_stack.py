@@ -403,6 +403,7 @@ class LiveStack:
         self.server = subprocess.Popen(
             [str(BIN / "mambaserve"), "serve", "--model", str(model), "--port", str(self.server_port),
              "--mamba-cache-size", "12", "--max-running-requests", "2", "--context-length", "2048",
+             "--host-cache-size", "64MiB",  # evictions go to the host tier and come back: its metrics move
              "--session-snapshot-dir", str(self.workdir / "snapshots"), "--log-level", "warning"],
             stdout=self.server_log.open("wb"), stderr=subprocess.STDOUT)
         self.closers.append(lambda: _stop(self.server))

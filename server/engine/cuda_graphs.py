@@ -31,6 +31,28 @@ PREFILL_SEQS = (2, 3, 5, 9, 17, 33)  # sequences per prefill graph: up to one fe
 PREFILL_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # steps of at most 1.5x: padding costs
 
 
+@torch.inference_mode()
+def capture_all(keys, forward, graphs: dict, outputs: dict, warmups: int, prepare=None) -> None:
+    """A graph of ``forward(key)`` per key (largest first: the later ones reuse its memory), captured on a
+    side stream into one memory pool, after ``warmups`` eager runs of each (cuBLAS handles, Triton compiles).
+    ``prepare(key)`` runs before them, outside the capture (an upload there would be replayed every time)."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for key in keys:
+            if prepare is not None:
+                prepare(key)
+            for _ in range(warmups):
+                forward(key)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                outputs[key] = forward(key)
+            graphs[key] = g
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
 def buckets_up_to(n: int) -> list[int]:
     out = [1, 2, 4, 8, 16, 24, 32]
     while out[-1] < n:
@@ -54,22 +76,12 @@ class DecodeGraphs:
         return BatchTensors(mode=ForwardMode.DECODE, cu_seqlens=torch.arange(b + 1, dtype=torch.int32, device=self.device),
                             slots=self.slots[:b], has_initial_state=z.bool(), start_pos=z)
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        pool_handle = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-                bt = self._bt(b)
-                for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                    self.model(self.ids[:b], bt, self.pool.conv, self.pool.ssm, None)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool_handle, stream=stream):
-                    self.outputs[b], _ = self.model(self.ids[:b], bt, self.pool.conv, self.pool.ssm, None)
-                self.graphs[b] = g
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        def forward(b: int):
+            return self.model(self.ids[:b], self._bt(b), self.pool.conv, self.pool.ssm, None)[0]
+
+        # warm-ups: Triton compiles and autotunes outside the capture
+        capture_all(reversed(self.buckets), forward, self.graphs, self.outputs, warmups=2)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def run(self, token_ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -128,22 +140,16 @@ class PrefillGraphs:
         return BatchTensors(mode=ForwardMode.EXTEND, cu_seqlens=self.cu[:s + 1], slots=self.slots[:s],
                             has_initial_state=self.has_init[:s], start_pos=self.start[:s])
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        pool_handle = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for s, t in sorted(self.buckets, key=lambda b: (-b[1], -b[0])):  # largest first: the others reuse its memory
-                self._load(s, t, [0], [], [], [])  # all padding: warm-up and capture touch no slot
-                bt = self._bt(s)
-                self.model(self.ids[:t], bt, self.pool.conv, self.pool.ssm, self.rows[:s])  # cuBLAS, Triton warm
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool_handle, stream=stream):
-                    self.outputs[(s, t)], _ = self.model(self.ids[:t], bt, self.pool.conv, self.pool.ssm, self.rows[:s])
-                self.graphs[(s, t)] = g
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        def all_padding(bucket: tuple[int, int]) -> None:  # warm-up and capture touch no slot
+            self._load(*bucket, [0], [], [], [])
+
+        def forward(bucket: tuple[int, int]):
+            s, t = bucket
+            return self.model(self.ids[:t], self._bt(s), self.pool.conv, self.pool.ssm, self.rows[:s])[0]
+
+        capture_all(sorted(self.buckets, key=lambda b: (-b[1], -b[0])), forward, self.graphs, self.outputs,
+                    warmups=1, prepare=all_padding)
         log.info("captured %d prefill CUDA graphs, up to %d tokens and %d sequences", len(self.graphs),
                  max(t for _, t in self.buckets), max(s for s, _ in self.buckets) - 1)
 

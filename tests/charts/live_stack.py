@@ -239,7 +239,9 @@ class Load:
 
     def _completions(self, c: httpx.Client, seed: int, stop: float) -> None:
         rng = random.Random(seed)
+        n = 0
         while time.monotonic() < stop:
+            n += 1
             prefix = rng.choice(self.PREFIXES)
             # Mostly repeated prompts (cache hits), some fresh ones (misses that evict).
             prompt = prefix if rng.random() < 0.6 else prefix + f"x_{rng.randrange(10**6)} = {rng.random()}\n"
@@ -247,7 +249,7 @@ class Load:
                                                 "max_tokens": rng.choice([4, 8, 16])})
             self._check(r)
             self._count("completions")
-            if rng.random() < 0.05:
+            if n % 20 == 1:  # from the first completion on, however slow the machine: the rejection panels get data
                 self._check(c.post("/v1/completions", json={"model": self.model, "prompt": 42}), ok=False)
                 self._count("rejected")
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,9 +31,13 @@ ROUTER_METRICS_PORT = 29000
 class OperatorSettings:
     namespaces: tuple[str, ...] = ()  # empty: all namespaces
     server_image: str = "mambaserve:0.1.0"
-    router_image: str = "lmsysorg/sglang:latest"
+    # The SGLang Model Gateway, pinned: a moving tag would change the router under running sessions.
+    router_image: str = "lmsysorg/sgl-model-gateway:v0.3.2"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     service_monitors: bool = False  # only when prometheus-operator's CRDs are installed
+    # Labels of the ServiceMonitors the operator creates. A kube-prometheus-stack Prometheus selects
+    # monitors labelled `release: <its Helm release name>`; "kube-prometheus-stack" is the usual one.
+    monitor_labels: tuple[tuple[str, str], ...] = (("release", "kube-prometheus-stack"),)
     status_interval: float = 15.0
     metrics_timeout: float = 2.0
     tier_retry_delay: float = 15.0
@@ -73,17 +78,29 @@ def _env_name(flag: str) -> str:
     return "MAMBASERVE_OPERATOR_" + flag.upper().replace("-", "_")
 
 
-def parse_settings(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> OperatorSettings:
-    env = os.environ if environ is None else environ
-    parser = argparse.ArgumentParser(prog="mambaserve-operator", description="Run the mambaserve operator.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The operator's flags (also accepted by ``render``, so it renders what a configured operator would)."""
     parser.add_argument("--namespace", action="append", dest="namespaces", default=None,
                         help="watch only this namespace (repeatable); default: all namespaces")
     parser.add_argument("--service-monitors", action=argparse.BooleanOptionalAction, default=None,
                         help="create ServiceMonitors (needs prometheus-operator CRDs)")
+    parser.add_argument("--monitor-labels", default=None, metavar="K=V[,K=V...]",
+                        help="labels of the ServiceMonitors, for the Prometheus that selects them "
+                             "(default: release=kube-prometheus-stack; empty: none)")
     for flag, kind, help_text in _FLAGS:
         parser.add_argument(f"--{flag}", type=kind, default=None, help=help_text)
-    args = parser.parse_args(list(argv))
 
+
+def parse_settings(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> OperatorSettings:
+    parser = argparse.ArgumentParser(prog="mambaserve-operator", description="Run the mambaserve operator.")
+    add_arguments(parser)
+    return settings_from(parser.parse_args(list(argv)), parser, environ)
+
+
+def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                  environ: Mapping[str, str] | None = None) -> OperatorSettings:
+    """Settings from parsed flags, then the environment, then the defaults; bad values end in parser.error."""
+    env = os.environ if environ is None else environ
     defaults = OperatorSettings()
     values: dict[str, Any] = {}
     for flag, kind, _ in _FLAGS:
@@ -106,10 +123,38 @@ def parse_settings(argv: Sequence[str] = (), environ: Mapping[str, str] | None =
     if monitors is not None:
         values["service_monitors"] = monitors
 
+    labels = args.monitor_labels
+    if labels is None:
+        labels = env.get(_env_name("monitor-labels"))
+    if labels is not None:
+        try:
+            values["monitor_labels"] = parse_labels(labels)
+        except ValueError as e:
+            parser.error(f"--monitor-labels: {e}")
+
     settings = dataclasses.replace(defaults, **values)
     if settings.log_level not in ("debug", "info", "warning", "error"):
         parser.error(f"--log-level must be debug, info, warning or error, not {settings.log_level!r}")
     return settings
+
+
+_LABEL_NAME = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                         r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def parse_labels(text: str) -> tuple[tuple[str, str], ...]:
+    """``"k=v,k2=v2"`` as label pairs, each checked against Kubernetes' label syntax."""
+    pairs = []
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not _LABEL_NAME.match(key) or len(key.rpartition("/")[0]) > 253 \
+                or not _LABEL_VALUE.match(value):
+            raise ValueError(f"{item!r} is not a label KEY=VALUE")
+        pairs.append((key, value))
+    return tuple(pairs)
 
 
 def configure_kopf(kopf_settings: kopf.OperatorSettings, settings: OperatorSettings) -> None:

@@ -146,6 +146,9 @@ class Placement:
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] | None = None
     priority_class_name: str | None = None
+    runtime_class_name: str | None = None
+    # None: the operator's spread (over nodes and zones); an empty tuple: no spread at all.
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +171,8 @@ class InferenceSession:
     monitoring: Monitoring = Monitoring()
     termination_grace_period_seconds: int = 60
     placement: Placement = Placement()
+    # Merged over the server pod template last (builders/overrides.py); None: nothing to merge.
+    pod_template: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +324,11 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             tolerations=tuple(placement.get("tolerations") or ()),
             affinity=placement.get("affinity") or None,
             priority_class_name=placement.get("priorityClassName") or None,
+            runtime_class_name=placement.get("runtimeClassName") or None,
+            topology_spread_constraints=None if placement.get("topologySpreadConstraints") is None
+            else tuple(placement["topologySpreadConstraints"]),
         ),
+        pod_template=spec.get("podTemplate") or None,
     )
 
 

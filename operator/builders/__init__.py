@@ -7,8 +7,8 @@ from typing import Any
 from mambaserve.operator.builders.autoscaling import adapter_rules, build_hpa, build_scaled_object
 from mambaserve.operator.builders.config import build_config_map
 from mambaserve.operator.builders.disruption import build_pdb
-from mambaserve.operator.builders.monitoring import build_service_monitor
-from mambaserve.operator.builders.router import (build_router_deployment, build_router_role,
+from mambaserve.operator.builders.monitoring import build_router_monitor, build_service_monitor
+from mambaserve.operator.builders.router import (build_router_deployment, build_router_pdb, build_router_role,
                                                  build_router_role_binding, build_router_service_account)
 from mambaserve.operator.builders.server import build_workload, server_args
 from mambaserve.operator.builders.services import build_client_service, build_headless_service, service_url
@@ -38,6 +38,7 @@ def build_session_children(session: InferenceSession, tier: CacheTier | None,
             build_router_role(session),
             build_router_role_binding(session),
             build_router_deployment(session, settings),
+            build_router_pdb(session),
         ]
     if session.autoscaling.enabled:
         if session.autoscaling.engine == "keda":
@@ -45,5 +46,7 @@ def build_session_children(session: InferenceSession, tier: CacheTier | None,
         else:
             children.append(build_hpa(session))
     if settings.service_monitors and session.monitoring.enabled:
-        children.append(build_service_monitor(session))
+        children.append(build_service_monitor(session, settings))
+        if session.router.enabled:
+            children.append(build_router_monitor(session, settings))
     return children

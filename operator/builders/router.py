@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mambaserve.operator import names
+from mambaserve.operator.builders import pod
 from mambaserve.operator.builders.common import session_metadata
 from mambaserve.operator.settings import ROUTER_METRICS_PORT, ROUTER_PORT, SERVER_PORT, OperatorSettings
 from mambaserve.operator.spec import InferenceSession
@@ -62,8 +63,9 @@ def build_router_deployment(session: InferenceSession, settings: OperatorSetting
         "name": "router",
         "image": session.router.image or settings.router_image,
         "imagePullPolicy": session.image_pull_policy,
-        "command": ["python", "-m", "sglang_router.launch_router"],
+        "command": ["python3", "-m", "sglang_router.launch_router"],
         "args": router_args(session),
+        "env": [{"name": "HOME", "value": pod.TMP_DIR}, {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
         "ports": [
             {"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"},
@@ -72,9 +74,19 @@ def build_router_deployment(session: InferenceSession, settings: OperatorSetting
         "livenessProbe": {"httpGet": {"path": "/liveness", "port": "http"}, "periodSeconds": 15,
                           "failureThreshold": 4},
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [pod.mount("tmp", pod.TMP_DIR)],
+        "securityContext": pod.container_security_context(),
     }
-    pod_spec: dict[str, Any] = {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False}
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": name,
+        "containers": [container],
+        "volumes": [pod.empty_dir("tmp", "256Mi")],
+        "enableServiceLinks": False,
+        "securityContext": pod.pod_security_context(),
+        # Two routers on one node would fail together.
+        "topologySpreadConstraints": pod.topology_spread(names.router_selector(session.name),
+                                                         ["kubernetes.io/hostname"]),
+    }
     if session.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in session.image_pull_secrets]
     obj = {
@@ -89,3 +101,17 @@ def build_router_deployment(session: InferenceSession, settings: OperatorSetting
         },
     }
     return names.stamp(obj)
+
+
+def build_router_pdb(session: InferenceSession) -> dict[str, Any]:
+    # Every client request passes the router: a node drain takes at most one router pod at a time.
+    return names.stamp({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": session_metadata(session, names.router(session.name), "router"),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": names.router_selector(session.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    })

@@ -9,14 +9,28 @@ from __future__ import annotations
 from typing import Any
 
 from mambaserve.operator import names
+from mambaserve.operator.builders import pod
 from mambaserve.operator.builders.common import session_metadata
+from mambaserve.operator.builders.overrides import apply_pod_template
 from mambaserve.operator.settings import SERVER_PORT, OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession
 
 MODEL_DIR = "/models"
 CACHE_VOLUME = "cache"
-# The server fills the storage tier up to the size it is given; leave the filesystem 10% for its
-# own metadata and for states being written, so a full tier evicts instead of failing writes.
+HOME_DIR = "/var/lib/mambaserve/home"
+# Session snapshots go to the storage tier when the CacheTier has one, else to an emptyDir here.
+SESSIONS_DIR = "/var/lib/mambaserve/sessions"
+# Requests of a pod whose spec names neither a request nor a limit for cpu or memory. Without
+# them the pod is BestEffort: first to be evicted under node pressure, and packed anywhere. A GPU
+# pod runs the scheduler thread, HTTP and tokenization on a few cores and holds the weights in host
+# memory while loading them; a CPU pod computes on its cores. Set spec.resources to size them.
+DEFAULT_REQUESTS = {True: {"cpu": "4", "memory": "16Gi"}, False: {"cpu": "2", "memory": "4Gi"}}
+# Writable directories under the read-only root filesystem (name, path, size limit). HOME holds
+# what libraries cache there (Triton's compiled kernels, the CUDA JIT cache, Hugging Face files).
+SCRATCH = (("tmp", pod.TMP_DIR, "1Gi"), ("home", HOME_DIR, "4Gi"))
+# Session snapshots without a storage tier: lost with the pod, but written somewhere writable.
+SESSIONS_SIZE = "16Gi"
+SPREAD_KEYS = ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
 
 
 def model_path(session: InferenceSession) -> str:
@@ -55,30 +69,33 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
         args += ["--mamba-track-interval", str(srv.track_interval)]
     if srv.disable_radix_cache:
         args += ["--disable-radix-cache"]
-    if tier is not None:
-        if tier.gpu_state_slots is not None:
-            args += ["--mamba-cache-size", str(tier.gpu_state_slots)]
-        if tier.storage.enabled:
-            # The server's tiers below the GPU are not built yet (spec.tier_problems reports them); what
-            # the storage volume serves today is session snapshots, shared by every pod for migration.
-            args += ["--session-snapshot-dir", f"{tier.storage.path.rstrip('/')}/sessions"]
+    if tier is not None and tier.gpu_state_slots is not None:
+        args += ["--mamba-cache-size", str(tier.gpu_state_slots)]
+    # Always named: the server's default is relative to its working directory, on a read-only filesystem.
+    args += ["--session-snapshot-dir", snapshot_dir(tier)]
     return args + list(srv.extra_args)
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+def snapshot_dir(tier: CacheTier | None) -> str:
+    if tier is not None and tier.storage.enabled:
+        # The server's tiers below the GPU are not built yet (spec.tier_problems reports them); what
+        # the storage volume serves today is session snapshots, shared by every pod for migration.
+        return f"{tier.storage.path.rstrip('/')}/sessions"
+    return SESSIONS_DIR
 
 
-def _resources(session: InferenceSession, tier: CacheTier | None) -> dict[str, Any]:
+def _resources(session: InferenceSession) -> dict[str, Any]:
     requests = {k: v for k, v in session.resources.requests.items()}
     limits = {k: v for k, v in session.resources.limits.items()}
+    for name, value in DEFAULT_REQUESTS[session.resources.gpus > 0].items():
+        # A limit alone makes the API server default the request to it; adding one could exceed it.
+        if name not in requests and name not in limits:
+            requests[name] = value
     if session.resources.gpus > 0:
         # Extended resources must be requested and limited with the same value.
         requests[session.resources.gpu_resource_name] = session.resources.gpus
         limits[session.resources.gpu_resource_name] = session.resources.gpus
-    out: dict[str, Any] = {}
-    if requests:
-        out["requests"] = {k: _quantity(v) for k, v in sorted(requests.items())}
+    out: dict[str, Any] = {"requests": {k: _quantity(v) for k, v in sorted(requests.items())}}
     if limits:
         out["limits"] = {k: _quantity(v) for k, v in sorted(limits.items())}
     return out
@@ -97,15 +114,32 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str,
     }
 
 
+def runtime_env() -> list[dict[str, Any]]:
+    """Where the server's libraries write, all inside the scratch volumes."""
+    return [
+        {"name": "HOME", "value": HOME_DIR},
+        {"name": "TMPDIR", "value": pod.TMP_DIR},
+        {"name": "TRITON_CACHE_DIR", "value": f"{HOME_DIR}/.triton/cache"},
+        {"name": "HF_HOME", "value": f"{HOME_DIR}/.cache/huggingface"},
+        # The root filesystem is read-only: no bytecode files.
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+    ]
+
+
+def _scratch() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    return ([pod.empty_dir(name, size) for name, _, size in SCRATCH],
+            [pod.mount(name, path) for name, path, _ in SCRATCH])
+
+
 def _model_volume_and_init(session: InferenceSession, image: str) -> tuple[list[dict], list[dict], list[dict]]:
     """Volumes, mounts and init containers that make the model available at model_path()."""
     model = session.model
     if model.scheme == "pvc":
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": model.pvc_claim, "readOnly": True}}
-        return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], []
+        return [volume], [pod.mount("model", MODEL_DIR, read_only=True)], []
     if model.scheme == "hf":
-        volume = {"name": "model", "emptyDir": {"sizeLimit": model.download_size_limit}}
-        env: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+        volume = pod.empty_dir("model", model.download_size_limit)
+        env: list[dict[str, Any]] = [*runtime_env(), {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
         if model.token_secret:
             env.append({"name": "HF_TOKEN", "valueFrom": {
                 "secretKeyRef": {"name": model.token_secret, "key": model.token_key}}})
@@ -115,27 +149,58 @@ def _model_volume_and_init(session: InferenceSession, image: str) -> tuple[list[
             "name": "model-download",
             "image": image,
             "imagePullPolicy": session.image_pull_policy,
-            "command": ["python", "-c",
+            "command": ["python3", "-c",
                         "import sys; from huggingface_hub import snapshot_download; "
                         "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])",
                         model.hf_repo, model.hf_revision, model_path(session)],
             "env": env,
-            "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+            "volumeMounts": [pod.mount("model", MODEL_DIR), *_scratch()[1]],
+            "securityContext": pod.container_security_context(),
         }
-        return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], [download]
+        return [volume], [pod.mount("model", MODEL_DIR, read_only=True)], [download]
     return [], [], []
+
+
+def _placement(session: InferenceSession) -> dict[str, Any]:
+    placement, spec = session.placement, {}
+    if placement.node_selector:
+        spec["nodeSelector"] = dict(placement.node_selector)
+    tolerations = [dict(t) for t in placement.tolerations]
+    if session.resources.gpus > 0:
+        tolerations = pod.gpu_tolerations(session.resources.gpu_resource_name, tolerations)
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if placement.affinity:
+        spec["affinity"] = dict(placement.affinity)
+    spread = placement.topology_spread_constraints
+    spread = pod.topology_spread(names.server_selector(session.name), SPREAD_KEYS) if spread is None \
+        else [dict(c) for c in spread]
+    if spread:
+        spec["topologySpreadConstraints"] = spread
+    if placement.priority_class_name:
+        spec["priorityClassName"] = placement.priority_class_name
+    if placement.runtime_class_name:
+        spec["runtimeClassName"] = placement.runtime_class_name
+    return spec
 
 
 def pod_template(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings) -> dict[str, Any]:
     image = session.image or settings.server_image
     volumes, mounts, init = _model_volume_and_init(session, image)
+    scratch_volumes, scratch_mounts = _scratch()
+    volumes += scratch_volumes
+    mounts += scratch_mounts
     # /dev/shm defaults to 64 MiB in a container; PyTorch's pinned host buffers and IPC need more.
-    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}})
-    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    volumes.append(pod.empty_dir("dshm", "2Gi", medium="Memory"))
+    mounts.append(pod.mount("dshm", "/dev/shm"))
     if tier is not None and tier.storage.enabled:
         if not tier.storage.per_pod:
             volumes.append({"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": tier.claim_name}})
-        mounts.append({"name": CACHE_VOLUME, "mountPath": tier.storage.path})
+        mounts.append(pod.mount(CACHE_VOLUME, tier.storage.path))
+    else:
+        volumes.append(pod.empty_dir("sessions", SESSIONS_SIZE))
+        mounts.append(pod.mount("sessions", SESSIONS_DIR))
 
     # Streaming sessions hold live state: keep routing away from a stopping pod for drainSeconds
     # (endpoints and the router see it NotReady) before the server gets SIGTERM.
@@ -150,41 +215,39 @@ def pod_template(session: InferenceSession, tier: CacheTier | None, settings: Op
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *runtime_env(),
             *([{"name": "MAMBASERVE_API_KEY", "valueFrom": {"secretKeyRef": {
                 "name": session.server.api_key_secret, "key": session.server.api_key_key}}}]
               if session.server.api_key_secret else []),
         ],
-        "resources": _resources(session, tier),
+        "resources": _resources(session),
         "volumeMounts": mounts,
         # Loading weights can take minutes; the startup probe holds liveness off until /health is 200.
         "startupProbe": _probe("/health", period=10, failures=90),
         "readinessProbe": _probe("/health", period=5, failures=3),
         "livenessProbe": _probe("/health", period=15, failures=4),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": pod.container_security_context(),
     }
     if drain > 0:
-        container["lifecycle"] = {"preStop": {"sleep": {"seconds": drain}}}
+        container["lifecycle"] = pod.drain_hook(drain)
 
     spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": session.termination_grace_period_seconds + drain,
         "enableServiceLinks": False,
+        # The server never calls the Kubernetes API: no token in its filesystem.
+        "automountServiceAccountToken": False,
+        "securityContext": pod.pod_security_context(),
+        **_placement(session),
     }
     if init:
         spec["initContainers"] = init
     if session.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in session.image_pull_secrets]
-    placement = session.placement
-    if placement.node_selector:
-        spec["nodeSelector"] = dict(placement.node_selector)
-    if placement.tolerations:
-        spec["tolerations"] = [dict(t) for t in placement.tolerations]
-    if placement.affinity:
-        spec["affinity"] = dict(placement.affinity)
-    if placement.priority_class_name:
-        spec["priorityClassName"] = placement.priority_class_name
-    return {"metadata": {"labels": names.session_labels(session.name, "server")}, "spec": spec}
+    labels = names.session_labels(session.name, "server")
+    rendered = {"metadata": {"labels": labels}, "spec": spec}
+    return apply_pod_template(rendered, session.pod_template, labels)
 
 
 def build_workload(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from mambaserve.operator import names
 from mambaserve.operator.builders.common import session_metadata
-from mambaserve.operator.settings import ROUTER_PORT, SERVER_PORT
+from mambaserve.operator.settings import ROUTER_METRICS_PORT, ROUTER_PORT, SERVER_PORT
 from mambaserve.operator.spec import InferenceSession
 
 
@@ -26,6 +26,10 @@ def build_client_service(session: InferenceSession) -> dict[str, Any]:
         "selector": selector,
         "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
     }
+    if session.router.enabled:
+        # The router's own Prometheus endpoint, for its ServiceMonitor.
+        spec["ports"].append({"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "metrics",
+                              "protocol": "TCP"})
     if not session.router.enabled and session.sessions.streaming:
         # Without a router, client-IP affinity is the only thing that keeps a session's turns on
         # the pod holding its state; hold it as long as the server keeps an idle session.

@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from tests.charts.conftest import CHART, DATA, MONITORING_ON, NAMESPACE, ROOT, Rendered, helm, render
+from tests.operator.kube_versions import NEWEST, OLDEST, SUPPORTED
+from tests.operator.pod_security import pod_templates, restricted_violations, writable_root_filesystems
 
-K8S_VERSION = "1.30"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -58,11 +59,21 @@ def rendered() -> dict[str, Rendered]:
     return {name: render(values) for name, values in VALUE_SETS.items()}
 
 
-def test_lint_passes_for_every_value_set() -> None:
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_lint_passes_for_every_value_set(version: str) -> None:
     for name, values in VALUE_SETS.items():
-        report = helm().lint(str(CHART), values, strict=True, namespace=NAMESPACE, kube_version="v1.30.0")
+        report = helm().lint(str(CHART), values, strict=True, namespace=NAMESPACE, kube_version=f"v{version}")
         problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
         assert problems == [], f"{name}: {problems}"
+
+
+def test_kube_version_claim_is_what_is_tested() -> None:
+    import kubernetes_validate
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={OLDEST}-0"
+    # NEWEST is the newest schema the pinned kubernetes-validate ships: bumping it moves NEWEST.
+    assert kubernetes_validate.latest_version() == NEWEST
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
@@ -87,7 +98,16 @@ def test_every_object_is_valid_against_the_official_schemas(rendered: dict[str, 
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             _check_monitoring_object(obj)  # not a Kubernetes kind: no official schema
             continue
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        for version in SUPPORTED:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_pod_is_admitted_by_pod_security_restricted(rendered: dict[str, Rendered], name: str) -> None:
+    pods = [o for o in rendered[name].objects if list(pod_templates(o))]
+    assert pods
+    for obj in pods:
+        assert restricted_violations(obj) == [] and writable_root_filesystems(obj) == []
 
 
 def _check_monitoring_object(obj: dict[str, Any]) -> None:
@@ -389,3 +409,23 @@ def test_readme_documents_the_crd_upgrade_path_and_missing_metrics() -> None:
     readme = (CHART / "README.md").read_text()
     assert "kubectl apply --server-side --force-conflicts -f" in readme
     assert "mambaserve_tier_" in readme  # says which panels/alerts wait for tier metrics
+
+
+def test_monitor_labels_reach_the_chart_monitors_and_the_operator() -> None:
+    from mambaserve.operator.settings import parse_settings
+
+    def operator_labels(r: Rendered) -> tuple[tuple[str, str], ...]:
+        args = r.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        return parse_settings(args, environ={}).monitor_labels
+
+    # By default what a kube-prometheus-stack release named kube-prometheus-stack selects, everywhere.
+    on = render(MONITORING_ON)
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        assert on.one(kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack", kind
+    assert operator_labels(on) == (("release", "kube-prometheus-stack"),)
+    custom = render({**MONITORING_ON, "monitoring": {**MONITORING_ON["monitoring"],
+                                                     "labels": {"release": "prom", "team": "ml"}}})
+    assert custom.one("PodMonitor")["metadata"]["labels"]["team"] == "ml"
+    assert operator_labels(custom) == (("release", "prom"), ("team", "ml"))
+    # null removes the default (Helm's rule for maps): no labels at all.
+    assert operator_labels(render({"monitoring": {"labels": {"release": None}}})) == ()

@@ -14,10 +14,10 @@ from mambaserve.operator.builders.autoscaling import MISS_RATIO_METRIC, QUEUE_ME
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import parse_cache_tier, parse_session
 from tests.operator.conftest import DATA, ROOT, load_yaml, sample
-from tests.operator.crd_validation import admit
+from mambaserve.operator.crd_schema import admit
+from tests.operator.kube_versions import SUPPORTED
+from tests.operator.pod_security import pod_templates, restricted_violations, writable_root_filesystems
 
-# Oldest supported and newest schema in kubernetes-validate 1.37: objects must be valid on both.
-K8S_VERSIONS = ["1.31.0", "1.34.0"]
 THIRD_PARTY_CRDS = {
     "ScaledObject": load_yaml(DATA / "keda.sh_scaledobjects.yaml"),
     "ServiceMonitor": load_yaml(DATA / "monitoring.coreos.com_servicemonitors.yaml"),
@@ -48,6 +48,7 @@ SCENARIOS = {
                                                         tier("cachetier-shared"), SETTINGS),
     "keda+per-pod": lambda: build_session_children(session("inferencesession-keda"),
                                                    tier("cachetier-per-pod"), SETTINGS),
+    "platform": lambda: build_session_children(session("inferencesession-platform"), None, SETTINGS),
 }
 
 
@@ -56,7 +57,7 @@ def assert_valid(obj: dict[str, Any]) -> None:
         _, errors = admit(THIRD_PARTY_CRDS[obj["kind"]], obj)
         assert errors == [], errors
         return
-    for version in K8S_VERSIONS:
+    for version in SUPPORTED:
         kubernetes_validate.validate(obj, version, strict=True)
 
 
@@ -65,6 +66,21 @@ def test_every_object_validates_against_official_schemas(scenario: str) -> None:
     children = SCENARIOS[scenario]()
     for obj in children:
         assert_valid(obj)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_pod_is_admitted_by_pod_security_restricted(scenario: str) -> None:
+    children = SCENARIOS[scenario]()
+    pods = [obj for obj in children if list(pod_templates(obj))]
+    assert pods
+    for obj in pods:
+        assert restricted_violations(obj) == []
+        assert writable_root_filesystems(obj) == []
+        for _, spec in pod_templates(obj):
+            for c in spec["containers"] + spec.get("initContainers", []):
+                # Burstable or Guaranteed: the kubelet evicts BestEffort pods first.
+                named = set(c["resources"].get("requests", {})) | set(c["resources"].get("limits", {}))
+                assert {"cpu", "memory"} <= named, c["name"]
 
 
 def test_tier_claim_validates() -> None:
@@ -96,14 +112,35 @@ def test_minimal_session_objects() -> None:
         "--dtype", "auto", "--state-dtype", "float32", "--chunked-prefill-size", "2048", "--page-size", "1",
         "--mamba-cache-strategy", "no_buffer", "--max-sessions", "1024", "--session-timeout", "600",
         "--log-level", "info", "--served-model-name", "mamba2-130m",
+        "--session-snapshot-dir", "/var/lib/mambaserve/sessions",
     ]
-    assert container["resources"] == {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
+                                      "limits": {"nvidia.com/gpu": "1"}}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["ports"] == [{"name": "http", "containerPort": 30000, "protocol": "TCP"}]
-    # Streaming sessions drain: preStop sleep, and the grace period covers it.
-    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": 30}}}
+    # Streaming sessions drain: a preStop exec of the image's Python (works on every supported
+    # Kubernetes, unlike the sleep action), and the grace period covers it.
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": ["python3", "-c", "import time; time.sleep(30)"]}}}
     assert pod["terminationGracePeriodSeconds"] == 90
+    # Read-only root: every place the server writes is a volume, and the libraries are told where.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for path in ("/tmp", env["HOME"], "/var/lib/mambaserve/sessions", "/dev/shm"):
+        assert "emptyDir" in volumes[mounts[path]], path
+    for variable in ("TRITON_CACHE_DIR", "HF_HOME"):
+        assert env[variable].startswith(env["HOME"] + "/")
+    assert env["TMPDIR"] == "/tmp"
+    assert container["args"][container["args"].index("--session-snapshot-dir") + 1] == "/var/lib/mambaserve/sessions"
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    # A GPU pod tolerates the GPU taint and spreads over nodes and zones without ever staying Pending for it.
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    spread = pod["topologySpreadConstraints"]
+    assert [c["topologyKey"] for c in spread] == ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    assert all(c["whenUnsatisfiable"] == "ScheduleAnyway" and c["labelSelector"]["matchLabels"] ==
+               names.server_selector("tiny") for c in spread)
     assert "initContainers" not in pod
     assert not any(e["name"] == "MAMBASERVE_API_KEY" for e in container["env"])
     svc = children["Service", "tiny"]
@@ -157,7 +194,20 @@ def test_autoscaled_session_with_shared_tier() -> None:
 
     router = children["Deployment", "chat-router"]["spec"]
     rc = router["template"]["spec"]["containers"][0]
-    assert rc["command"] == ["python", "-m", "sglang_router.launch_router"]
+    assert rc["command"] == ["python3", "-m", "sglang_router.launch_router"]
+    # Pinned (a moving tag would swap the router under running sessions), scraped, and drained one at a time.
+    assert rc["image"] == SETTINGS.router_image and not rc["image"].endswith(":latest") and ":" in rc["image"]
+    assert children["PodDisruptionBudget", "chat-router"]["spec"] == {
+        "maxUnavailable": 1, "selector": {"matchLabels": names.router_selector("chat")},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow"}
+    router_monitor = children["ServiceMonitor", "chat-router"]
+    assert router_monitor["spec"]["selector"]["matchLabels"] == names.router_selector("chat")
+    assert router_monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    client_ports = {p["name"]: p for p in children["Service", "chat"]["spec"]["ports"]}
+    assert client_ports["metrics"]["targetPort"] == "metrics"
+    assert {"name": "metrics", "containerPort": client_ports["metrics"]["port"], "protocol": "TCP"} in rc["ports"]
+    assert router_monitor["spec"]["selector"]["matchLabels"].items() <= \
+        children["Service", "chat"]["metadata"]["labels"].items()
     assert rc["args"][rc["args"].index("--selector") + 1:rc["args"].index("--service-discovery-namespace")] == [
         "app.kubernetes.io/component=server", "mambaserve.io/session=chat"]
     assert "--service-discovery" in rc["args"] and rc["args"][rc["args"].index("--policy") + 1] == "cache_aware"
@@ -172,6 +222,11 @@ def test_autoscaled_session_with_shared_tier() -> None:
     assert "sessionAffinity" not in children["Service", "chat"]["spec"]
     monitor = children["ServiceMonitor", "chat"]["spec"]
     assert monitor["selector"]["matchLabels"] == {"mambaserve.io/session": "chat", "mambaserve.io/metrics": "true"}
+    # A default kube-prometheus-stack Prometheus selects monitors by its release label.
+    for name in ("chat", "chat-router"):
+        assert children["ServiceMonitor", name]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # The server ServiceMonitor's selector must not pick the client service (router metrics are on another port).
+    assert not monitor["selector"]["matchLabels"].items() <= children["Service", "chat"]["metadata"]["labels"].items()
     assert children["Service", "chat-headless"]["metadata"]["labels"]["mambaserve.io/metrics"] == "true"
     assert "mambaserve.io/metrics" not in children["Service", "chat"]["metadata"]["labels"]
 
@@ -206,6 +261,59 @@ def test_keda_session_with_per_pod_tier_runs_as_statefulset() -> None:
     assert router[router.index("--policy") + 1] == "manual"
 
 
+def test_platform_session_placement_and_pod_template_merged_last() -> None:
+    children = by_kind(SCENARIOS["platform"]())
+    template = children["Deployment", "platform"]["spec"]["template"]
+    pod, meta = template["spec"], template["metadata"]
+    assert pod["runtimeClassName"] == "nvidia" and pod["nodeSelector"] == {"pool": "inference"}
+    # The GPU taint first (the pod asks for a GPU), then the user's own.
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                  {"key": "dedicated", "operator": "Equal", "value": "inference",
+                                   "effect": "NoSchedule"}]
+    assert [c["whenUnsatisfiable"] for c in pod["topologySpreadConstraints"]] == ["DoNotSchedule"]  # replaced
+    assert meta["annotations"] == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+    assert meta["labels"]["team"] == "ml-platform" and meta["labels"][names.SESSION_LABEL] == "platform"
+    (server,) = pod["containers"]
+    # Merged by name into the operator's container: its own env, mounts and args stay.
+    env = [e["name"] for e in server["env"]]
+    assert env[-1] == "SSL_CERT_FILE" and "POD_NAME" in env and "HOME" in env
+    assert {"name": "corp-ca", "mountPath": "/etc/ssl/corp", "readOnly": True} in server["volumeMounts"]
+    assert server["args"][:2] == ["--model", "/models/mamba2-1.3b"] and server["securityContext"]["readOnlyRootFilesystem"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["sessions"] == {"name": "sessions", "emptyDir": {"sizeLimit": "64Gi"}}  # replaced by name
+    assert volumes["corp-ca"] == {"name": "corp-ca", "configMap": {"name": "corp-ca-bundle"}}
+    assert {"tmp", "home", "dshm", "model"} <= set(volumes)
+    # A limit alone: no default request is added next to it (it could exceed the limit).
+    assert server["resources"] == {"requests": {"cpu": "4", "nvidia.com/gpu": "1"},
+                                   "limits": {"memory": "24Gi", "nvidia.com/gpu": "1"}}
+
+
+def test_pod_template_can_remove_and_replace_what_the_operator_renders() -> None:
+    body = sample("inferencesession-minimal")
+    body["metadata"]["uid"] = "u"
+    body["spec"]["podTemplate"] = {"spec": {
+        "tolerations": [{"key": "only-this", "operator": "Exists"}],  # lists without a merge key: replaced
+        "topologySpreadConstraints": None,  # null removes the key
+        "volumes": [{"name": "dshm", "$patch": "delete"}],
+        "containers": [{"name": "server", "volumeMounts": [{"mountPath": "/dev/shm", "$patch": "delete"}]},
+                       {"name": "sidecar", "image": "busybox:1.36", "$patch": "merge"}],
+        "securityContext": {"runAsUser": 1000},
+        "shareProcessNamespace": True,
+    }}
+    children = by_kind(build_session_children(parse_session(body), None, SETTINGS))
+    pod = children["Deployment", "tiny"]["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"key": "only-this", "operator": "Exists"}]
+    assert "topologySpreadConstraints" not in pod
+    assert "dshm" not in {v["name"] for v in pod["volumes"]}
+    assert "/dev/shm" not in {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert [c["name"] for c in pod["containers"]] == ["server", "sidecar"]
+    assert pod["containers"][1] == {"name": "sidecar", "image": "busybox:1.36"}
+    assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["shareProcessNamespace"] is True
+    # What the user adds is theirs to keep compliant: the sidecar has no security context.
+    assert restricted_violations(children["Deployment", "tiny"])
+
+
 def test_builders_are_deterministic_and_hash_follows_the_spec() -> None:
     first = SCENARIOS["autoscaled+shared"]()
     assert first == SCENARIOS["autoscaled+shared"]()
@@ -221,6 +329,15 @@ def test_builders_are_deterministic_and_hash_follows_the_spec() -> None:
         before["Service", "chat"]["metadata"]["annotations"][h]
 
 
+def test_monitor_labels_come_from_the_settings() -> None:
+    s = session("inferencesession-minimal")
+    custom = OperatorSettings(service_monitors=True, monitor_labels=(("release", "prom"), ("team", "ml")))
+    labels = by_kind(build_session_children(s, None, custom))["ServiceMonitor", "tiny"]["metadata"]["labels"]
+    assert labels["release"] == "prom" and labels["team"] == "ml" and labels[names.SESSION_LABEL] == "tiny"
+    none = OperatorSettings(service_monitors=True, monitor_labels=())
+    assert "release" not in by_kind(build_session_children(s, None, none))["ServiceMonitor", "tiny"]["metadata"]["labels"]
+
+
 def test_cpu_session_and_disabled_features() -> None:
     body = sample("inferencesession-minimal")
     body["metadata"]["uid"] = "u"
@@ -229,7 +346,9 @@ def test_cpu_session_and_disabled_features() -> None:
     children = by_kind(build_session_children(parse_session(body), None, SETTINGS))
     container = children["Deployment", "tiny"]["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][container["args"].index("--device") + 1] == "cpu"
-    assert container["resources"] == {"requests": {"cpu": "4"}}
+    # cpu as asked; memory defaulted (no request or limit named it); no GPU, so no GPU toleration.
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "4Gi"}}
+    assert "tolerations" not in children["Deployment", "tiny"]["spec"]["template"]["spec"]
     assert "lifecycle" not in container  # nothing to drain without streaming sessions
     assert ("ServiceMonitor", "tiny") not in children
     for obj in children.values():

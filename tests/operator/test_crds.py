@@ -10,9 +10,9 @@ import pytest
 
 from mambaserve.operator.spec import parse_cache_tier, parse_session
 from tests.operator.conftest import CRDS, SAMPLES, load_crd, load_yaml
-from tests.operator.crd_validation import admit, all_rules, cel_program, structural_problems, version_schema
+from tests.operator.kube_versions import SUPPORTED
+from mambaserve.operator.crd_schema import admit, all_rules, cel_program, structural_problems, version_schema
 
-K8S_VERSION = "1.31.0"  # the oldest Kubernetes the operator supports (pod preStop sleep action: 1.30+)
 SESSIONS, TIERS = load_crd("inferencesessions"), load_crd("cachetiers")
 
 
@@ -24,9 +24,11 @@ def test_one_crd_per_file_and_named_after_it() -> None:
         assert name == f"{crd['spec']['group']}_{crd['spec']['names']['plural']}.yaml"
 
 
+@pytest.mark.parametrize("version", SUPPORTED)
 @pytest.mark.parametrize("crd", [SESSIONS, TIERS], ids=["inferencesessions", "cachetiers"])
-def test_crd_validates_against_apiextensions_schema(crd: dict[str, Any]) -> None:
-    kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
+def test_crd_validates_against_apiextensions_schema(crd: dict[str, Any], version: str) -> None:
+    # On the oldest claimed version too: e.g. a rule's fieldPath exists from 1.28 on.
+    kubernetes_validate.validate(crd, version, strict=True)
 
 
 @pytest.mark.parametrize("crd", [SESSIONS, TIERS], ids=["inferencesessions", "cachetiers"])
@@ -124,6 +126,11 @@ INVALID_SESSIONS = [
     ("long name", {**_session(), "metadata": {"name": "x" * 41}}, "at most 40 characters"),
     ("uppercase name", {**_session(), "metadata": {"name": "Chat"}}, "DNS-1035"),
     ("bad quantity", _session(resources={"requests": {"memory": "lots"}}), "does not match"),
+    ("two gpus", _session(resources={"gpus": 2}), "multi-GPU serving is not built yet"),
+    ("selector label in podTemplate", _session(podTemplate={"metadata": {"labels": {"mambaserve.io/session": "x"}}}),
+     "the operator selects pods by them"),
+    ("podTemplate unknown part", _session(podTemplate={"status": {}}), "Additional properties"),
+    ("podTemplate spec not a map", _session(podTemplate={"spec": ["containers"]}), "is not of type 'object'"),
 ]
 
 
@@ -189,6 +196,11 @@ VALID_EDGE_CASES = [
     _session(autoscaling={"enabled": False, "minReplicas": 9, "maxReplicas": 2}),  # not checked while disabled
     _session(server={"cacheStrategy": "extra_buffer", "trackInterval": 256, "extraArgs": ["--seed", "7"]}),
     _session(resources={"gpus": 0, "requests": {"cpu": 2, "memory": "8Gi"}}),
+    _session(resources={"gpus": 1}),
+    _session(placement={"runtimeClassName": "nvidia", "topologySpreadConstraints": []}),
+    _session(podTemplate={"metadata": {"labels": {"team": "a"}, "annotations": {"a/b": "c"}},
+                          "spec": {"containers": [{"name": "server", "env": [{"name": "X", "value": "1"}]}],
+                                   "volumes": [{"name": "v", "emptyDir": {}}]}}),
 ]
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from mambaserve.operator import names
 from tests.operator.conftest import Cluster, eventually, load_crd, register_resources, sample
-from tests.operator.crd_validation import admit
+from mambaserve.operator.crd_schema import admit
 
 pytestmark = pytest.mark.asyncio
 
@@ -55,7 +55,8 @@ async def test_session_lifecycle_create_update_scale_status_delete(cluster: Clus
     expected = {("ConfigMap", "chat-config"), ("Service", "chat"), ("Service", "chat-headless"),
                 ("Deployment", "chat"), ("PodDisruptionBudget", "chat"), ("HorizontalPodAutoscaler", "chat"),
                 ("ServiceAccount", "chat-router"), ("Role", "chat-router"), ("RoleBinding", "chat-router"),
-                ("Deployment", "chat-router"), ("ServiceMonitor", "chat")}
+                ("Deployment", "chat-router"), ("PodDisruptionBudget", "chat-router"), ("ServiceMonitor", "chat"),
+                ("ServiceMonitor", "chat-router")}
     children = await eventually(lambda: (c := owned(cluster, uid)) and set(c) == expected and c)
     for obj in children.values():
         ref = obj["metadata"]["ownerReferences"][0]
@@ -190,7 +191,7 @@ async def test_restart_makes_no_changes(cluster: Cluster, start_operator: Any) -
     await cluster.create(sample("cachetier-shared"))
     session = await cluster.create(chat_session())
     uid = session["metadata"]["uid"]
-    await eventually(lambda: len(owned(cluster, uid)) == 11)
+    await eventually(lambda: len(owned(cluster, uid)) == 13)
     await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == ["chat"])
     await eventually(lambda: status(cluster, "InferenceSession", "chat").get("conditions"))
     await first.stop()

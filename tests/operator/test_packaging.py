@@ -6,6 +6,7 @@ import ast
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from mambaserve.operator.__main__ import main
@@ -53,6 +54,18 @@ def test_settings_from_flags_and_environment() -> None:
     # Flags win over the environment.
     assert parse_settings(["--server-image", "flag:1"],
                           environ={"MAMBASERVE_OPERATOR_SERVER_IMAGE": "env:1"}).server_image == "flag:1"
+    # ServiceMonitor labels: kube-prometheus-stack's default selector unless told otherwise.
+    assert OperatorSettings().monitor_labels == (("release", "kube-prometheus-stack"),)
+    assert parse_settings(["--monitor-labels", "release=prom, team=ml"], environ={}).monitor_labels == \
+        (("release", "prom"), ("team", "ml"))
+    assert parse_settings([], environ={"MAMBASERVE_OPERATOR_MONITOR_LABELS": ""}).monitor_labels == ()
+
+
+def test_bad_monitor_labels_are_refused(capsys) -> None:  # type: ignore[no-untyped-def]
+    for bad in ("release", "has space=x", "k=" + "v" * 64, "-k=v"):
+        with pytest.raises(SystemExit):
+            parse_settings([f"--monitor-labels={bad}"], environ={})
+        assert "is not a label KEY=VALUE" in capsys.readouterr().err
 
 
 def test_adapter_rules_subcommand(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -66,3 +79,7 @@ def test_module_entry_point_runs() -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--namespace" in result.stdout and "--server-image" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "mambaserve.operator", "render", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--filename" in result.stdout and "--monitor-labels" in result.stdout

@@ -1,4 +1,4 @@
-"""What the API server does with a custom resource before storing it, for the tests.
+"""What the API server does with a custom resource before storing it, offline.
 
 1. defaulting from the structural schema (``default:``),
 2. OpenAPI v3 validation (jsonschema, with the Kubernetes extensions translated; unknown fields are
@@ -6,7 +6,9 @@
 3. every ``x-kubernetes-validations`` rule evaluated by a real CEL implementation (cel-python) with
    ``self`` bound to the node, and ``oldSelf`` for transition rules on updates.
 
-It covers the rules' semantics, not the API server's CEL cost budget.
+It covers the rules' semantics, not the API server's CEL cost budget. ``mambaserve-operator render``
+checks its input with it; the tests check the CRDs and samples with it. The running operator never
+needs it (the API server has already done all of this), so jsonschema and cel-python are imported here only.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ def _cel_errors(schema: Mapping[str, Any], value: Any, old: Any, path: str) -> l
             activation["oldSelf"] = celpy.json_to_cel(old)
         result = cel_program(rule).evaluate(activation)
         if isinstance(result, Exception) or result is not True and result != celpy.celtypes.BoolType(True):
-            errors.append(f"{path or '<root>'}: {v.get('message', rule)}")
+            # The API server reports a rule at its fieldPath (relative to the node) when it has one.
+            where = (path + v.get("fieldPath", "")).lstrip(".")
+            errors.append(f"{where or '<root>'}: {v.get('message', rule)}")
     if isinstance(value, dict):
         for name, sub in (schema.get("properties") or {}).items():
             if name in value:

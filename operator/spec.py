@@ -388,15 +388,9 @@ def incompatibilities(session: InferenceSession, tier: CacheTier) -> list[Proble
 def tier_problems(tier: CacheTier) -> list[Problem]:
     """Settings of a tier that the server's command line cannot express (docs/server-interface.md)."""
     problems = []
-    if tier.gpu_memory_fraction is not None:
-        problems.append(Problem("UnsupportedByServer", "gpu.memoryFraction has no server flag yet; "
-                                                       "the server sizes its state slots by its own default"))
     if tier.prefetch_policy != "best_effort":
         problems.append(Problem("UnsupportedByServer", f"prefetchPolicy {tier.prefetch_policy} has no server flag "
                                                        "yet; the server prefetches best_effort"))
-    if tier.host_size_gb > 0:
-        problems.append(Problem("UnsupportedByServer", "the host-memory tier is not implemented by the server yet; "
-                                                       "states stay on the GPU"))
     if tier.storage.enabled:
         problems.append(Problem("UnsupportedByServer", "the storage tier holds session snapshots only "
                                                        "(--session-snapshot-dir); spilling cached states to it is "

@@ -71,6 +71,10 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
         args += ["--disable-radix-cache"]
     if tier is not None and tier.gpu_state_slots is not None:
         args += ["--mamba-cache-size", str(tier.gpu_state_slots)]
+    if tier is not None and tier.gpu_memory_fraction is not None:
+        args += ["--mem-fraction-static", f"{tier.gpu_memory_fraction:g}"]
+    if tier is not None and tier.host_size_gb > 0:
+        args += ["--host-cache-size", f"{tier.host_size_gb:g}GiB"]
     # Always named: the server's default is relative to its working directory, on a read-only filesystem.
     args += ["--session-snapshot-dir", snapshot_dir(tier)]
     return args + list(srv.extra_args)

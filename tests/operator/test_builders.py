@@ -12,7 +12,7 @@ from mambaserve.operator import names
 from mambaserve.operator.builders import adapter_rules, build_session_children, build_tier_claim, server_args
 from mambaserve.operator.builders.autoscaling import MISS_RATIO_METRIC, QUEUE_METRIC
 from mambaserve.operator.settings import OperatorSettings
-from mambaserve.operator.spec import parse_cache_tier, parse_session
+from mambaserve.operator.spec import parse_cache_tier, parse_session, tier_problems
 from tests.operator.conftest import DATA, ROOT, load_yaml, sample
 from mambaserve.operator.crd_schema import admit
 from tests.operator.kube_versions import SUPPORTED
@@ -164,9 +164,10 @@ def test_autoscaled_session_with_shared_tier() -> None:
     args = pod["containers"][0]["args"]
     flags = dict(zip(args[::2], args[1::2]))
     assert flags["--mamba-cache-size"] == "4096"
-    # host and storage tiers are not implemented by the server yet (reported as UnsupportedByServer):
-    # no flags for them; the storage volume carries session snapshots
-    assert not {"--host-cache-size-gb", "--storage-dir", "--cache-write-policy"} & set(args)
+    assert flags["--host-cache-size"] == "32GiB"  # the host tier (L2)
+    # the storage tier is not implemented by the server yet (reported as UnsupportedByServer): no flags for
+    # it; the storage volume carries session snapshots
+    assert not {"--storage-dir", "--cache-write-policy"} & set(args)
     assert flags["--session-snapshot-dir"] == "/var/cache/mambaserve/sessions"
     assert flags["--mamba-track-interval"] == "1024" and flags["--max-running-requests"] == "256"
     cache = [v for v in pod["volumes"] if v["name"] == "cache"]
@@ -389,4 +390,16 @@ def test_adapter_rules_serve_the_metrics_the_hpa_asks_for() -> None:
 
 def test_server_args_without_tier_have_no_tier_flags() -> None:
     args = server_args(session("inferencesession-minimal"), None)
-    assert not {"--storage-dir", "--host-cache-size-gb", "--mamba-cache-size", "--cache-write-policy"} & set(args)
+    assert not {"--storage-dir", "--host-cache-size", "--mem-fraction-static", "--mamba-cache-size",
+                "--cache-write-policy"} & set(args)
+
+
+def test_gpu_memory_fraction_and_host_size_become_server_flags() -> None:
+    body = sample("cachetier-shared")
+    body["metadata"].update({"uid": "uid-t", "generation": 1})
+    body["spec"]["gpu"] = {"memoryFraction": 0.8}
+    t = parse_cache_tier(body)
+    flags = dict(zip(*[iter(server_args(session("inferencesession-autoscaled"), t))] * 2))
+    assert flags["--mem-fraction-static"] == "0.8" and flags["--host-cache-size"] == "32GiB"
+    assert "--mamba-cache-size" not in flags
+    assert [p.reason for p in tier_problems(t)] == ["UnsupportedByServer"]  # only the storage tier is left

@@ -70,7 +70,7 @@ def test_renders_what_the_operator_builds_and_every_object_is_valid_and_restrict
             for version in SUPPORTED:
                 kubernetes_validate.validate(obj, version, strict=True)
     # What the operator cannot honour is said on stderr, not silently dropped.
-    assert "warning: InferenceSession llm/chat: the host-memory tier is not implemented" in result.stderr
+    assert "warning: InferenceSession llm/chat: the storage tier holds session snapshots only" in result.stderr
 
 
 def test_a_cluster_copy_keeps_its_owner_references_and_stdin_lists_work() -> None:

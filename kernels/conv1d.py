@@ -84,10 +84,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _conv_state_write_kernel(
-        x_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr, Dm, x_t, x_d, st_s, st_d, st_k,
-        K: tl.constexpr, BLOCK_D: tl.constexpr,
+        x_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr, snap_ptr, Dm, x_t, x_d, st_s, st_d, st_k,
+        K: tl.constexpr, SNAP: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        """Grid (S, cdiv(D, BLOCK_D)), after the conv: slot <- last K-1 inputs of [old state, x]."""
+        """Grid (S, cdiv(D, BLOCK_D)), after the conv: slot <- last K-1 inputs of [old state, x]; with
+        ``SNAP``, the snapshot slot (``snap_ptr``, -1: none) <- the K-1 inputs before the last token."""
         s = tl.program_id(0)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         beg = tl.load(cu_ptr + s).to(tl.int32)
@@ -100,16 +101,27 @@ if HAS_TRITON:
         # an old column when the sequence is shorter than the window. 1-D tiles keep all columns of
         # channel d in one thread.
         u = beg + L - (K - 1)
+        if SNAP:  # the window one token earlier, read before the slot's old columns are overwritten
+            snap = tl.load(snap_ptr + s).to(tl.int64)
+            ms = m & (d < tl.where(snap >= 0, Dm, 0))
+            _write_window(x_ptr, state_ptr, state_ptr + tl.maximum(snap, 0) * st_s + d * st_d, u - 1, beg, slot,
+                          has_init, d, ms, Dm, x_t, x_d, st_s, st_d, st_k, K)
+        _write_window(x_ptr, state_ptr, base, u, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k, K)
+
+    @triton.jit
+    def _write_window(x_ptr, state_ptr, dst, u, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k,
+                      K: tl.constexpr):
+        """dst <- the K-1 inputs from position u on (``_window_input``), all loaded before any store."""
         n0 = _window_input(x_ptr, state_ptr, u, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k, K)
         if K > 2:
             n1 = _window_input(x_ptr, state_ptr, u + 1, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k, K)
         if K > 3:
             n2 = _window_input(x_ptr, state_ptr, u + 2, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k, K)
-        tl.store(base, n0.to(state_ptr.dtype.element_ty), mask=m)
+        tl.store(dst, n0.to(state_ptr.dtype.element_ty), mask=m)
         if K > 2:
-            tl.store(base + st_k, n1.to(state_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + st_k, n1.to(state_ptr.dtype.element_ty), mask=m)
         if K > 3:
-            tl.store(base + 2 * st_k, n2.to(state_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + 2 * st_k, n2.to(state_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def conv_load(base, w_ptr, bias_ptr, d, m, md, w_d, w_k, st_k, K: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -205,12 +217,14 @@ def causal_conv1d_varlen_ref(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    snap_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     D, K = weight.shape
     out = x.new_empty(x.shape)
     bounds = cu_seqlens.tolist()
     slots = state_indices.tolist()
     has_init = has_initial_state.tolist()
+    snaps = snap_slots.tolist() if snap_slots is not None else [-1] * len(slots)
     for i, slot in enumerate(slots):
         start, end = bounds[i], bounds[i + 1]
         if end == start:
@@ -223,6 +237,8 @@ def causal_conv1d_varlen_ref(
         full = torch.cat([prev, seq], dim=1)  # [D, K-1+L]
         y = F.conv1d(full.unsqueeze(0), weight.float().unsqueeze(1), bias.float() if bias is not None else None, groups=D)[0]
         out[start:end] = _activate(y, activation).t().to(x.dtype)
+        if snaps[i] >= 0:  # the window before the sequence's last token
+            conv_state[snaps[i]] = full[:, full.shape[1] - K:full.shape[1] - 1].to(conv_state.dtype)
         if slot >= 0:
             conv_state[slot] = full[:, full.shape[1] - (K - 1):].to(conv_state.dtype)
     return out
@@ -257,13 +273,17 @@ def conv_varlen_runs_triton(width: int, t: torch.Tensor, force_triton: bool | No
 
 
 def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state,
-                         activation="silu", *, force_triton: bool | None = None, config: KernelConfig | None = None):
+                         activation="silu", *, snap_slots: torch.Tensor | None = None,
+                         force_triton: bool | None = None, config: KernelConfig | None = None):
     """Prefill conv: see the module docstring. Mutates ``conv_state`` in place. Two launches (the
     state write-back must follow every read of the old state); no host synchronisation. Tiles from
-    ``config.conv_varlen_tiles`` (the default: the best of 10 on an H100 at mamba2-2.7b dims)."""
+    ``config.conv_varlen_tiles`` (the default: the best of 10 on an H100 at mamba2-2.7b dims).
+
+    ``snap_slots`` ``[S]``: where to write each sequence's conv state *before its last token* (the
+    radix cache's snapshot of the prompt minus its last token, taken in the same pass); -1: none."""
     if not conv_varlen_runs_triton(weight.shape[1], x, force_triton):
         return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
-                                        has_initial_state, activation)
+                                        has_initial_state, activation, snap_slots)
     silu = _silu_flag(activation)
     T, Dm = x.shape
     K = weight.shape[1]
@@ -279,8 +299,9 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices,
         *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
         K=K, HAS_BIAS=bias is not None, SILU=silu, BLOCK_S=seq_block(S), **tiles)
     _conv_state_write_kernel[(S, triton.cdiv(Dm, _BLOCK_D))](
-        x, conv_state, cu_seqlens, state_indices, has_initial_state, Dm, *x.stride(), *conv_state.stride(),
-        K=K, BLOCK_D=_BLOCK_D, num_warps=_WARPS)
+        x, conv_state, cu_seqlens, state_indices, has_initial_state,
+        snap_slots if snap_slots is not None else state_indices, Dm, *x.stride(), *conv_state.stride(),
+        K=K, SNAP=snap_slots is not None, BLOCK_D=_BLOCK_D, num_warps=_WARPS)
     return out
 
 

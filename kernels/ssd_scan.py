@@ -129,6 +129,7 @@ def ssd_scan_varlen_ref(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     return_boundary_states: bool = False,
     track: list[tuple[int, int]] | None = None,
+    snap_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BoundaryStates | None]:
     return_boundary_states = return_boundary_states or track is not None
     T, H, P = x.shape
@@ -140,6 +141,7 @@ def ssd_scan_varlen_ref(
     slots = state_indices.tolist()
     has_init = has_initial_state.tolist()
     starts = seq_start_pos.tolist() if seq_start_pos is not None else [0] * len(slots)
+    snaps = snap_slots.tolist() if snap_slots is not None else [-1] * len(slots)
     b_states, b_seq, b_pos = [], [], []
     for i, slot in enumerate(slots):
         s, e = bounds[i], bounds[i + 1]
@@ -150,6 +152,9 @@ def ssd_scan_varlen_ref(
         Cs = C[s:e].float().repeat_interleave(H // G, dim=1)
         init = ssm_state[slot].float() if has_init[i] else xs.new_zeros(H, P, ssm_state.shape[-1])
         offset = starts[i] % chunk_size
+        if snaps[i] >= 0:  # the state before the last token: the same scan over all but that token
+            before = _scan_one(xs[:-1], dt[s:e - 1], A, Bs[:-1], Cs[:-1], init, offset, chunk_size)[1] if e - s > 1 else init
+            ssm_state[snaps[i]] = before.to(ssm_state.dtype)
         ys, final, ends, n_full = _scan_one(xs, dt[s:e], A, Bs, Cs, init, offset, chunk_size)
         if D is not None:
             ys = ys + D.float()[:, None] * xs
@@ -234,7 +239,8 @@ def _rows_of(t: torch.Tensor, inner: int):
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
-                     seq_start_pos, D, dt_bias, dt_softplus, dt_limit, return_boundary_states, track, overrides):
+                     seq_start_pos, D, dt_bias, dt_softplus, dt_limit, return_boundary_states, track, snap_slots,
+                     overrides):
     cfg = {**SCAN_CONFIG, **overrides}
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -316,10 +322,10 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         sB_desc = _descriptor(B, T, G * N, B_rows, [SBK, SBN])
     state_tma = sx_desc is not None and sB_desc is not None
     _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
-        x, B, sx_desc if state_tma else x, sB_desc if state_tma else B, ws, cs, cu_seqlens, pos, state_indices,
-        has_initial_state, start, ssm_state, bnd, bnd_dest, S, T, H, P, N,
-        H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, QI=QI, HAS_POS=has_pos,
-        HAS_BND=return_boundary_states, BLOCK_K=SBK, BLOCK_P=SBP, BLOCK_N=SBN,
+        x, B, sx_desc if state_tma else x, sB_desc if state_tma else B, ws, cs, dtp, cu_seqlens, pos, state_indices,
+        has_initial_state, snap_slots if snap_slots is not None else state_indices, start, ssm_state, bnd, bnd_dest,
+        S, T, H, P, N, H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, QI=QI, HAS_POS=has_pos,
+        HAS_BND=return_boundary_states, SNAP=snap_slots is not None, BLOCK_K=SBK, BLOCK_P=SBP, BLOCK_N=SBN,
         N_BLOCKS=triton.cdiv(N, SBN), BLOCK_S=BLOCK_S, UNROLL=cfg["state_unroll"], STAGES=cfg["state_stages"],
         CHUNK_STAGES=cfg["state_stages"] if cfg["state_unroll"] else 1, TMA=state_tma,
         PREC=prec, DOT_T=dot_t, num_warps=state_warps)
@@ -357,10 +363,14 @@ def scan_runs_triton(chunk_size: int, t: torch.Tensor, force_triton: bool | None
 
 def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices,
                     has_initial_state, seq_start_pos=None, D=None, dt_bias=None, dt_softplus=True,
-                    dt_limit=(0.0, float("inf")), return_boundary_states=False, track=None,
+                    dt_limit=(0.0, float("inf")), return_boundary_states=False, track=None, snap_slots=None,
                     force_triton: bool | None = None, tiles: dict | None = None,
                     config: KernelConfig | None = None):
     """Prefill scan: see the module docstring. Mutates ``ssm_state`` in place.
+
+    ``snap_slots`` ``[S]``: where to write each sequence's state *before its last token* (-1: none): the
+    radix cache keeps the prompt minus its last token, so that the same prompt sent again still has a
+    token to run, while this pass samples from the whole prompt (no separate step for its last token).
 
     ``track``: (sequence, absolute position) pairs, each a multiple of ``chunk_size`` that the call crosses:
     only those boundary states are returned (in that order) and written. Triton path: no host
@@ -373,7 +383,8 @@ def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_
     kwargs = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens, ssm_state=ssm_state,
                   state_indices=state_indices, has_initial_state=has_initial_state,
                   seq_start_pos=seq_start_pos, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                  dt_limit=dt_limit, return_boundary_states=return_boundary_states, track=track)
+                  dt_limit=dt_limit, return_boundary_states=return_boundary_states, track=track,
+                  snap_slots=snap_slots)
     if not scan_runs_triton(chunk_size, x, force_triton) or x.shape[0] == 0 or state_indices.numel() == 0:
         return ssd_scan_varlen_ref(x, dt, A, B, C, **kwargs)
     overrides = {**(config or DEFAULT).scan_tiles, **(tiles or {})}

@@ -79,12 +79,12 @@ if HAS_TRITON:
         return tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), acc, input_precision=PREC)
 
     @triton.jit
-    def _ssd_states_kernel(x_ptr, B_ptr, x_desc, B_desc, ws_ptr, cs_ptr, cu_ptr, pos_ptr, slot_ptr, init_ptr,
-                           start_ptr, ssm_ptr,
+    def _ssd_states_kernel(x_ptr, B_ptr, x_desc, B_desc, ws_ptr, cs_ptr, dtp_ptr, cu_ptr, pos_ptr, slot_ptr,
+                           init_ptr, snap_ptr, start_ptr, ssm_ptr,
                            bnd_ptr, bnd_dest_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
                            ss_s, ss_h, ss_p, ss_n,
                            Q: tl.constexpr, QI: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr,
-                           BLOCK_K: tl.constexpr,
+                           SNAP: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
                            BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
                            CHUNK_STAGES: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr,
@@ -94,7 +94,11 @@ if HAS_TRITON:
 
         The loads of a chunk do not depend on the carried state, so they pipeline: over the chunk's
         token blocks (``UNROLL`` off, an inner loop of ``STAGES`` stages) or over whole chunks (``UNROLL``
-        on: the token blocks unrolled, the chunk loop pipelined)."""
+        on: the token blocks unrolled, the chunk loop pipelined).
+
+        ``SNAP``: the state before the sequence's last token also goes to its snapshot slot (``snap_ptr``,
+        -1: none): the last chunk's start state is parked there in the walk (one masked store, no extra
+        loop-carried tile), then advanced over that chunk's tokens but the last."""
         pid, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         p0, n0 = (pid // N_BLOCKS) * BLOCK_P, (pid % N_BLOCKS) * BLOCK_N
         p = p0 + tl.arange(0, BLOCK_P)
@@ -128,12 +132,19 @@ if HAS_TRITON:
         has_init = tl.load(init_ptr + s) != 0
         sptr = ssm_ptr + slot * ss_s + h * ss_h + p[:, None] * ss_p + n[None, :] * ss_n
         state = tl.load(sptr, mask=(p < tl.where(has_init, P, 0))[:, None] & mn[None, :], other=0.0).to(tl.float32)
+        if SNAP:
+            snap = tl.load(snap_ptr + s).to(tl.int64)
+            snap_ptrs = ssm_ptr + tl.maximum(snap, 0) * ss_s + h * ss_h + p[:, None] * ss_p + n[None, :] * ss_n
+            m_snap = (p < tl.where(snap >= 0, P, 0))[:, None] & mn[None, :]
         for j in tl.range(0, n_chunks, num_stages=CHUNK_STAGES):
             c = c0 + j
             tok0 = beg + tl.maximum(j * QI - off, 0)
             tok1 = beg + tl.minimum((j + 1) * QI - off, L)
             tl.store(start_ptr + (c * H + h).to(tl.int64) * P * N + tile, state.to(start_ptr.dtype.element_ty),
                      mask=m_tile)
+            if SNAP:  # the last chunk's start state, parked in the snapshot slot (fp32 pool: exact)
+                tl.store(snap_ptrs, state.to(ssm_ptr.dtype.element_ty),
+                         mask=m_snap & (p < tl.where(j == n_chunks - 1, P, 0))[:, None])
             cs_end = tl.load(cs_ptr + h * T + tok1 - 1)
             own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
             if UNROLL:
@@ -155,6 +166,27 @@ if HAS_TRITON:
         # slot -1: a padding sequence (prefill CUDA graphs), whose state goes nowhere
         tl.store(sptr, state.to(ssm_ptr.dtype.element_ty),
                  mask=(p < tl.where((n_chunks > 0) & (slot >= 0), P, 0))[:, None] & mn[None, :])
+        if SNAP:
+            if (snap >= 0) & (n_chunks > 0):
+                tl.debug_barrier()  # the parked start state, read back by the threads that wrote it
+                last0 = beg + tl.maximum((n_chunks - 1) * QI - off, 0)  # the last chunk's first token
+                e = beg + L - 1  # the last token, left out
+                # weights exp(cs_{e-1} - cs_k) dt_k: as a chunk ending before the last token would have them
+                cs_ref = tl.load(cs_ptr + h * T + e - 1, mask=e > last0, other=0.0)
+                own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+                for k0 in tl.range(last0, e, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    mk = k < e
+                    xk = tl.load(x_ptr + k[None, :] * x_t + h * x_h + p[:, None] * x_p,
+                                 mask=mp[:, None] & mk[None, :], other=0.0)  # [bp, K]
+                    Bk = tl.load(B_ptr + k[:, None] * B_t + g * B_g + n[None, :] * B_n,
+                                 mask=mk[:, None] & mn[None, :], other=0.0)  # [K, bn]
+                    cs_k = tl.load(cs_ptr + h * T + k, mask=mk, other=0.0)
+                    dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
+                    w = tl.where(mk, tl.exp(tl.minimum(cs_ref - cs_k, 0.0)) * dt_k, 0.0)
+                    own = tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), own, input_precision=PREC)
+                first = tl.load(snap_ptrs, mask=m_snap, other=0.0).to(tl.float32)
+                tl.store(snap_ptrs, (tl.exp(cs_ref) * first + own).to(ssm_ptr.dtype.element_ty), mask=m_snap)
 
     @triton.jit
     def _ssd_bmm_kernel(C_ptr, B_ptr, meta_ptr, cb_ptr, G, N, C_t, C_g, C_n, B_t, B_g, B_n,

@@ -11,8 +11,9 @@ Where snapshots come from (docs/design.md §5):
   * admission: a request whose prompt prefix has a snapshot gets a slot filled by a deferred copy from
     it (copy-on-write; the tree's slot is never written by a request), or a load from the host tier,
     or takes the snapshot's slot over when no slot is free and nobody else reads it;
-  * the end of every prefill chunk that leaves the prompt unfinished, and the end of the prompt
-    minus its last token (which runs as the request's first decode step): the request's slot is
+  * the prompt minus its last token: the prefill chunk that runs the last token (and samples the first
+    output token) also writes the state before it into a fresh slot (``ForwardBatch.snap``);
+  * the end of every prefill chunk that leaves the prompt unfinished: the request's slot is
     *donated* to the tree and the request continues in a fresh slot filled by a deferred copy;
   * tracked positions every ``track_interval`` tokens inside a prompt (``extra_buffer``): states
     emitted by the chunked scan are written into fresh slots during the forward;

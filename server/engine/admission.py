@@ -80,33 +80,42 @@ class Admission:
         return batch, [(r, 1) for r in decode]
 
     def _extend_batch(self, chunks: Plan) -> ForwardBatch:
-        tokens, lens, starts, slots, track = [], [], [], [], []
+        tokens, lens, starts, slots, track, snap = [], [], [], [], [], []
         for i, (req, n) in enumerate(chunks):
             s = req.in_state
             tokens += req.prompt_ids[s:s + n]
             lens.append(n)
             starts.append(s)
             slots.append(req.slot)
+            last = len(req.prompt_ids) - 1
+            # The prompt's last chunk samples its first token, and the state before its last token is
+            # kept (the same prompt sent again has that token left to run); a chunk that starts there
+            # resumes from a state the tree already holds.
+            snaps = self.cache.enabled and s + n == last + 1 and s < last
+            if snaps and (slot := self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)) is not None:
+                snap.append((i, slot))
             if self.track_interval:
-                # strictly inside the chunk: its end is donated whole after the step
+                # strictly inside the chunk (its end is donated whole after the step), not the snapshot's position
                 for pos in range((s // self.track_interval + 1) * self.track_interval, s + n, self.track_interval):
+                    if snaps and pos == last:
+                        continue
                     slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
                     if slot is None:
                         break
                     track.append((i, pos, slot))
-        return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots, self.cache.take_pending(), track=track)
+        return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots, self.cache.take_pending(), track=track,
+                            snap=snap)
 
     def _admit(self, req: Req) -> bool:
         live = self.sessions.take_live_slot(req.session) if req.session is not None else None
         if live is not None:  # a streaming session's turn continues from its live state
             req.slot, req.in_state = live
             req.cached_tokens = req.in_state
-            req.prefill_len = len(req.prompt_ids)  # nothing to donate: the last token runs in the prefill
             self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier="session")
             self.queues.start(req)
             return True
         # the last token must run to produce logits: never match the whole prompt
-        cached, node, tier = self.cache.match(req.prompt_ids[:min(req.prefill_len, len(req.prompt_ids) - 1)])
+        cached, node, tier = self.cache.match(req.prompt_ids[:-1])
         # A hit copies its snapshot into a free slot: the snapshot stays for others. With no slot free,
         # a leaf snapshot only this request reads is taken over (its slot changes hands, no copy) rather
         # than evicting another conversation's snapshot to copy into: this request's own state
@@ -130,12 +139,8 @@ class Admission:
             self.cache.restore(node, slot)  # a copy on the device, or a load from the host tier
             req.in_state = req.cached_tokens = cached
             req.locked_node = node
-        elif req.prefill_len == 0:  # a one-token prompt decodes straight from the zero state
-            self.cache.clear(slot)
         self.metrics.observe_lookup(len(req.prompt_ids), cached, tier=tier or "gpu",
                                     capacity_miss=self.cache.capacity_miss(req.prompt_ids[:-1], cached))
-        if req.prefill_done and req.params.max_new_tokens == 0:
-            self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
         return True
 
     # ---- commit -------------------------------------------------------------------------------------
@@ -149,6 +154,9 @@ class Admission:
         for i, pos, slot in batch.track:
             if not self.cache.keep(plan[i][0].prompt_ids[:pos], slot, speculative=True):
                 self.cache.free(slot)
+        for i, slot in batch.snap:
+            if not self.cache.keep(plan[i][0].prompt_ids[:-1], slot, speculative=True):
+                self.cache.free(slot)
         rows = []
         for i, (req, n) in enumerate(plan):
             req.in_state += n
@@ -161,8 +169,6 @@ class Admission:
                 if req.in_state < len(req.prompt_ids):
                     if self.cache.enabled:
                         self._donate(req)
-                    if req.prefill_done and req.params.max_new_tokens == 0:
-                        self.output.finish(req, FinishReason.LENGTH)  # prompt-only request: no token to sample
                     continue
                 if req.params.max_new_tokens == 0:
                     self.output.finish(req, FinishReason.LENGTH)

@@ -25,6 +25,9 @@ class ForwardBatch:
     # (sequence index, absolute position, slot): write the state after `position` tokens of that
     # sequence into `slot` during the forward (radix cache tracking, extra_buffer)
     track: list[tuple[int, int, int]] = field(default_factory=list)
+    # (sequence index, slot): write the state before that sequence's last token into `slot` (the radix
+    # cache's snapshot of a prompt minus its last token, taken by the pass that samples after the prompt)
+    snap: list[tuple[int, int]] = field(default_factory=list)
     # Overlap scheduling: tokens sampled by the previous step but not yet seen by the host.
     # (position in token_ids, row of prev_tokens): the runner fills those positions on the device.
     from_prev: list[tuple[int, int]] = field(default_factory=list)
@@ -42,3 +45,10 @@ class ForwardBatch:
     def has_initial_state(self) -> list[bool]:
         # A sequence at position 0 starts from the zero state whatever its slot holds.
         return [p > 0 for p in self.start_pos]
+
+    def snap_slots(self) -> list[int]:
+        """Per sequence: its snapshot slot, or -1."""
+        out = [-1] * self.batch_size
+        for i, slot in self.snap:
+            out[i] = slot
+        return out

@@ -118,6 +118,7 @@ class PrefillGraphs:
         self.slots = torch.full((smax,), -1, dtype=torch.long, device=device)
         self.has_init = torch.zeros(smax, dtype=torch.bool, device=device)
         self.start = torch.zeros(smax, dtype=torch.long, device=device)
+        self.snap = torch.full((smax,), -1, dtype=torch.long, device=device)  # captured with snapshots on
         self.rows = torch.zeros(smax, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -127,22 +128,24 @@ class PrefillGraphs:
         fits = [(t, s) for s, t in self.buckets if s > num_seqs and t >= num_tokens]
         return (min(fits)[1], min(fits)[0]) if fits else None
 
-    def _load(self, s: int, t: int, cu: list[int], slots: list[int], has_init: list[bool], start: list[int]) -> None:
+    def _load(self, s: int, t: int, cu: list[int], slots: list[int], has_init: list[bool], start: list[int],
+              snap: list[int]) -> None:
         """The static inputs of bucket (s, t) for these real sequences (the rest is padding)."""
         pad = s - len(slots)
         for buf, values, dtype in ((self.cu, cu + [t] * pad, torch.int32), (self.slots, slots + [-1] * pad, torch.long),
                                    (self.has_init, has_init + [False] * pad, torch.bool),
                                    (self.start, start + [0] * pad, torch.long),
+                                   (self.snap, snap + [-1] * pad, torch.long),
                                    (self.rows, [c - 1 for c in cu[1:]] + [0] * pad, torch.long)):
             buf[:len(values)].copy_(torch.tensor(values, dtype=dtype).pin_memory(), non_blocking=True)
 
     def _bt(self, s: int) -> BatchTensors:
         return BatchTensors(mode=ForwardMode.EXTEND, cu_seqlens=self.cu[:s + 1], slots=self.slots[:s],
-                            has_initial_state=self.has_init[:s], start_pos=self.start[:s])
+                            has_initial_state=self.has_init[:s], start_pos=self.start[:s], snap_slots=self.snap[:s])
 
     def capture(self) -> None:
         def all_padding(bucket: tuple[int, int]) -> None:  # warm-up and capture touch no slot
-            self._load(*bucket, [0], [], [], [])
+            self._load(*bucket, [0], [], [], [], [])
 
         def forward(bucket: tuple[int, int]):
             s, t = bucket
@@ -154,13 +157,14 @@ class PrefillGraphs:
                  max(t for _, t in self.buckets), max(s for s, _ in self.buckets) - 1)
 
     def run(self, bucket: tuple[int, int], token_ids: torch.Tensor, seq_lens: list[int], slots: list[int],
-            has_init: list[bool], start: list[int]) -> torch.Tensor:
-        """Logits of each real sequence's last token, ``[len(slots), V]``."""
+            has_init: list[bool], start: list[int], snap: list[int]) -> torch.Tensor:
+        """Logits of each real sequence's last token, ``[len(slots), V]``; ``snap``: per sequence, where its
+        state before its last token goes (-1: nowhere)."""
         s, t = bucket
         cu = [0]
         for n in seq_lens:
             cu.append(cu[-1] + n)
         self.ids[:cu[-1]].copy_(token_ids)
-        self._load(s, t, cu, list(slots), list(has_init), list(start))
+        self._load(s, t, cu, list(slots), list(has_init), list(start), list(snap))
         self.graphs[bucket].replay()
         return self.outputs[bucket][:len(slots)].clone()  # the static buffer is overwritten by the next replay

@@ -66,17 +66,18 @@ class ModelRunner:
             a, c = slots[0], slots[-1]
             n = chunk_size + 3  # ends mid-chunk: the resumed prefills below start there
             # Triton compiles a variant per int argument == 1, divisible by 16, or neither: one and two
-            # sequences, token counts a multiple of 16 or not, fresh and resumed mid-chunk
-            cases = [((n,), (0,), []), ((n, 5), (0, 0), [])]
-            cases += [(lens, starts, []) for lens in [(16,), (19,), (16, 16), (16, 19)]
-                      for starts in [(0,) * len(lens), (n,) + (0,) * (len(lens) - 1)]]
-            cases += [((1,) * w, (0,) * w, []) for w in widths[2:] if w <= len(slots) - 1]
+            # sequences, token counts a multiple of 16 or not, fresh and resumed mid-chunk, with and
+            # without the snapshot before the last token
+            cases = [((n,), (0,), [], []), ((n, 5), (0, 0), [], [])]
+            cases += [(lens, starts, [], snap) for lens in [(16,), (19,), (16, 16), (16, 19)]
+                      for starts in [(0,) * len(lens), (n,) + (0,) * (len(lens) - 1)] for snap in ([], [(0, c)])]
+            cases += [((1,) * w, (0,) * w, [], []) for w in widths[2:] if w <= len(slots) - 1]
             if track_interval:
-                cases.append(((track_interval + 3,), (0,), [(0, track_interval, c)]))
-            for lens, starts, track in cases:
+                cases.append(((track_interval + 3,), (0,), [(0, track_interval, c)], []))
+            for lens, starts, track, snap in cases:
                 ids = [1 + i % 7 for i in range(sum(lens))]
                 self.forward(ForwardBatch(ForwardMode.EXTEND, ids, list(lens), list(starts), slots[:len(lens)],
-                                          StateOps([("copy", a, c), ("clear", c, c)]), track=track))
+                                          StateOps([("copy", a, c), ("clear", c, c)]), track=track, snap=snap))
         finally:
             for slot in slots:
                 self.pool.allocator.free(slot)
@@ -136,7 +137,8 @@ class ModelRunner:
             bucket = self.prefill_graphs.bucket(batch.batch_size, batch.num_tokens)
             if bucket is not None:
                 return ForwardOutput(logits=self.prefill_graphs.run(bucket, ids, batch.seq_lens, batch.slots,
-                                                                    batch.has_initial_state, batch.start_pos))
+                                                                    batch.has_initial_state, batch.start_pos,
+                                                                    batch.snap_slots()))
         dev = self.device
         cu = [0]
         for n in batch.seq_lens:
@@ -148,6 +150,7 @@ class ModelRunner:
             has_initial_state=to_device(batch.has_initial_state, torch.bool, dev),
             start_pos=to_device(batch.start_pos, torch.long, dev),
             track=[(i, pos) for i, pos, _ in batch.track],
+            snap_slots=to_device(batch.snap_slots(), torch.long, dev) if batch.snap else None,
             host_cu=cu,
             host_start=list(batch.start_pos),
         )

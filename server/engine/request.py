@@ -141,7 +141,6 @@ class Req:
     stop_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
-    prefill_len: int = 0  # prompt tokens run as prefill; the rest (the last one, with a cache) runs as decode
     in_state: int = 0  # tokens of prompt + output already folded into the slot's state
     cached_tokens: int = 0
     expected_cached: int = 0  # the cache's match when it arrived (admission's estimate of its prefill)
@@ -168,6 +167,11 @@ class Req:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Prompt tokens run as prefill: all of them (the pass over the last one samples the first token)."""
+        return len(self.prompt_ids)
 
     @property
     def prefill_done(self) -> bool:

@@ -199,11 +199,9 @@ class Scheduler:
                 self.output.refuse(req, e)
                 return
             req.prompt_ids = prompt
-        # With a cache, the prompt's last token runs as the first decode step, so that the state after
-        # the prompt minus that token exists and can be kept: the same prompt sent again then hits.
-        req.prefill_len = len(req.prompt_ids) - (1 if self.cache.enabled else 0)
-        # its snapshot is needed soon: refreshed now, eviction takes older ones first while it waits
-        req.expected_cached = self.cache.touch(req.prompt_ids[:req.prefill_len])
+        # its snapshot is needed soon: refreshed now, eviction takes older ones first while it waits (a
+        # match never covers the last token: it must run to produce logits)
+        req.expected_cached = self.cache.touch(req.prompt_ids[:-1])
         req.arrival_tick = self.cache.clock
         self.queues.add(req)
         if req.timeline is not None:

@@ -24,5 +24,7 @@ class BatchTensors:
     start_pos: torch.Tensor  # [S]
     # tracked states to capture: (sequence index, absolute position), positions multiples of chunk_size
     track: list[tuple[int, int]] = field(default_factory=list)
+    # [S] where each sequence's state before its last token goes (-1: nowhere); None: no snapshots
+    snap_slots: torch.Tensor | None = None
     host_cu: list[int] = field(default_factory=list)
     host_start: list[int] = field(default_factory=list)

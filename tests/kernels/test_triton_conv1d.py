@@ -143,3 +143,30 @@ def test_padding_sequences_leave_every_slot_alone(dev, force_triton):
     out, padded = run(lengths + [5, 0], [0, 1, -1, -1], [True, False, False, False])
     assert torch.equal(padded, alone) and torch.equal(padded[2], pool[2])
     assert_close(out[:sum(lengths)], out_alone, 1e-6)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("force_triton", [True, False])
+def test_snapshot_before_the_last_token(dev, width, force_triton):
+    """snap_slots: the conv state before each sequence's last token (older inputs from the initial state
+    when the sequence is shorter than the window), written beside the usual final state."""
+    lengths, D = [1, 2, 3, 7], 12
+    cu = torch.tensor([0, 1, 3, 6, 13], dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(13, D, generator=g).to(dev)
+    w, b = torch.randn(D, width, generator=g).to(dev), torch.randn(D, generator=g).to(dev)
+    pool = torch.randn(10, D, width - 1, generator=g).to(dev)
+    before = pool.clone()
+    slots, snaps = torch.tensor([0, 2, 4, 6], device=dev), torch.tensor([1, 3, -1, 7], device=dev)
+    has = torch.tensor([True, True, False, True], device=dev)
+    y = causal_conv1d_varlen(x, w, b, pool, cu, slots, has, snap_slots=snaps, force_triton=force_triton)
+    plain = before.clone()
+    assert torch.equal(y, causal_conv1d_varlen(x, w, b, plain, cu, slots, has, force_triton=force_triton))
+    assert torch.equal(pool[slots], plain[slots])
+    assert torch.equal(pool[5], before[5])
+    for i, (s, n) in enumerate(zip(cu.tolist(), lengths)):
+        if snaps[i] < 0:
+            continue
+        init = before[slots[i]] if has[i] else torch.zeros(D, width - 1, device=dev)
+        full = torch.cat([init, x[s:s + n].t()], dim=1)  # inputs oldest first
+        assert torch.equal(pool[snaps[i]], full[:, n - 1:n - 1 + width - 1])

@@ -256,3 +256,38 @@ def test_padding_sequences_leave_every_slot_alone(dev, impl):
     assert torch.equal(padded, alone)  # slots 1 and 3 (and the last, -1 from the end) untouched
     assert torch.equal(padded[[1, 3]], pool[[1, 3]])
     assert_close(y[:sum(lengths)], y_alone, 1e-6)
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_snapshot_before_the_last_token_equals_a_pass_without_it(dev, impl):
+    """snap_slots: each sequence's state before its last token lands in its snapshot slot, as a pass over
+    all its tokens but the last would leave it; the rest of the call is unchanged. Lengths cover one
+    token (the snapshot is the initial state), a last token that opens a chunk, and several chunks;
+    starts cover mid-chunk resumes."""
+    fn = ssd_scan_varlen if impl == "triton" else ssd_scan_varlen_ref
+    kw = {"force_triton": True} if impl == "triton" else {}
+    lengths = [1, Q + 1, 3, 2 * Q + 5, 2 * Q + 7]
+    starts = torch.tensor([4, 0, Q - 2, 5, 0], device=dev)
+    has = torch.tensor([True, False, True, True, False], device=dev)
+    H, P, G, N, S = 4, 4, 2, 5, len(lengths)
+    x, dt, A, B, C, D, bias = _inputs(sum(lengths), H, P, G, N, 3, dev)
+    pool = torch.randn(2 * S + 2, H, P, N, generator=gen(4)).to(dev)
+    before = pool.clone()
+    slots = torch.tensor([1, 3, 5, 7, 9], device=dev)
+    snaps = torch.tensor([2, 4, -1, 8, 10], device=dev)
+    y, _ = _run(fn, x, dt, A, B, C, lengths, pool, slots, has, starts, D, bias, snap_slots=snaps, **kw)
+    plain = before.clone()
+    y_plain, _ = _run(fn, x, dt, A, B, C, lengths, plain, slots, has, starts, D, bias, **kw)
+    assert torch.equal(y, y_plain)
+    assert torch.equal(pool[slots], plain[slots])
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    for i in range(S):
+        if snaps[i] < 0:
+            assert torch.equal(pool[6], before[6])  # no snapshot asked for: its neighbour slot untouched
+            continue
+        keep = [k for k in range(cu[-1]) if k != cu[i + 1] - 1]  # every token but sequence i's last
+        short = list(lengths)
+        short[i] -= 1
+        ref = before.clone()
+        _run(ssd_scan_varlen_ref, x[keep], dt[keep], A, B[keep], C[keep], short, ref, slots, has, starts, D, bias)
+        assert_close(pool[snaps[i]], ref[slots[i]], 1e-5)

@@ -56,6 +56,33 @@ def test_hits_reproduce_cold_outputs_and_chat_turns_reuse_history(tiny_ckpt, col
     assert_idle(w[4])
 
 
+def test_the_prompt_runs_once_and_its_last_chunk_samples_and_snapshots(tiny_ckpt):
+    """A cold prompt's tokens each run once, in prefill: the chunk with its last token samples the first
+    output token and writes the state before that token into a snapshot slot in the same pass (no
+    separate step for the last token), and the same prompt sent again hits that snapshot."""
+    engine = make_engine(tiny_ckpt, chunked_prefill_size=16)
+    runner = engine.scheduler.runner
+    batches = []
+    forward = runner.forward
+    runner.forward = lambda batch: batches.append(batch) or forward(batch)
+    p = _prompt(21, 6)
+
+    async def go():
+        async with serving(engine) as c:
+            first = await _gen(c, p, n=3)
+            ran = list(batches)
+            again = await _gen(c, p, n=3)
+            return first, ran, again, await accounting(engine)
+
+    first, ran, again, acc = run(go())
+    extends = [b for b in ran if b.mode.name == "EXTEND"]
+    assert [b.seq_lens for b in extends] == [[16], [5]]
+    assert extends[0].snap == [] and len(extends[1].snap) == 1
+    assert sum(b.batch_size for b in ran if b.mode.name == "DECODE") <= 3  # 2 more tokens (+1 overlapped row)
+    assert again[2] == len(p) - 1 and again[0] == first[0]
+    assert_idle(acc)
+
+
 def test_chunk_ends_are_snapshots(tiny_ckpt):
     engine = make_engine(tiny_ckpt, chunked_prefill_size=16)
     long = _prompt(40, 4)

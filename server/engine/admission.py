@@ -139,8 +139,12 @@ class Admission:
             self.cache.restore(node, slot)  # a copy on the device, or a load from the host tier
             req.in_state = req.cached_tokens = cached
             req.locked_node = node
+        elif req.prefill_done:  # a one-token prompt decodes straight from the zero state
+            self.cache.clear(slot)
         self.metrics.observe_lookup(len(req.prompt_ids), cached, tier=tier or "gpu",
                                     capacity_miss=self.cache.capacity_miss(req.prompt_ids[:-1], cached))
+        if req.prefill_done and req.params.max_new_tokens == 0:
+            self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
         return True
 
     # ---- commit -------------------------------------------------------------------------------------
@@ -169,6 +173,8 @@ class Admission:
                 if req.in_state < len(req.prompt_ids):
                     if self.cache.enabled:
                         self._donate(req)
+                    if req.prefill_done and req.params.max_new_tokens == 0:
+                        self.output.finish(req, FinishReason.LENGTH)  # prompt-only request: no token to sample
                     continue
                 if req.params.max_new_tokens == 0:
                     self.output.finish(req, FinishReason.LENGTH)

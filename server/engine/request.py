@@ -170,8 +170,11 @@ class Req:
 
     @property
     def prefill_len(self) -> int:
-        """Prompt tokens run as prefill: all of them (the pass over the last one samples the first token)."""
-        return len(self.prompt_ids)
+        """Prompt tokens run as prefill: all of them (the pass over the last one samples the first token),
+        except where only the last one is left (a cache hit or a chunk ended there): that one runs as a
+        decode row (2.3 ms at the 2.7b shape on an H100, where a one-token prefill takes 5.4)."""
+        n = len(self.prompt_ids)
+        return n - 1 if self.in_state == n - 1 else n
 
     @property
     def prefill_done(self) -> bool:

@@ -252,8 +252,9 @@ def scan_flops(T, H, P, N, Q):
     return 2 * T * H * (Q / 2 * (N + P) + 2 * N * P)
 
 
-def scan_inputs(nseq: int, L: int):
-    """bf16 inputs of the chunked scan at mamba2-2.7b dims for nseq sequences of L tokens, and its kwargs."""
+def scan_inputs(nseq: int, L: int, spare_slots: int = 0):
+    """bf16 inputs of the chunked scan at mamba2-2.7b dims for nseq sequences of L tokens, and its kwargs;
+    the pool has ``spare_slots`` slots past the sequences'."""
     H, P, N, G, _ = MODELS["mamba2-2.7b"]
     T = nseq * L
     x = torch.randn(T, H, P, device="cuda", dtype=torch.bfloat16)
@@ -262,7 +263,7 @@ def scan_inputs(nseq: int, L: int):
     B = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
     C = (torch.randn(T, G, N, device="cuda") * 0.3).to(torch.bfloat16)
     D, bias = torch.randn(H, device="cuda"), torch.randn(H, device="cuda")
-    pool = torch.zeros(nseq + 1, H, P, N, device="cuda")
+    pool = torch.zeros(nseq + 1 + spare_slots, H, P, N, device="cuda")
     kw = dict(chunk_size=256, cu_seqlens=torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda"),
               ssm_state=pool, state_indices=torch.arange(1, nseq + 1, device="cuda"),
               has_initial_state=torch.zeros(nseq, dtype=torch.bool, device="cuda"), D=D, dt_bias=bias,

@@ -2,12 +2,15 @@
 
     python benchmarks/scan_ab.py --configs '{"default": {}, "pointers": {"tma": false}}' \
         [--baseline old_ssd_scan.py] [--shapes '[[8, 2048], [1, 16384]]'] [--boundary] [--third-party third_party]
+    python benchmarks/scan_ab.py --configs '{"default": {}, "snapshots": {"snap": true}}'  # the cost of snap_slots
 
 Each named config (tile overrides over kernels/ssd_scan.py's SCAN_CONFIG, passed as `tiles=`) runs on
 `kernels.py`'s 2.7b inputs with initial states; names starting with "baseline" run the file given by
 --baseline instead (a previous version of ssd_scan.py, e.g. from `git show REV:kernels/ssd_scan.py`; where
 that version imports its jitted kernels from ssd_scan_kernels.py, that file's version goes beside it as
-`<baseline stem>_kernels.py`, e.g. old_ssd_scan.py and old_ssd_scan_kernels.py). Printed per config and
+`<baseline stem>_kernels.py`, e.g. old_ssd_scan.py and old_ssd_scan_kernels.py). A config with "snap": true
+also writes every sequence's state before its last token into a spare slot (``snap_slots``, as the
+engine's prefills do). Printed per config and
 shape: the summed device time of each kernel over 10 calls (torch profiler), the relative difference of y
 and the final state to the first config's, the relative error of both against the fp32 torch reference,
 and the ratio of `mamba_chunk_scan_combined`'s summed device time (same inputs, same process) to ours.
@@ -39,7 +42,7 @@ def main():
     ext = kb.load_third_party(a.third_party)
     H, P, N, G, _ = kb.MODELS["mamba2-2.7b"]
     for nseq, L in json.loads(a.shapes):
-        x, dt, A, B, C, D, bias, pool, kw = kb.scan_inputs(nseq, L)
+        x, dt, A, B, C, D, bias, pool, kw = kb.scan_inputs(nseq, L, spare_slots=nseq)
         kw.update(has_initial_state=torch.ones(nseq, dtype=torch.bool, device="cuda"),
                   return_boundary_states=a.boundary)
         init = pool.normal_().clone()
@@ -48,13 +51,15 @@ def main():
         first, totals = None, {}
         for name, cfg in configs.items():
             launch = baseline if name.startswith("baseline") else kb.ssd_scan.ssd_scan_varlen
-            run = lambda: launch(x, dt, A, B, C, tiles=cfg, **kw)  # noqa: E731
+            tiles = {k: v for k, v in cfg.items() if k != "snap"}
+            extra = {"snap_slots": kw["state_indices"] + nseq} if cfg.get("snap") else {}
+            run = lambda: launch(x, dt, A, B, C, tiles=tiles, **kw, **extra)  # noqa: E731
             pool.copy_(init)
             y, _ = run()
-            out = (y.clone(), pool.clone())
+            out = (y.clone(), pool[:nseq + 1].clone())  # the spare slots hold snapshots, if any
             first = first or out
             diff = [kb.rel(o, f) for o, f in zip(out, first)]
-            err = [kb.rel(y, y_ref), kb.rel(pool, ref_pool)]
+            err = [kb.rel(y, y_ref), kb.rel(out[1], ref_pool[:nseq + 1])]
             totals[name], per = kb.device_time(run, key_len=28)
             print(f"{nseq}x{L} {name}: {totals[name]:.1f} us, diff to first (y, state) {diff[0]:.1e} {diff[1]:.1e}, "
                   f"error to reference {err[0]:.1e} {err[1]:.1e}, finite {bool(torch.isfinite(y).all())}: "

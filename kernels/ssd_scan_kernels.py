@@ -132,10 +132,9 @@ if HAS_TRITON:
         has_init = tl.load(init_ptr + s) != 0
         sptr = ssm_ptr + slot * ss_s + h * ss_h + p[:, None] * ss_p + n[None, :] * ss_n
         state = tl.load(sptr, mask=(p < tl.where(has_init, P, 0))[:, None] & mn[None, :], other=0.0).to(tl.float32)
-        if SNAP:
+        if SNAP:  # the snapshot slot's tile is addressed from the slot's (sptr): no second pointer tile held
             snap = tl.load(snap_ptr + s).to(tl.int64)
-            snap_ptrs = ssm_ptr + tl.maximum(snap, 0) * ss_s + h * ss_h + p[:, None] * ss_p + n[None, :] * ss_n
-            m_snap = (p < tl.where(snap >= 0, P, 0))[:, None] & mn[None, :]
+            to_snap = (tl.maximum(snap, 0) - slot) * ss_s
         for j in tl.range(0, n_chunks, num_stages=CHUNK_STAGES):
             c = c0 + j
             tok0 = beg + tl.maximum(j * QI - off, 0)
@@ -143,8 +142,8 @@ if HAS_TRITON:
             tl.store(start_ptr + (c * H + h).to(tl.int64) * P * N + tile, state.to(start_ptr.dtype.element_ty),
                      mask=m_tile)
             if SNAP:  # the last chunk's start state, parked in the snapshot slot (fp32 pool: exact)
-                tl.store(snap_ptrs, state.to(ssm_ptr.dtype.element_ty),
-                         mask=m_snap & (p < tl.where(j == n_chunks - 1, P, 0))[:, None])
+                tl.store(sptr + to_snap, state.to(ssm_ptr.dtype.element_ty),
+                         mask=(p < tl.where((snap >= 0) & (j == n_chunks - 1), P, 0))[:, None] & mn[None, :])
             cs_end = tl.load(cs_ptr + h * T + tok1 - 1)
             own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
             if UNROLL:
@@ -185,8 +184,9 @@ if HAS_TRITON:
                     dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
                     w = tl.where(mk, tl.exp(tl.minimum(cs_ref - cs_k, 0.0)) * dt_k, 0.0)
                     own = tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), own, input_precision=PREC)
-                first = tl.load(snap_ptrs, mask=m_snap, other=0.0).to(tl.float32)
-                tl.store(snap_ptrs, (tl.exp(cs_ref) * first + own).to(ssm_ptr.dtype.element_ty), mask=m_snap)
+                m_snap = mp[:, None] & mn[None, :]
+                first = tl.load(sptr + to_snap, mask=m_snap, other=0.0).to(tl.float32)
+                tl.store(sptr + to_snap, (tl.exp(cs_ref) * first + own).to(ssm_ptr.dtype.element_ty), mask=m_snap)
 
     @triton.jit
     def _ssd_bmm_kernel(C_ptr, B_ptr, meta_ptr, cb_ptr, G, N, C_t, C_g, C_n, B_t, B_g, B_n,

@@ -15,7 +15,6 @@ from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse
 from mambaserve.server.cache.radix_tree import CacheBusyError
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, StepOutput
-from mambaserve.server.sessions.table import TurnParams
 
 
 def native_routes(engine: Engine) -> APIRouter:
@@ -66,7 +65,7 @@ def native_routes(engine: Engine) -> APIRouter:
         ids = await engine.tokenize(prompts[0]) if isinstance(prompts[0], str) else prompts[0]
         params = engine.check_prompt(ids, body.sampling_params.params(), explicit)
         sp = body.session_params
-        turn = TurnParams(sp.rid, sp.offset, sp.replace, sp.drop_previous_output) if sp else None
+        turn = sp.turn() if sp else None
         stream = engine.generate(ids, params, rid=body.rid, return_logprob=body.return_logprob,
                                  top_logprobs_num=body.top_logprobs_num, session_id=sp.id if sp else None,
                                  turn_params=turn, stream=body.stream)

@@ -29,9 +29,10 @@ def _usage(last: StepOutput) -> dict:
 def openai_routes(engine: Engine) -> APIRouter:
     app = APIRouter(responses=ERRORS)
 
-    # Names this server answers to: its served name, and "unknown", which sglang-router sends for a request
-    # without a model (one model per server, so there is nothing to pick).
-    aliases = {engine.model_name, "unknown"}
+    # Names this server answers to: its served name; "unknown", which sglang-router sends for a chat request
+    # without a model; and the model path, the id sglang-router lists in its /v1/models (one model per
+    # server, so there is nothing to pick).
+    aliases = {engine.model_name, "unknown", engine.model_info()["model_path"], engine.cfg.model}
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in aliases:
@@ -91,12 +92,13 @@ def openai_routes(engine: Engine) -> APIRouter:
         want_lp = body.logprobs is not None
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        session_id = request.headers.get("x-session-id") or body.session_id
+        session_id, turn = body.session(request.headers)
         if (session_id or body.stream) and (len(prompts) != 1 or body.n != 1):
             raise BadRequest("streaming and session turns take a single prompt and n = 1")
         streams = [g for ids, p in zip(prompts, params)
                    for g in engine.generate_n(ids, p, body.n, return_logprob=want_lp,
                                               top_logprobs_num=body.logprobs or 0, session_id=session_id,
+                                              turn_params=turn,
                                               stream=body.stream)]
 
         if body.stream:
@@ -144,7 +146,7 @@ def openai_routes(engine: Engine) -> APIRouter:
     @app.post("/v1/chat/completions", responses=streamed(ChatCompletionResponse))
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model)
-        session_id = request.headers.get("x-session-id") or body.session_id
+        session_id, turn = body.session(request.headers)
         if session_id and body.n != 1:
             raise BadRequest("a session turn takes n = 1", code="unsupported_parameter")
         engine.check_load(body.n)
@@ -158,7 +160,7 @@ def openai_routes(engine: Engine) -> APIRouter:
         params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)
         top_n = body.top_logprobs or 0
         gens = engine.generate_n(ids, params, body.n, return_logprob=body.logprobs, top_logprobs_num=top_n,
-                                 session_id=session_id, stream=body.stream)
+                                 session_id=session_id, turn_params=turn, stream=body.stream)
         stream = gens[0]
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:

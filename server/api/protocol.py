@@ -10,6 +10,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from mambaserve.server.engine.request import BadRequest, SamplingParams
+from mambaserve.server.sessions.table import OpenParams, TurnParams
 
 
 def _check_text(value: Any, where: str) -> None:
@@ -63,6 +64,7 @@ class _OpenAISampling(_Body):
     repetition_penalty: float = 1.0  # (vLLM's extension)
     min_tokens: int = 0  # (vLLM's name for min_new_tokens)
     session_id: str | None = None
+    session_params: "SessionParams | None" = None  # (what sglang-router forwards; session_id it drops)
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         if self.n > 1 and self.stream:
@@ -73,6 +75,13 @@ class _OpenAISampling(_Body):
                               skip_special_tokens=self.skip_special_tokens, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
                               min_new_tokens=self.min_tokens)
+
+    def session(self, headers) -> tuple[str | None, TurnParams | None]:
+        """The session this request is a turn of: ``session_params`` (the one form sglang-router forwards),
+        else the ``x-session-id`` header or the ``session_id`` field; and the turn's parameters."""
+        if self.session_params is not None:
+            return self.session_params.id, self.session_params.turn()
+        return headers.get("x-session-id") or self.session_id, None
 
     @property
     def include_usage(self) -> bool:
@@ -178,11 +187,24 @@ class AbortRequest(_Body):
 
 
 class SessionParams(_Body):
-    id: str
+    """A session turn. ``open``/``close`` (with ``streaming``, ``timeout``, ``capacity_of_str_len`` for
+    ``open``) let a turn open its session first and close it after: what a client behind sglang-router
+    does, which does not proxy ``/open_session`` and ``/close_session`` but forwards ``session_params``."""
+
+    id: str = Field(min_length=1, max_length=128)
     rid: str | None = None
     offset: int | None = None
     replace: bool = False
     drop_previous_output: bool = False
+    open: bool = False
+    streaming: bool = False
+    timeout: float | None = Field(default=None, allow_inf_nan=False)
+    capacity_of_str_len: int | None = Field(default=None, ge=0)
+    close: bool = False
+
+    def turn(self) -> TurnParams:
+        opening = OpenParams(self.streaming, self.timeout, self.capacity_of_str_len) if self.open else None
+        return TurnParams(self.rid, self.offset, self.replace, self.drop_previous_output, opening, self.close)
 
 
 class OpenSessionRequest(_Body):
@@ -203,3 +225,7 @@ class SnapshotRequest(_Body):
 class RestoreRequest(_Body):
     name: str
     session_id: str | None = None
+
+
+for _model in (CompletionRequest, ChatRequest, GenerateRequest):
+    _model.model_rebuild()

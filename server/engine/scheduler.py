@@ -189,15 +189,23 @@ class Scheduler:
             self.output.refuse(req, BadRequest(f"invalid sampling parameters: {e}"))
             return
         if req.session_id is not None:
+            tp, opened = req.turn_params, False
             try:
-                prompt = self.sessions.turn_prompt(req.session_id, req.prompt_ids, req.turn_params)
+                if tp.open is not None:  # a turn that opens its session (behind a router: no /open_session)
+                    self.sessions.open(req.session_id, tp.open.streaming, tp.open.timeout, tp.open.capacity)
+                    opened = True
+                prompt = self.sessions.turn_prompt(req.session_id, req.prompt_ids, tp)
                 req.params = fit_to_context(len(prompt), req.params, self.context_length, False,
                                             f"session {req.session_id!r} history + this turn")
-                req.session = self.sessions.begin_turn(req.session_id, req.rid, req.turn_params, prompt)
+                req.session = self.sessions.begin_turn(req.session_id, req.rid, tp, prompt)
             except (SessionError, BadRequest) as e:
+                if opened:  # a refused first turn leaves no session behind
+                    self.sessions.close(req.session_id, "error")
                 self.sampler.forget(req.rid)
                 self.output.refuse(req, e)
                 return
+            if tp.close:  # deferred: released when this turn ends
+                self.sessions.close(req.session_id)
             req.prompt_ids = prompt
         # its snapshot is needed soon: refreshed now, eviction takes older ones first while it waits (a
         # match never covers the last token: it must run to produce logits)

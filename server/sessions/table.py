@@ -56,11 +56,22 @@ class Session:
 
 
 @dataclass(frozen=True)
+class OpenParams:
+    """A session opened by its first turn (``/open_session``'s fields)."""
+
+    streaming: bool = False
+    timeout: float | None = None
+    capacity: int | None = None
+
+
+@dataclass(frozen=True)
 class TurnParams:
     rid: str | None = None
     offset: int | None = None
     replace: bool = False
     drop_previous_output: bool = False
+    open: OpenParams | None = None  # open the session (this id) before the turn
+    close: bool = False  # close the session once the turn ends
 
 
 class SessionTable:
@@ -87,7 +98,9 @@ class SessionTable:
     def get(self, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None or s.closing:
-            raise SessionError(404, f"session {sid!r} does not exist or is closed", "session_not_found")
+            raise SessionError(404, f"session {sid!r} does not exist on this server or is closed (behind "
+                               "sglang-router, send every turn of a session with the same x-smg-routing-key)",
+                               "session_not_found")
         return s
 
     def remove(self, sid: str) -> Session:

@@ -329,3 +329,39 @@ def test_snapshot_restore_in_a_second_server_process(tiny_ckpt, tmp_path):
     assert nxt[0] == expected[0]
     assert nxt[1] == pytest.approx(expected[1], abs=1e-6)
     assert nxt[2] == expected[2]
+
+
+def test_a_turn_opens_and_closes_its_session(tiny_ckpt):
+    """``session_params.open`` / ``close``: how a client behind sglang-router (no /open_session through
+    it) opens and closes a session; the rules are /open_session's."""
+    engine = make_engine(tiny_ckpt, context_length=4096)
+
+    async def go():
+        r = {}
+        async with serving(engine) as c:
+            r["refused"] = await _turn(c, [], "s1", open=True, streaming=True)  # an empty turn: refused
+            r["after_refused"] = await _turn(c, [4], "s1")
+            r["first"] = await _turn(c, [4, 5, 6], "s1", open=True, streaming=True, timeout=60)
+            r["again"] = await _turn(c, [7], "s1", open=True)
+            r["last"] = await _turn(c, [7, 8], "s1", close=True)
+            r["closed"] = await _turn(c, [9], "s1")
+            r["chat"] = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "session_params": {"id": "c1", "open": True, "close": True}})
+            r["acc"] = await accounting(engine)
+            r["metrics"] = (await c.get("/metrics")).text
+        return r
+
+    r = run(go())
+    assert r["refused"].status_code == 400
+    assert r["after_refused"].status_code == 404  # the refused first turn left no session
+    assert "x-smg-routing-key" in r["after_refused"].json()["error"]["message"]
+    assert r["first"].status_code == 200
+    assert r["again"].status_code == 409 and r["again"].json()["error"]["code"] == "session_exists"
+    assert r["last"].status_code == 200
+    assert r["last"].json()["meta_info"]["cached_tokens"] == 3 + 5  # the live state of the first turn
+    assert r["closed"].status_code == 404
+    assert r["chat"].status_code == 200
+    assert r["acc"]["sessions"] == 0 and r["acc"]["held_by_sessions"] == 0
+    assert_idle(r["acc"])
+    assert 'mambaserve_sessions_closed_total{reason="client"} 2.0' in r["metrics"]

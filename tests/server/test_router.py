@@ -1,0 +1,172 @@
+"""mambaserve workers behind the real sglang-router (the Rust gateway from PyPI), policy ``manual``.
+
+The router drops ``session_id`` and the ``x-session-id`` header and does not proxy ``/open_session``
+or ``/close_session``; it forwards ``session_params`` and the ``x-smg-routing-key`` header, by which
+``manual`` pins a key to one worker. Sessions therefore go through it as: ``session_params`` in the
+body (``open`` on the first turn, ``close`` on the last) and the session id as the routing key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port, make_engine, run, serving, uvicorn_server
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@dataclass
+class Routed:
+    url: str
+    metrics_url: str
+    engines: list
+    worker_urls: list[str]
+
+
+@pytest.fixture(scope="module")
+def routed(tiny_ckpt):
+    engines = [make_engine(tiny_ckpt, context_length=4096) for _ in range(2)]
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(uvicorn_server(e)) for e in engines]
+        port, prom = free_port(), free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+             "--policy", "manual", "--worker-urls", *urls, "--prometheus-host", "127.0.0.1",
+             "--prometheus-port", str(prom), "--log-level", "warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+        def stop():
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+        stack.callback(stop)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 40
+        while True:  # registered: both workers listed healthy
+            with contextlib.suppress(httpx.TransportError, ValueError):
+                workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
+                if len(workers) == 2 and all(w["is_healthy"] for w in workers):
+                    break
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the router did not register both workers"
+            time.sleep(0.2)
+        yield Routed(url, f"http://127.0.0.1:{prom}/metrics", engines, urls)
+
+
+def _sessions_on(engine) -> set[str]:
+    return set(engine.scheduler.call(lambda: list(engine.scheduler.sessions.table.sessions)).result(timeout=10))
+
+
+def _words(n, seed):
+    return [(seed * 17 + 7 * k * k + k) % 90 + 3 for k in range(n)]
+
+
+def _unpack(r):
+    assert r.status_code == 200, r.text
+    b = r.json()
+    return b["output_ids"], [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
+
+
+def _router_metric(text: str, name: str, worker: str) -> float:
+    m = re.search(rf'^{name}\{{[^}}]*worker="{re.escape(worker)}"[^}}]*\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_sessions_through_the_router_keep_history_on_one_worker(routed, tiny_ckpt):
+    turns = {f"conv-{k}": [_words(3 + (k + i) % 6, 10 * k + i) for i in range(4)] for k in range(4)}
+
+    async def conversation(c, sid, inputs, placements):
+        outs = []
+        for i, ids in enumerate(inputs):
+            sp = {"id": sid, **({"open": True, "streaming": k_streaming(sid)} if i == 0 else {}),
+                  **({"close": True} if i == len(inputs) - 1 else {})}
+            r = await c.post("/generate", headers={"x-smg-routing-key": sid},
+                             json={"input_ids": ids, "session_params": sp, "return_logprob": True,
+                                   "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+            outs.append(_unpack(r))
+            if i < len(inputs) - 1:  # open between turns: on exactly one worker
+                placements.append(tuple(sid in _sessions_on(e) for e in routed.engines))
+        return outs
+
+    def k_streaming(sid):  # both kinds of session: live state (streaming) and through the radix cache
+        return int(sid.rsplit("-", 1)[1]) % 2 == 0
+
+    async def through_router():
+        async with httpx.AsyncClient(base_url=routed.url, timeout=60) as c:
+            placements = {sid: [] for sid in turns}
+            got = await asyncio.gather(*(conversation(c, sid, t, placements[sid]) for sid, t in turns.items()))
+            return dict(zip(turns, got)), placements
+
+    cold = make_engine(tiny_ckpt, disable_radix_cache=True, context_length=4096)
+
+    async def resent():
+        async with serving(cold) as c:
+            ref = {}
+            for sid, inputs in turns.items():
+                history, ref[sid] = [], []
+                for ids in inputs:
+                    history += ids
+                    r = await c.post("/generate", json={"input_ids": history, "return_logprob": True,
+                                                        "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+                    out = _unpack(r)
+                    history += out[0]
+                    ref[sid].append(out)
+            return ref
+
+    got, placements = run(through_router())
+    ref = run(resent())
+    for sid in turns:
+        for (ids, lps), (rids, rlps) in zip(got[sid], ref[sid]):
+            assert ids == rids, sid
+            assert lps == pytest.approx(rlps, abs=1e-5)
+        assert len(set(placements[sid])) == 1 and sum(placements[sid][0]) == 1, (sid, placements[sid])
+    assert all(not _sessions_on(e) for e in routed.engines)  # each closed by its last turn
+
+    metrics = httpx.get(routed.metrics_url).text
+    for w in routed.worker_urls:
+        assert _router_metric(metrics, "smg_worker_cb_state", w) == 0  # closed
+        assert _router_metric(metrics, "smg_worker_cb_consecutive_failures", w) == 0
+
+
+def test_openai_requests_without_a_model_and_chat_sessions_through_the_router(routed):
+    async def go():
+        async with httpx.AsyncClient(base_url=routed.url, timeout=60) as c:
+            listed = (await c.get("/v1/models")).json()["data"][0]["id"]  # the id the router lists
+            comp = await c.post("/v1/completions", json={"model": listed, "prompt": "def f(", "max_tokens": 3,
+                                                         "temperature": 0})
+            plain = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0})
+            gen = await c.post("/generate", json={"text": "import os", "sampling_params": {"max_new_tokens": 3}})
+            h = {"x-smg-routing-key": "chat-1"}
+            msg = lambda t: [{"role": "user", "content": t}]  # noqa: E731
+            a = await c.post("/v1/chat/completions", headers=h, json={
+                "messages": msg("hi"), "max_tokens": 3, "temperature": 0,
+                "session_params": {"id": "chat-1", "open": True, "streaming": True}})
+            b = await c.post("/v1/chat/completions", headers=h, json={
+                "messages": msg("more"), "max_tokens": 3, "temperature": 0,
+                "session_params": {"id": "chat-1", "close": True}})
+            return listed, comp, plain, gen, a, b
+
+    listed, comp, plain, gen, a, b = run(go())
+    assert listed == "tiny"
+    for r in (comp, plain, gen, a, b):
+        assert r.status_code == 200, r.text
+    a, b = a.json()["usage"], b.json()["usage"]
+    # the second turn runs on the first turn's live state: everything before it is cached
+    assert b["prompt_tokens_details"]["cached_tokens"] == a["prompt_tokens"] + a["completion_tokens"]
+    assert all(not _sessions_on(e) for e in routed.engines)
+    metrics = httpx.get(routed.metrics_url).text
+    assert all(_router_metric(metrics, "smg_worker_cb_state", w) == 0 for w in routed.worker_urls)

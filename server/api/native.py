@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api.protocol import AbortRequest, GenerateRequest
-from mambaserve.server.api.responses import admitted, collect, error_response, finish_info, sse
+from mambaserve.server.api.responses import admitted_all, collect, error_response, finish_info, merged, sse
 from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse, ModelInfo, ServerInfo, Success,
                                            streamed)
 from mambaserve.server.cache.radix_tree import CacheBusyError
@@ -47,51 +47,79 @@ def native_routes(engine: Engine) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request):
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
-        prompts, n = body.prompts(), body.sampling_params.n
+        prompts, n, sp = body.prompts(), body.sampling_params.n, body.session_params
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
-        if body.batched or n > 1:  # a list of answers: n per prompt, prompt by prompt
-            if body.stream or body.session_params or body.rid:
-                raise BadRequest("a batch of prompts or n > 1 is answered as one list: stream, session_params and "
-                                 "rid take a single prompt and n = 1", code="unsupported_parameter")
-            engine.check_load(len(prompts) * n)
-            ids = [await engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
-            params = [engine.check_prompt(i, body.sampling_params.params(), explicit) for i in ids]
-            gens = [g for i, p in zip(ids, params)
-                    for g in engine.generate_n(i, p, n, return_logprob=body.return_logprob,
-                                               top_logprobs_num=body.top_logprobs_num, stream=False)]
-            results = await collect(request, *gens)
-            return [_native_payload(outs, outs[-1].rid, body.return_logprob) for outs in results]
-        engine.check_load()
-        ids = await engine.tokenize(prompts[0]) if isinstance(prompts[0], str) else prompts[0]
-        params = engine.check_prompt(ids, body.sampling_params.params(), explicit)
-        sp = body.session_params
-        turn = sp.turn() if sp else None
-        stream = engine.generate(ids, params, rid=body.rid, return_logprob=body.return_logprob,
-                                 top_logprobs_num=body.top_logprobs_num, session_id=sp.id if sp else None,
-                                 turn_params=turn, stream=body.stream)
+        many = body.batched or n > 1  # a list of answers: n per prompt, prompt by prompt
+        if many and (sp or body.rid):
+            raise BadRequest("session_params and rid take a single prompt and n = 1", code="unsupported_parameter")
+        if sp and body.return_logprob and body.logprob_start_len >= 0:
+            raise BadRequest("logprob_start_len is not supported on session turns (the history's logits are "
+                             "not kept)", code="unsupported_parameter")
+        engine.check_load(len(prompts) * n)
+        ids = [await engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
+        params = [engine.check_prompt(i, body.sampling_params.params(), explicit) for i in ids]
+        if body.return_logprob and any(body.logprob_start_len >= len(i) for i in ids):
+            raise BadRequest(f"logprob_start_len {body.logprob_start_len} is past the prompt's last token "
+                             f"(prompts of {min(len(i) for i in ids)} tokens)")
+        kw = dict(return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+                  logprob_start_len=body.logprob_start_len, stream=body.stream)
+        if many:
+            gens = [g for i, p in zip(ids, params) for g in engine.generate_n(i, p, n, **kw)]
+        else:
+            gens = [engine.generate(ids[0], params[0], rid=body.rid, session_id=sp.id if sp else None,
+                                    turn_params=sp.turn() if sp else None, **kw)]
+        payload = _Payload(engine.tokenizer if body.return_text_in_logprobs else None, body.return_logprob, n)
         if body.stream:
-            return StreamingResponse(_native_stream(await admitted(stream)), media_type="text/event-stream")
-        (outs,) = await collect(request, stream)
-        return _native_payload(outs, outs[-1].rid, body.return_logprob)
+            streams = await admitted_all(gens)
+            return StreamingResponse(_native_stream(streams, payload, many), media_type="text/event-stream")
+        results = await collect(request, *gens)
+        answers = [payload(outs, results, i) for i, outs in enumerate(results)]
+        return answers if many else answers[0]
 
     return router
 
 
-def _native_payload(outs: list[StepOutput], rid: str, logprob: bool) -> dict:
-    last = outs[-1]
-    meta = {"id": rid, "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "cached_tokens": last.cached_tokens, "finish_reason": finish_info(last)}
-    ids = [t for o in outs for t in o.token_ids]
-    if logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for o in outs for lp, t in zip(o.logprobs or [], o.token_ids)]
-        meta["output_top_logprobs"] = [[[v, i, None] for i, v in top] for o in outs for top in (o.top_logprobs or [])]
-    return {"text": "".join(o.text for o in outs), "output_ids": ids, "meta_info": meta}
+class _Payload:
+    """``/generate``'s answer for one choice: text, ids, meta_info (logprobs as ``[logprob, id, text]``,
+    text only with ``return_text_in_logprobs``). With n > 1 the prompt's logprobs are computed once,
+    by the first answer to the prompt, and reported with each."""
+
+    def __init__(self, tokenizer, logprob: bool, n: int):
+        self.tokenizer, self.logprob, self.n = tokenizer, logprob, n
+
+    def _entry(self, lp, t):
+        return [lp, t, self.tokenizer.decode([t]) if self.tokenizer is not None else None]
+
+    def _top(self, top):
+        return None if top is None else [self._entry(v, i) for i, v in top]
+
+    def __call__(self, outs: list[StepOutput], all_outs: list[list[StepOutput]], index: int) -> dict:
+        last = outs[-1]
+        meta = {"id": last.rid, "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                "cached_tokens": last.cached_tokens, "finish_reason": finish_info(last)}
+        if self.logprob:
+            meta["output_token_logprobs"] = [self._entry(lp, t) for o in outs
+                                             for lp, t in zip(o.logprobs or [], o.token_ids)]
+            meta["output_top_logprobs"] = [self._top(top) for o in outs for top in (o.top_logprobs or [])]
+            lead = all_outs[index - index % self.n]
+            first = next((o for o in [*outs, *lead] if o.input_logprobs is not None), None)
+            if first is not None:
+                meta["input_token_logprobs"] = [self._entry(lp, t)
+                                                for lp, t in zip(first.input_logprobs, first.input_token_ids)]
+                meta["input_top_logprobs"] = [self._top(top) for top in first.input_top_logprobs]
+        return {"text": "".join(o.text for o in outs), "output_ids": [t for o in outs for t in o.token_ids],
+                "meta_info": meta}
 
 
-async def _native_stream(stream: AsyncIterator[StepOutput]):
-    outs: list[StepOutput] = []
-    async with contextlib.aclosing(stream) as it:
-        async for out in it:
-            outs.append(out)
-            yield sse(_native_payload(outs, out.rid, out.logprobs is not None))
+async def _native_stream(streams: list[AsyncIterator[StepOutput]], payload: _Payload, many: bool):
+    """SSE: after each increment, the choice's answer so far; with several choices each carries its
+    ``index``. Closing the response (a client gone) closes every choice's stream: all are aborted."""
+    outs: list[list[StepOutput]] = [[] for _ in streams]
+    async with contextlib.aclosing(merged(streams)) as it:
+        async for i, out in it:
+            outs[i].append(out)
+            answer = payload(outs[i], outs, i)
+            if many:
+                answer["index"] = i
+            yield sse(answer)
     yield sse("[DONE]")

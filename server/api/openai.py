@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
-from mambaserve.server.api.responses import admitted, collect, ended_early, sse
+from mambaserve.server.api.responses import admitted_all, collect, ended_early, merged, sse
 from mambaserve.server.api.schemas import (ERRORS, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
                                            streamed)
 from mambaserve.server.engine.engine import Engine
@@ -20,18 +20,26 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512
 
 
-def _usage(last: StepOutput) -> dict:
-    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "total_tokens": last.prompt_tokens + last.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
+def _usage(lasts: list[StepOutput | None], n: int) -> dict:
+    """Usage of a request's choices (their last outputs, n per prompt): a prompt counts once, whatever n."""
+    prompt = sum(o.prompt_tokens for o in lasts[::n] if o is not None)
+    cached = sum(o.cached_tokens for o in lasts[::n] if o is not None)
+    completion = sum(o.completion_tokens for o in lasts if o is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _input_logprobs(outs: list[StepOutput]) -> StepOutput | None:
+    """The output that carries the prompt's logprobs (the first answer to a prompt computes them)."""
+    return next((o for o in outs if o.input_logprobs is not None), None)
 
 
 def openai_routes(engine: Engine) -> APIRouter:
     app = APIRouter(responses=ERRORS)
 
     # Names this server answers to: its served name; "unknown", which sglang-router sends for a chat request
-    # without a model; and the model path, the id sglang-router lists in its /v1/models (one model per
-    # server, so there is nothing to pick).
+    # without a model; and the model path, the id a router lists when it takes the model path as the
+    # model's name (one model per server, so there is nothing to pick).
     aliases = {engine.model_name, "unknown", engine.model_info()["model_path"], engine.cfg.model}
 
     def check_model(name: str | None) -> None:
@@ -46,17 +54,25 @@ def openai_routes(engine: Engine) -> APIRouter:
     def token_text(t: int) -> str:
         return engine.tokenizer.decode([t])
 
-    def completion_logprobs(outs: list[StepOutput], offset: int) -> dict:
-        tokens, lps, tops, offsets = [], [], [], []
-        for o in outs:
-            for i, t in enumerate(o.token_ids):
-                s = token_text(t)
-                tokens.append(s)
-                lps.append(o.logprobs[i])
-                tops.append({token_text(a): v for a, v in o.top_logprobs[i]} if o.top_logprobs else None)
-                offsets.append(offset)
-                offset += len(s)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    def completion_logprobs(token_ids: list[int], lps: list, tops: list, offset: int) -> dict:
+        """OpenAI's legacy logprobs object; ``tops`` entries: ``[(id, logprob), ...]``, or None."""
+        tokens, offsets = [], []
+        for t in token_ids:
+            s = token_text(t)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": list(lps), "text_offset": offsets,
+                "top_logprobs": [None if top is None else {token_text(a): v for a, v in top} for top in tops]}
+
+    def output_logprobs(outs: list[StepOutput], offset: int) -> dict:
+        ids = [t for o in outs for t in o.token_ids]
+        lps = [lp for o in outs for lp in o.logprobs]
+        tops = [top for o in outs for top in (o.top_logprobs or [None] * len(o.token_ids))]
+        return completion_logprobs(ids, lps, tops, offset)
+
+    def merge_logprobs(a: dict | None, b: dict) -> dict:
+        return b if a is None else {k: a[k] + b[k] for k in b}
 
     def chat_logprobs(outs: list[StepOutput]) -> dict:
         content = []
@@ -82,74 +98,89 @@ def openai_routes(engine: Engine) -> APIRouter:
     @app.post("/v1/completions", responses=streamed(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        if body.echo:
-            raise BadRequest("echo is not supported", code="unsupported_parameter")
         explicit = body.max_tokens is not None
         base = body.sampling(body.max_tokens if explicit else DEFAULT_COMPLETION_TOKENS)
-        engine.check_load(len(body.prompts()) * body.n)
-        prompts = [await engine.tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
-        params = [engine.check_prompt(ids, base, explicit) for ids in prompts]
-        want_lp = body.logprobs is not None
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
+        n, want_lp = body.n, body.logprobs is not None
         session_id, turn = body.session(request.headers)
-        if (session_id or body.stream) and (len(prompts) != 1 or body.n != 1):
-            raise BadRequest("streaming and session turns take a single prompt and n = 1")
-        streams = [g for ids, p in zip(prompts, params)
-                   for g in engine.generate_n(ids, p, body.n, return_logprob=want_lp,
-                                              top_logprobs_num=body.logprobs or 0, session_id=session_id,
-                                              turn_params=turn,
-                                              stream=body.stream)]
+        if session_id and (len(body.prompts()) != 1 or n != 1):
+            raise BadRequest("a session turn takes a single prompt and n = 1", code="unsupported_parameter")
+        if session_id and body.echo and want_lp:
+            raise BadRequest("echo with logprobs is not supported on session turns (the history's logits are not "
+                             "kept)", code="unsupported_parameter")
+        engine.check_load(len(body.prompts()) * n)
+        texts = body.prompts()
+        prompts = [await engine.tokenize(p) if isinstance(p, str) else p for p in texts]
+        params = [engine.check_prompt(ids, base, explicit) for ids in prompts]
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        # echo + logprobs: the prompt's own tokens' logprobs (the first is None), as SGLang's logprob_start_len 0
+        gens = [g for ids, p in zip(prompts, params)
+                for g in engine.generate_n(ids, p, n, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0,
+                                           logprob_start_len=0 if body.echo and want_lp else -1,
+                                           session_id=session_id, turn_params=turn, stream=body.stream)]
+
+        def echoed(i: int, lead: list[StepOutput]) -> tuple[str, dict | None]:
+            """Choice i's echo: its prompt's text and, with logprobs, the prompt tokens' logprobs."""
+            k = i // n
+            text = texts[k] if isinstance(texts[k], str) else engine.tokenizer.decode(prompts[k])
+            src = _input_logprobs(lead) if want_lp else None
+            lp = None
+            if src is not None:
+                lp = completion_logprobs(src.input_token_ids, src.input_logprobs, src.input_top_logprobs, 0)
+            return text, lp
 
         if body.stream:
-            stream = await admitted(streams[0])
+            streams = await admitted_all(gens)
 
             async def events():
-                offset = 0
-                async with contextlib.aclosing(stream) as it:
-                    async for out in it:
-                        if not out.text and not out.finished:
+                outs: list[list[StepOutput]] = [[] for _ in gens]
+                offsets = [0] * len(gens)
+                async with contextlib.aclosing(merged(streams)) as it:
+                    async for i, out in it:
+                        outs[i].append(out)
+                        text, lp = out.text, output_logprobs([out], offsets[i]) if want_lp else None
+                        if body.echo and len(outs[i]) == 1:  # the prompt before the choice's first text
+                            etext, elp = echoed(i, outs[i - i % n])
+                            text, offsets[i] = etext + text, offsets[i] + len(etext)
+                            if lp is not None:
+                                lp = merge_logprobs(elp, output_logprobs([out], offsets[i]))
+                        elif not out.text and not out.finished:
                             continue
-                        choice = {"index": 0, "text": out.text, "logprobs": None,
+                        offsets[i] += len(out.text)
+                        choice = {"index": i, "text": text, "logprobs": lp,
                                   "finish_reason": out.finish_reason.value if out.finished else None}
-                        if want_lp:
-                            choice["logprobs"] = completion_logprobs([out], offset)
-                        offset += len(out.text)
                         yield sse({"id": cid, "object": "text_completion", "created": created,
                                    "model": engine.model_name, "choices": [choice]})
-                        last = out
                 if body.include_usage:
                     yield sse({"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
-                               "choices": [], "usage": _usage(last)})
+                               "choices": [], "usage": _usage([o[-1] if o else None for o in outs], n)})
                 yield sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        results = await collect(request, *streams)
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+        results = await collect(request, *gens)
+        choices = []
         for i, outs in enumerate(results):
             last = outs[-1]
             if last.error:
                 return ended_early(last)
-            choices.append({"index": i, "text": "".join(o.text for o in outs),
-                            "logprobs": completion_logprobs(outs, 0) if want_lp else None,
-                            "finish_reason": last.finish_reason.value})
-            first_of_prompt = i % body.n == 0  # a prompt's tokens count once, whatever n
-            usage["prompt_tokens"] += last.prompt_tokens if first_of_prompt else 0
-            usage["completion_tokens"] += last.completion_tokens
-            usage["prompt_tokens_details"]["cached_tokens"] += last.cached_tokens if first_of_prompt else 0
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            text, lp = "".join(o.text for o in outs), output_logprobs(outs, 0) if want_lp else None
+            if body.echo:
+                etext, elp = echoed(i, results[i - i % n])
+                text = etext + text
+                if want_lp:
+                    lp = merge_logprobs(elp, output_logprobs(outs, len(etext)))
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason.value})
         return {"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
-                "choices": choices, "usage": usage}
+                "choices": choices, "usage": _usage([outs[-1] for outs in results], n)}
 
     @app.post("/v1/chat/completions", responses=streamed(ChatCompletionResponse))
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model)
+        n = body.n
         session_id, turn = body.session(request.headers)
-        if session_id and body.n != 1:
+        if session_id and n != 1:
             raise BadRequest("a session turn takes n = 1", code="unsupported_parameter")
-        engine.check_load(body.n)
+        engine.check_load(n)
         try:
             # with a session, `messages` are only the new turn's: rendered alone, appended to the history
             ids = await engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages])
@@ -158,30 +189,28 @@ def openai_routes(engine: Engine) -> APIRouter:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         explicit = max_tokens is not None
         params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)
-        top_n = body.top_logprobs or 0
-        gens = engine.generate_n(ids, params, body.n, return_logprob=body.logprobs, top_logprobs_num=top_n,
+        gens = engine.generate_n(ids, params, n, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                                  session_id=session_id, turn_params=turn, stream=body.stream)
-        stream = gens[0]
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            stream = await admitted(stream)
+            streams = await admitted_all(gens)
 
             async def events():
-                first = True
-                async with contextlib.aclosing(stream) as it:
-                    async for out in it:
+                lasts: list[StepOutput | None] = [None] * n
+                async with contextlib.aclosing(merged(streams)) as it:
+                    async for i, out in it:
+                        first = lasts[i] is None
+                        lasts[i] = out
                         if not out.text and not out.finished and not first:
                             continue
                         delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
-                        first = False
-                        choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs([out]) if body.logprobs else None,
+                        choice = {"index": i, "delta": delta, "logprobs": chat_logprobs([out]) if body.logprobs else None,
                                   "finish_reason": out.finish_reason.value if out.finished else None}
                         yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                                    "model": engine.model_name, "choices": [choice]})
-                        last = out
                 if body.include_usage:
                     yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                               "model": engine.model_name, "choices": [], "usage": _usage(last)})
+                               "model": engine.model_name, "choices": [], "usage": _usage(lasts, n)})
                 yield sse("[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -194,10 +223,7 @@ def openai_routes(engine: Engine) -> APIRouter:
             choices.append({"index": i, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
                             "logprobs": chat_logprobs(outs) if body.logprobs else None,
                             "finish_reason": last.finish_reason.value})
-        usage = _usage(results[0][-1])
-        usage["completion_tokens"] = sum(outs[-1].completion_tokens for outs in results)
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": cid, "object": "chat.completion", "created": created, "model": engine.model_name,
-                "choices": choices, "usage": usage}
+                "choices": choices, "usage": _usage([outs[-1] for outs in results], n)}
 
     return app

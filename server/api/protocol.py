@@ -67,8 +67,6 @@ class _OpenAISampling(_Body):
     session_params: "SessionParams | None" = None  # (what sglang-router forwards; session_id it drops)
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        if self.n > 1 and self.stream:
-            raise BadRequest("n > 1 is answered whole: use stream=false", code="unsupported_parameter")
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
@@ -165,6 +163,8 @@ class GenerateRequest(_Body):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    logprob_start_len: int = Field(default=-1, ge=-1)  # with return_logprob: the prompt's logprobs from here
+    return_text_in_logprobs: bool = False
     rid: str | None = None
     session_params: "SessionParams | None" = None
 

@@ -54,6 +54,54 @@ async def admitted(stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutpu
     return chained()
 
 
+async def admitted_all(streams: list[AsyncIterator[StepOutput]]) -> list[AsyncIterator[StepOutput]]:
+    """``admitted`` for each of a request's streams (its n choices); one refusal closes them all (their
+    requests are aborted) and is raised."""
+    ready: list[AsyncIterator[StepOutput]] = []
+    try:
+        for st in streams:
+            ready.append(await admitted(st))
+    except BaseException:
+        for st in [*ready, *streams[len(ready):]]:
+            await st.aclose()
+        raise
+    return ready
+
+
+async def merged(streams: list[AsyncIterator[StepOutput]]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """``(choice index, output)`` from several streams as they arrive, until every one has ended.
+    Closed early (the client went away), it closes them all: every choice's request is aborted."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[StepOutput]):
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        finally:
+            queue.put_nowait((i, None))
+
+    if len(streams) == 1:  # (the common case: no tasks)
+        async with contextlib.aclosing(streams[0]) as it:
+            async for out in it:
+                yield 0, out
+        return
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, out = await queue.get()
+            if out is None:
+                live -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for st in streams:
+            await st.aclose()
+
+
 async def collect(request: Request, *streams: AsyncIterator[StepOutput]) -> list[list[StepOutput]]:
     """For a non-streamed response: every generation's outputs, or ClientGone as soon as the client
     disconnects (which closes the streams: their requests are aborted and their slots freed).

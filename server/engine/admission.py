@@ -81,8 +81,15 @@ class Admission:
 
     def _extend_batch(self, chunks: Plan) -> ForwardBatch:
         tokens, lens, starts, slots, track, snap = [], [], [], [], [], []
+        at, nxt, owner, top = [], [], [], 0
         for i, (req, n) in enumerate(chunks):
             s = req.in_state
+            if req.logits_from is not None:  # prompt logprobs: the logits of every position that predicts one
+                for p in range(max(s, req.logits_from), min(s + n, len(req.prompt_ids) - 1)):
+                    at.append(len(tokens) + p - s)
+                    nxt.append(req.prompt_ids[p + 1])
+                    owner.append(i)
+                top = max(top, req.top_logprobs_num)
             tokens += req.prompt_ids[s:s + n]
             lens.append(n)
             starts.append(s)
@@ -104,7 +111,7 @@ class Admission:
                         break
                     track.append((i, pos, slot))
         return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots, self.cache.take_pending(), track=track,
-                            snap=snap)
+                            snap=snap, logprob_at=at, logprob_next=nxt, logprob_owner=owner, logprob_top=top)
 
     def _admit(self, req: Req) -> bool:
         live = self.sessions.take_live_slot(req.session) if req.session is not None else None
@@ -114,8 +121,12 @@ class Admission:
             self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier="session")
             self.queues.start(req)
             return True
-        # the last token must run to produce logits: never match the whole prompt
-        cached, node, tier = self.cache.match(req.prompt_ids[:-1])
+        # the last token must run to produce logits: never match the whole prompt; and with prompt logprobs
+        # the positions they need must run too (a cached state has no logits): the match stops before them
+        limit = len(req.prompt_ids) - 1
+        if req.logits_from is not None:
+            limit = min(limit, req.logits_from)
+        cached, node, tier = self.cache.match(req.prompt_ids[:limit])
         # A hit copies its snapshot into a free slot: the snapshot stays for others. With no slot free,
         # a leaf snapshot only this request reads is taken over (its slot changes hands, no copy) rather
         # than evicting another conversation's snapshot to copy into: this request's own state

@@ -32,6 +32,13 @@ class ForwardBatch:
     # (position in token_ids, row of prev_tokens): the runner fills those positions on the device.
     from_prev: list[tuple[int, int]] = field(default_factory=list)
     prev_tokens: object | None = None  # torch.Tensor [rows] on the device
+    # Prompt logprobs (EXTEND): the logits at these positions of token_ids are computed too, and the
+    # logprob of the token after each (``logprob_next``: it is known, the prompt's), with the top
+    # ``logprob_top``; ``logprob_owner``: the sequence index each belongs to.
+    logprob_at: list[int] = field(default_factory=list)
+    logprob_next: list[int] = field(default_factory=list)
+    logprob_owner: list[int] = field(default_factory=list)
+    logprob_top: int = 0
 
     @property
     def batch_size(self) -> int:

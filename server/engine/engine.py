@@ -171,14 +171,18 @@ class Engine:
         return fit_to_context(len(prompt_ids), params, self.context_length, max_tokens_explicit)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0, session_id: str | None = None,
-                 turn_params: TurnParams | None = None, stream: bool = True, follows=None) -> Generation:
+                 return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+                 session_id: str | None = None, turn_params: TurnParams | None = None, stream: bool = True,
+                 follows=None) -> Generation:
         """Submit a request now; its increments come from the returned async iterator until it finishes,
         and closing the iterator early aborts the request (call from the event loop).
 
         With ``session_id``, ``prompt_ids`` are the turn's new tokens only; the session adds its history.
         A refused request yields one output with ``error_status`` set. With ``stream=False`` only the
-        final output comes (all tokens and text at once): less work per token for the scheduler."""
+        final output comes (all tokens and text at once): less work per token for the scheduler.
+        ``logprob_start_len`` >= 0 (with ``return_logprob``): the first output also carries the logprobs
+        of the prompt's tokens from that position on (the first token's is None); the positions they
+        need are computed even where a cached state covers them."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         rid = rid or self.new_rid()
@@ -194,8 +198,11 @@ class Engine:
                   stream=stream,
                   emit=lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                  logprob_start_len=logprob_start_len if return_logprob else -1,
                   stop_token_ids=frozenset(stop_ids), session_id=session_id,
                   turn_params=turn_params or TurnParams(), timeline=tl, follows=follows)
+        if req.logprob_start_len == 0:  # nothing predicts the first token
+            req.input_logprobs, req.input_top_logprobs = [None], [None]
         self.scheduler.submit(req)
         self._active += 1
         return Generation(self, req, q)
@@ -203,8 +210,10 @@ class Engine:
     def generate_n(self, prompt_ids: list[int], params: SamplingParams, n: int, **kw) -> list[Generation]:
         """``n`` answers to one prompt: the first prefills it; the others wait for that prefill and start
         from its state (a snapshot copy through the radix cache) instead of prefilling it again. A
-        request seed gives copy i the seed + i (distinct answers, reproducible)."""
+        request seed gives copy i the seed + i (distinct answers, reproducible). Prompt logprobs
+        (``logprob_start_len``) are computed by the first alone: the others' prompt is the same."""
         gens = [self.generate(prompt_ids, params, **kw)]
+        kw["logprob_start_len"] = -1
         for i in range(1, n):
             p = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63)
             gens.append(self.generate(prompt_ids, p, follows=gens[0].req, **kw))

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [S, V] (last token of each sequence) or [T, V] with all_logits; fp32
+    # with batch.logprob_at: (logprobs [E] of logprob_next, top (values [E, k], ids [E, k]) or None)
+    input_logprobs: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 class ModelRunner:
@@ -133,7 +135,7 @@ class ModelRunner:
         if self.graphs is not None and batch.mode is ForwardMode.DECODE and batch.batch_size <= self.graphs.buckets[-1]:
             return ForwardOutput(logits=self.graphs.run(ids, batch.slots))
         if (self.prefill_graphs is not None and batch.mode is ForwardMode.EXTEND and not batch.track
-                and not batch.all_logits):
+                and not batch.all_logits and not batch.logprob_at):
             bucket = self.prefill_graphs.bucket(batch.batch_size, batch.num_tokens)
             if bucket is not None:
                 return ForwardOutput(logits=self.prefill_graphs.run(bucket, ids, batch.seq_lens, batch.slots,
@@ -156,10 +158,26 @@ class ModelRunner:
         )
         rows = None
         if batch.mode is ForwardMode.EXTEND and not batch.all_logits:
-            rows = to_device([c - 1 for c in cu[1:]], torch.long, dev)
+            rows = to_device([c - 1 for c in cu[1:]] + batch.logprob_at, torch.long, dev)
         logits, tracked = self.model(ids, bt, self.pool.conv, self.pool.ssm, rows)
+        input_logprobs = None
+        if batch.logprob_at and not batch.all_logits:
+            logits, input_logprobs = logits[:batch.batch_size], _prompt_logprobs(logits[batch.batch_size:], batch)
         if batch.track:  # tracked states into their snapshot slots, all layers at once
             dst = to_device([slot for _, _, slot in batch.track], torch.long, dev)
             self.pool.conv[:, dst] = torch.stack([c for c, _ in tracked]).to(self.pool.conv.dtype)
             self.pool.ssm[:, dst] = torch.stack([s for _, s in tracked]).to(self.pool.ssm.dtype)
-        return ForwardOutput(logits=logits)
+        return ForwardOutput(logits=logits, input_logprobs=input_logprobs)
+
+
+def _prompt_logprobs(logits: torch.Tensor, batch: ForwardBatch):
+    """Log-softmax of the prompt positions' logits: each one's logprob of the prompt token after it, and
+    the top ``batch.logprob_top``."""
+    logp = torch.log_softmax(logits, dim=-1)
+    nxt = to_device(batch.logprob_next, torch.long, logits.device)
+    chosen = logp.gather(-1, nxt[:, None])[:, 0]
+    top = None
+    if batch.logprob_top:
+        t = logp.topk(min(batch.logprob_top, logp.shape[-1]), dim=-1)
+        top = (t.values, t.indices)
+    return chosen, top

@@ -121,8 +121,24 @@ class OutputProcessor:
         for req in list(self.queues.running):
             self.finish(req, FinishReason.ABORT, error=message)
 
+    @staticmethod
+    def add_input_logprobs(plan: list, owner: list[int], result) -> None:
+        """Append a step's prompt logprobs (``ModelRunner``'s ``input_logprobs``) to their requests."""
+        chosen, top = result
+        chosen = chosen.tolist()
+        vals, ids = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
+        for e, i in enumerate(owner):
+            req = plan[i][0]
+            req.input_logprobs.append(chosen[e])
+            k = req.top_logprobs_num
+            req.input_top_logprobs.append(list(zip(ids[e][:k], vals[e][:k])) if k and ids is not None else [])
+
     # ---- increments ---------------------------------------------------------------------------------
     def _emit(self, req: Req, out: StepOutput) -> None:
+        if req.logprob_start_len >= 0 and not req.input_sent:  # with the first output, once
+            out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
+            out.input_token_ids = req.prompt_ids[req.logprob_start_len:]
+            req.input_sent = True
         req.emit(out)
         req.sent_tokens = len(req.output_ids)
 

@@ -122,6 +122,11 @@ class StepOutput:
     error: str | None = None
     error_status: int | None = None  # set when the request was refused before running (HTTP status)
     error_code: str | None = None
+    # logprobs of the prompt's tokens from logprob_start_len on (None: the first token, which nothing
+    # predicts), in the request's first output only
+    input_logprobs: list[float | None] | None = None
+    input_token_ids: list[int] | None = None  # the prompt's tokens they are of
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -137,6 +142,7 @@ class Req:
     emit: Callable[[StepOutput], None]
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: report the prompt's logprobs from this position on (-1: none)
     stream: bool = True  # emit every increment; False: only the final output
     stop_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
@@ -163,6 +169,18 @@ class Req:
     sent_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    input_sent: bool = False
+
+    @property
+    def logits_from(self) -> int | None:
+        """The first prompt position whose logits the prompt's logprobs need (they predict the token
+        after it), or None without input logprobs. The state before it may come from a cache; the
+        positions from it on must be computed."""
+        if self.logprob_start_len < 0:
+            return None
+        return max(self.logprob_start_len - 1, 0)
 
     @property
     def num_tokens(self) -> int:

@@ -139,6 +139,8 @@ class Scheduler:
         if batch is not None:
             self._count_moves(batch.state_ops)
             out = self.runner.forward(batch)  # launched; the device runs it while the host goes on
+            if out.input_logprobs is not None:  # (waits for this step: only requests that ask for them)
+                self.output.add_input_logprobs(plan, batch.logprob_owner, out.input_logprobs)
             rows = self.admission.commit(batch, plan)
             if rows:
                 launched = self.sampler.launch(out.logits, rows, [plan[i][0] for i in rows])
@@ -210,6 +212,8 @@ class Scheduler:
         # its snapshot is needed soon: refreshed now, eviction takes older ones first while it waits (a
         # match never covers the last token: it must run to produce logits)
         req.expected_cached = self.cache.touch(req.prompt_ids[:-1])
+        if req.logits_from is not None:  # (admission's match stops there: see Admission._admit)
+            req.expected_cached = min(req.expected_cached, req.logits_from)
         req.arrival_tick = self.cache.clock
         self.queues.add(req)
         if req.timeline is not None:

@@ -34,3 +34,9 @@ def hf_norm_is_grouped() -> bool:
     from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
     return "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters
+
+
+def hf_prompt_logprobs(path, prompt: list[int]) -> torch.Tensor:
+    """log-softmax of transformers' logits at every prompt position, ``[len(prompt), V]`` (one forward)."""
+    with torch.no_grad():
+        return torch.log_softmax(_model(str(path))(torch.tensor([prompt]), use_cache=False).logits[0].float(), -1)

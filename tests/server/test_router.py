@@ -40,7 +40,7 @@ def routed(tiny_ckpt):
         port, prom = free_port(), free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--policy", "manual", "--worker-urls", *urls, "--prometheus-host", "127.0.0.1",
+             "--policy", "manual", "--assignment-mode", "min_group", "--worker-urls", *urls, "--prometheus-host", "127.0.0.1",
              "--prometheus-port", str(prom), "--log-level", "warn"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -133,6 +133,7 @@ def test_sessions_through_the_router_keep_history_on_one_worker(routed, tiny_ckp
             assert ids == rids, sid
             assert lps == pytest.approx(rlps, abs=1e-5)
         assert len(set(placements[sid])) == 1 and sum(placements[sid][0]) == 1, (sid, placements[sid])
+    assert {placements[sid][0].index(True) for sid in turns} == {0, 1}  # min_group spread them over both
     assert all(not _sessions_on(e) for e in routed.engines)  # each closed by its last turn
 
     metrics = httpx.get(routed.metrics_url).text

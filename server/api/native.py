@@ -45,6 +45,7 @@ def native_routes(engine: Engine) -> APIRouter:
 
     @router.post("/generate", responses=streamed(GenerateResponse))
     async def generate(body: GenerateRequest, request: Request):
+        body.check_supported()
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
         prompts, n, sp = body.prompts(), body.sampling_params.n, body.session_params

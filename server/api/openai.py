@@ -98,6 +98,7 @@ def openai_routes(engine: Engine) -> APIRouter:
     @app.post("/v1/completions", responses=streamed(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        body.check_supported()
         explicit = body.max_tokens is not None
         base = body.sampling(body.max_tokens if explicit else DEFAULT_COMPLETION_TOKENS)
         n, want_lp = body.n, body.logprobs is not None
@@ -176,6 +177,7 @@ def openai_routes(engine: Engine) -> APIRouter:
     @app.post("/v1/chat/completions", responses=streamed(ChatCompletionResponse))
     async def chat(body: ChatRequest, request: Request):
         check_model(body.model)
+        body.check_supported()
         n = body.n
         session_id, turn = body.session(request.headers)
         if session_id and n != 1:

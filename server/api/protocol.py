@@ -39,6 +39,26 @@ class _Body(BaseModel):
         return self
 
 
+# Fields other servers implement and this one does not: a request that sets one (to anything but its
+# no-op value: null, false, "", [], {}) is refused with 400 ``unsupported_parameter``, never answered as if
+# it had not been sent. (sglang-router adds some with their no-op values, e.g. return_hidden_states: false.)
+UNSUPPORTED_OPENAI = frozenset({
+    "logit_bias", "suffix", "tools", "functions", "continue_final_message", "no_stop_trim", "lora_path",
+    "regex", "json_schema", "ebnf", "structural_tag", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "return_hidden_states"})
+UNSUPPORTED_NATIVE = frozenset({
+    "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "return_hidden_states",
+    "return_entropy", "return_bytes", "custom_logit_processor", "token_ids_logprob", "bootstrap_host"})
+UNSUPPORTED_NATIVE_SAMPLING = frozenset({
+    "regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params", "logit_bias"})
+
+
+def _refuse_unsupported(extra: dict[str, Any] | None, names: frozenset[str], where: str = "") -> None:
+    for name in sorted(names & set(extra or {})):
+        if extra[name] not in (None, False, "", [], {}):
+            raise BadRequest(f"{where}{name} is not supported by this server", code="unsupported_parameter")
+
+
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -46,6 +66,7 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 class _OpenAISampling(_Body):
+    model_config = ConfigDict(extra="allow")  # (to see the fields refused by check_supported)
     model: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -65,6 +86,18 @@ class _OpenAISampling(_Body):
     min_tokens: int = 0  # (vLLM's name for min_new_tokens)
     session_id: str | None = None
     session_params: "SessionParams | None" = None  # (what sglang-router forwards; session_id it drops)
+
+    def check_supported(self) -> None:
+        """400 for a field set that this server does not implement (UNSUPPORTED_OPENAI)."""
+        _refuse_unsupported(self.model_extra, UNSUPPORTED_OPENAI)
+        extra = self.model_extra or {}
+        best_of = extra.get("best_of")
+        if best_of is not None and best_of not in (1, self.n):
+            raise BadRequest("best_of other than n is not supported by this server", code="unsupported_parameter")
+        fmt = extra.get("response_format")
+        if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise BadRequest("response_format other than text is not supported by this server",
+                             code="unsupported_parameter")
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -129,6 +162,7 @@ class ChatRequest(_OpenAISampling):
 
 
 class NativeSampling(_Body):
+    model_config = ConfigDict(extra="allow")  # (to see the fields refused by GenerateRequest.check_supported)
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -157,6 +191,7 @@ class NativeSampling(_Body):
 
 
 class GenerateRequest(_Body):
+    model_config = ConfigDict(extra="allow")  # (to see the fields refused by check_supported)
     text: str | list[str] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: NativeSampling = Field(default_factory=NativeSampling)
@@ -167,6 +202,11 @@ class GenerateRequest(_Body):
     return_text_in_logprobs: bool = False
     rid: str | None = None
     session_params: "SessionParams | None" = None
+
+    def check_supported(self) -> None:
+        """400 for a field set that this server does not implement (UNSUPPORTED_NATIVE, ..._SAMPLING)."""
+        _refuse_unsupported(self.model_extra, UNSUPPORTED_NATIVE)
+        _refuse_unsupported(self.sampling_params.model_extra, UNSUPPORTED_NATIVE_SAMPLING, "sampling_params.")
 
     @property
     def batched(self) -> bool:

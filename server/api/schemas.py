@@ -113,6 +113,11 @@ class GenerateMeta(_Out):
     completion_tokens: int
     cached_tokens: int
     finish_reason: dict[str, Any] | None
+    # with return_logprob: [logprob, token id, text or null]; the input ones with logprob_start_len >= 0
+    output_token_logprobs: list[list[Any]] | None = None
+    output_top_logprobs: list[list[list[Any]] | None] | None = None
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[Any]] | None] | None = None
 
 
 class GenerateResponse(_Out):

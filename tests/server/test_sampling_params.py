@@ -176,3 +176,40 @@ def test_batched_generate_and_chat_n_answer_in_order(tiny_ckpt):
     assert [ch["index"] for ch in chat["choices"]] == [0, 1]
     assert chat["choices"][0]["message"] == chat["choices"][1]["message"]  # greedy: the same answer
     assert chat["usage"]["completion_tokens"] == 8
+
+
+MSG = [{"role": "user", "content": "x"}]
+REFUSED = [
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MSG, "regex": "a+"}, "regex"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+    ("/generate", {"input_ids": [1], "lora_path": "adapter"}, "lora_path"),
+    ("/generate", {"input_ids": [1], "return_hidden_states": True}, "return_hidden_states"),
+]
+# what sglang-router adds to every request it forwards, and no-op values of refused fields: accepted
+ROUTER_NOOPS = [
+    ("/generate", {"input_ids": [1], "model": None, "return_text_in_logprobs": False, "log_metrics": True,
+                   "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
+                   "return_entropy": False, "sampling_params": {"max_new_tokens": 2, "regex": None}}),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2, "model": "unknown", "no_stop_trim": False,
+                              "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,
+                              "return_hidden_states": False, "response_format": {"type": "text"}, "tools": []}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2, "logit_bias": {}, "suffix": None}),
+]
+
+
+def test_unsupported_fields_are_refused_and_no_op_values_accepted(tiny_ckpt):
+    async def go():
+        async with serving(make_engine(tiny_ckpt)) as c:
+            return ([await c.post(p, json=b) for p, b, _ in REFUSED], [await c.post(p, json=b) for p, b in ROUTER_NOOPS])
+
+    refused, accepted = run(go())
+    for r, (_, _, name) in zip(refused, REFUSED):
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "unsupported_parameter" and name in err["message"], r.text
+    for r in accepted:
+        assert r.status_code == 200, r.text

@@ -20,6 +20,9 @@ from mambaserve.server.sessions.manager import SessionManager
 
 Plan = list[tuple[Req, int]]  # (request, tokens it runs in the step)
 MAX_OVERTAKEN = 4  # admission rounds a waiting request may be passed by shorter prefills (policy.admission_order)
+# Prompt tokens per step of a request that wants the prompt's logprobs: each needs a row of fp32 logits and
+# one of log-softmax (2 x 1024 x 50k vocabulary x 4 B = 0.4 GB), where a whole 8k chunk would take 3.3 GB.
+PROMPT_LOGITS_PER_STEP = 1024
 
 
 class Admission:
@@ -57,6 +60,8 @@ class Admission:
                     break  # no slot after all (a locked match): wait for one
                 admitted.append(req)
             n = min(n, req.prefill_len - req.in_state)  # the real hit, not the estimate, decides
+            if req.logits_from is not None:
+                n = min(n, PROMPT_LOGITS_PER_STEP)
             if n > 0:
                 chunks.append((req, n))
         _count_overtaken(arrivals, admitted)

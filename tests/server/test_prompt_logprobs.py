@@ -121,3 +121,22 @@ def test_completions_echo_with_logprobs_reports_the_prompts_tokens(tiny_ckpt):
     assert len(ch["logprobs"]["tokens"]) == len(PROMPT) + 3
     assert ch["logprobs"]["text_offset"][len(PROMPT)] == len(text)  # the answer's offsets follow the prompt's
     assert_idle(acc)
+
+
+def test_prompt_logprobs_are_computed_in_bounded_steps(tiny_ckpt, monkeypatch):
+    """A long prompt's logits are taken a bounded number of positions per step (PROMPT_LOGITS_PER_STEP),
+    over as many steps as needed, with the same values."""
+    from mambaserve.server.engine import admission
+
+    monkeypatch.setattr(admission, "PROMPT_LOGITS_PER_STEP", 7)
+    engine = make_engine(tiny_ckpt, context_length=4096, chunked_prefill_size=64)
+
+    async def go():
+        async with serving(engine) as c:
+            r = await c.post("/generate", json=_body(2, top=2))
+            return r.json(), engine.scheduler.steps, await accounting(engine)
+
+    out, steps, acc = run(go())
+    _check(out["meta_info"], tiny_ckpt, 2, top=2)
+    assert steps >= len(PROMPT) // 7  # (one 64-token chunk would have taken the prompt in one step)
+    assert_idle(acc)

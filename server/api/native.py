@@ -67,7 +67,8 @@ def native_routes(engine: Engine) -> APIRouter:
         if many:
             gens = [g for i, p in zip(ids, params) for g in engine.generate_n(i, p, n, **kw)]
         else:
-            gens = [engine.generate(ids[0], params[0], rid=body.rid, session_id=sp.id if sp else None,
+            gens = [engine.generate(ids[0], params[0], rid=body.rid,
+                                    session_id=sp.session_id(request.headers) if sp else None,
                                     turn_params=sp.turn() if sp else None, **kw)]
         payload = _Payload(engine.tokenizer if body.return_text_in_logprobs else None, body.return_logprob, n)
         if body.stream:

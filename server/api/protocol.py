@@ -59,6 +59,9 @@ def _refuse_unsupported(extra: dict[str, Any] | None, names: frozenset[str], whe
             raise BadRequest(f"{where}{name} is not supported by this server", code="unsupported_parameter")
 
 
+ROUTING_KEY = "x-smg-routing-key"  # sglang-router's sticky key (policy manual), which it forwards
+
+
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -111,7 +114,7 @@ class _OpenAISampling(_Body):
         """The session this request is a turn of: ``session_params`` (the one form sglang-router forwards),
         else the ``x-session-id`` header or the ``session_id`` field; and the turn's parameters."""
         if self.session_params is not None:
-            return self.session_params.id, self.session_params.turn()
+            return self.session_params.session_id(headers), self.session_params.turn()
         return headers.get("x-session-id") or self.session_id, None
 
     @property
@@ -231,7 +234,7 @@ class SessionParams(_Body):
     ``open``) let a turn open its session first and close it after: what a client behind sglang-router
     does, which does not proxy ``/open_session`` and ``/close_session`` but forwards ``session_params``."""
 
-    id: str = Field(min_length=1, max_length=128)
+    id: str | None = Field(default=None, min_length=1, max_length=128)  # default: the x-smg-routing-key header
     rid: str | None = None
     offset: int | None = None
     replace: bool = False
@@ -241,6 +244,15 @@ class SessionParams(_Body):
     timeout: float | None = Field(default=None, allow_inf_nan=False)
     capacity_of_str_len: int | None = Field(default=None, ge=0)
     close: bool = False
+
+    def session_id(self, headers) -> str:
+        """``id``, else the routing key: behind sglang-router the session id need be given only once."""
+        sid = self.id or headers.get(ROUTING_KEY)
+        if not sid:
+            raise BadRequest(f"session_params needs an id (or the {ROUTING_KEY} header)")
+        if len(sid) > 128:
+            raise BadRequest("a session id has at most 128 characters")
+        return sid
 
     def turn(self) -> TurnParams:
         opening = OpenParams(self.streaming, self.timeout, self.capacity_of_str_len) if self.open else None

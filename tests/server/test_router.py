@@ -151,17 +151,18 @@ def test_openai_requests_without_a_model_and_chat_sessions_through_the_router(ro
             plain = await c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0})
             gen = await c.post("/generate", json={"text": "import os", "sampling_params": {"max_new_tokens": 3}})
-            h = {"x-smg-routing-key": "chat-1"}
+            h = {"x-smg-routing-key": "chat-1"}  # the session's id too: session_params names none
             msg = lambda t: [{"role": "user", "content": t}]  # noqa: E731
             a = await c.post("/v1/chat/completions", headers=h, json={
                 "messages": msg("hi"), "max_tokens": 3, "temperature": 0,
-                "session_params": {"id": "chat-1", "open": True, "streaming": True}})
+                "session_params": {"open": True, "streaming": True}})
+            on = [_sessions_on(e) for e in routed.engines]
             b = await c.post("/v1/chat/completions", headers=h, json={
-                "messages": msg("more"), "max_tokens": 3, "temperature": 0,
-                "session_params": {"id": "chat-1", "close": True}})
-            return listed, comp, plain, gen, a, b
+                "messages": msg("more"), "max_tokens": 3, "temperature": 0, "session_params": {"close": True}})
+            return listed, comp, plain, gen, a, b, on
 
-    listed, comp, plain, gen, a, b = run(go())
+    listed, comp, plain, gen, a, b, on = run(go())
+    assert sorted(on, key=len) == [set(), {"chat-1"}]
     assert listed == "tiny"
     for r in (comp, plain, gen, a, b):
         assert r.status_code == 200, r.text

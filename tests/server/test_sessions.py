@@ -347,7 +347,8 @@ def test_a_turn_opens_and_closes_its_session(tiny_ckpt):
             r["closed"] = await _turn(c, [9], "s1")
             r["chat"] = await c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                "session_params": {"id": "c1", "open": True, "close": True}})
+                "session_params": {"open": True, "close": True}}, headers={"x-smg-routing-key": "c1"})
+            r["no_id"] = await c.post("/generate", json={"input_ids": [3], "session_params": {"open": True}})
             r["acc"] = await accounting(engine)
             r["metrics"] = (await c.get("/metrics")).text
         return r
@@ -361,7 +362,8 @@ def test_a_turn_opens_and_closes_its_session(tiny_ckpt):
     assert r["last"].status_code == 200
     assert r["last"].json()["meta_info"]["cached_tokens"] == 3 + 5  # the live state of the first turn
     assert r["closed"].status_code == 404
-    assert r["chat"].status_code == 200
+    assert r["chat"].status_code == 200  # its id from the routing key
+    assert r["no_id"].status_code == 400 and "x-smg-routing-key" in r["no_id"].json()["error"]["message"]
     assert r["acc"]["sessions"] == 0 and r["acc"]["held_by_sessions"] == 0
     assert_idle(r["acc"])
     assert 'mambaserve_sessions_closed_total{reason="client"} 2.0' in r["metrics"]

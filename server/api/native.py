@@ -10,8 +10,8 @@ from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api.protocol import AbortRequest, GenerateRequest
 from mambaserve.server.api.responses import admitted_all, collect, error_response, finish_info, merged, sse
-from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse, ModelInfo, ServerInfo, Success,
-                                           streamed)
+from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse, Load, ModelInfo, ServerInfo,
+                                           Success, streamed)
 from mambaserve.server.cache.radix_tree import CacheBusyError
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, StepOutput
@@ -29,6 +29,11 @@ def native_routes(engine: Engine) -> APIRouter:
     @router.get("/server_info", response_model=None, responses={200: {"model": ServerInfo}})
     async def server_info():
         return await engine.server_info()
+
+    @router.get("/get_load", responses={200: {"model": list[Load]}})
+    async def get_load():
+        # SGLang's shape, one entry per data-parallel rank (one here): sglang-router sums num_tokens
+        return [{"dp_rank": 0, **await engine.load()}]
 
     @router.post("/abort_request", responses={200: {"model": Success}})
     async def abort_request(body: AbortRequest):

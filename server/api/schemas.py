@@ -142,6 +142,13 @@ class ServerInfo(_Out):
     internal_states: list[dict[str, int]]
 
 
+class Load(_Out):
+    dp_rank: int
+    num_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int
+
+
 class Success(_Out):
     success: bool
 

@@ -237,6 +237,9 @@ class Engine:
     async def accounting(self) -> dict:
         return await self.run_in_scheduler(self.scheduler.accounting)
 
+    async def load(self) -> dict:
+        return await self.run_in_scheduler(self.scheduler.load)
+
     # ---- sessions -----------------------------------------------------------------------------------
     async def open_session(self, session_id: str | None, streaming: bool, timeout: float | None,
                            capacity: int | None) -> str:

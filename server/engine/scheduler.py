@@ -296,6 +296,13 @@ class Scheduler:
                 "evictable": self.cache.evictable_slots, "running": len(q.running), "waiting": len(q.waiting),
                 "sessions": len(self.sessions.table.sessions)}
 
+    def load(self) -> dict:
+        """Requests running and waiting, and the tokens (prompt + output so far) they hold: what
+        sglang-router's load monitor reads (``/get_load``; policy ``power_of_two`` compares ``num_tokens``)."""
+        q = self.queues
+        return {"num_reqs": len(q.running), "num_waiting_reqs": len(q.waiting),
+                "num_tokens": sum(r.num_tokens for r in (*q.running, *q.waiting))}
+
     def flush_cache(self) -> int:
         """Empty the radix cache; refused while requests run (their snapshots may be in use)."""
         if self.queues.running or self.queues.waiting:

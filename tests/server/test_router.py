@@ -32,30 +32,19 @@ class Routed:
     worker_urls: list[str]
 
 
-@pytest.fixture(scope="module")
-def routed(tiny_ckpt):
-    engines = [make_engine(tiny_ckpt, context_length=4096) for _ in range(2)]
-    with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(uvicorn_server(e)) for e in engines]
-        port, prom = free_port(), free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--policy", "manual", "--assignment-mode", "min_group", "--worker-urls", *urls, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(prom), "--log-level", "warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-        def stop():
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-        stack.callback(stop)
+@contextlib.contextmanager
+def _router(worker_urls: list[str], *flags: str):
+    """The router process on a free port (its metrics on another), once both workers are registered."""
+    port, prom = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", *worker_urls, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+         "--log-level", "warn", *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 40
-        while True:  # registered: both workers listed healthy
+        while True:
             with contextlib.suppress(httpx.TransportError, ValueError):
                 workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
                 if len(workers) == 2 and all(w["is_healthy"] for w in workers):
@@ -63,7 +52,23 @@ def routed(tiny_ckpt):
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the router did not register both workers"
             time.sleep(0.2)
-        yield Routed(url, f"http://127.0.0.1:{prom}/metrics", engines, urls)
+        yield url, f"http://127.0.0.1:{prom}/metrics"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def routed(tiny_ckpt):
+    engines = [make_engine(tiny_ckpt, context_length=4096) for _ in range(2)]
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(uvicorn_server(e)) for e in engines]
+        url, metrics = stack.enter_context(_router(urls, "--policy", "manual", "--assignment-mode", "min_group"))
+        yield Routed(url, metrics, engines, urls)
 
 
 def _sessions_on(engine) -> set[str]:
@@ -172,3 +177,66 @@ def test_openai_requests_without_a_model_and_chat_sessions_through_the_router(ro
     assert all(not _sessions_on(e) for e in routed.engines)
     metrics = httpx.get(routed.metrics_url).text
     assert all(_router_metric(metrics, "smg_worker_cb_state", w) == 0 for w in routed.worker_urls)
+
+
+def test_the_router_reads_each_workers_load(routed):
+    """``/get_load`` in SGLang's shape: the router's load monitor (policy power_of_two) and its own
+    ``/get_loads`` read it; without it they saw -1 for every worker."""
+    busy, idle = routed.worker_urls
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            long = asyncio.ensure_future(c.post(busy + "/generate", json={
+                "input_ids": _words(9, 1), "rid": "long-1",
+                "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}))
+            while (await c.get(busy + "/get_load")).json()[0]["num_reqs"] == 0:
+                await asyncio.sleep(0.02)
+            loads = {w["worker"]: w["load"] for w in (await c.get(routed.url + "/get_loads")).json()["workers"]}
+            direct = (await c.get(busy + "/get_load")).json()
+            await c.post(busy + "/abort_request", json={"rid": "long-1"})
+            await long
+            return loads, direct, (await c.get(busy + "/get_load")).json()
+
+    loads, direct, after = run(go())
+    assert loads[busy] > 9 and loads[idle] == 0  # the running request's prompt and output so far
+    assert direct[0]["num_reqs"] == 1 and direct[0]["dp_rank"] == 0
+    assert after == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
+def _served(urls: list[str]) -> list[float]:
+    """Requests each worker has finished (its mambaserve_requests_total, all reasons)."""
+    return [sum(float(line.split()[-1]) for line in httpx.get(u + "/metrics").text.splitlines()
+                if line.startswith("mambaserve_requests_total{")) for u in urls]
+
+
+def test_how_cache_aware_spreads_requests_over_workers(routed):
+    """What policy cache_aware (sglang-router 0.3.2) does with mambaserve workers, as docs/server-interface.md
+    explains: a request whose text shares a long prefix with one the router sent to a worker goes there
+    (affinity, until that worker has 64 more requests in flight than the other); any other request goes to
+    the worker with the fewest requests in flight, ties always to the same one. So one request at a time,
+    everything lands on one worker (the report in issue 20); concurrent traffic spreads."""
+
+    async def burst(url, prompts, concurrency):
+        sem = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async def one(text):
+                async with sem:
+                    r = await c.post("/generate", json={"text": text, "sampling_params": {
+                        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}})
+                    assert r.status_code == 200, r.text
+            await asyncio.gather(*(one(t) for t in prompts))
+
+    def spread(url, prompts, concurrency):
+        before = _served(routed.worker_urls)
+        run(burst(url, prompts, concurrency))
+        return sorted(a - b for a, b in zip(_served(routed.worker_urls), before))
+
+    distinct = lambda k, tag: [f"{chr(65 + i % 26)}{tag}{i} " * 8 for i in range(k)]  # noqa: E731
+    shared = "def handler(request, response):\n    " * 4
+    with _router(routed.worker_urls, "--policy", "cache_aware") as (url, _):
+        one_at_a_time = spread(url, distinct(8, "s"), 1)
+        concurrent = spread(url, distinct(16, "c"), 8)
+        same_prefix = spread(url, [shared + f"x{i}" for i in range(12)], 6)
+    assert one_at_a_time == [0, 8]
+    assert concurrent[0] >= 4 and sum(concurrent) == 16
+    assert same_prefix == [0, 12]

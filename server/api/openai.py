@@ -135,22 +135,36 @@ def openai_routes(engine: Engine) -> APIRouter:
             async def events():
                 outs: list[list[StepOutput]] = [[] for _ in gens]
                 offsets = [0] * len(gens)
+                # a copy's outputs that came before its prompt's logprobs (the first answer computes them)
+                held: dict[int, list[tuple[int, StepOutput]]] = {}
+
+                def chunk(i: int, out: StepOutput) -> dict | None:
+                    outs[i].append(out)
+                    text, lp = out.text, output_logprobs([out], offsets[i]) if want_lp else None
+                    if body.echo and len(outs[i]) == 1:  # the prompt before the choice's first text
+                        etext, elp = echoed(i, outs[i - i % n])
+                        text, offsets[i] = etext + text, offsets[i] + len(etext)
+                        if lp is not None:
+                            lp = merge_logprobs(elp, output_logprobs([out], offsets[i]))
+                    elif not out.text and not out.finished:
+                        return None
+                    offsets[i] += len(out.text)
+                    return {"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
+                            "choices": [{"index": i, "text": text, "logprobs": lp,
+                                         "finish_reason": out.finish_reason.value if out.finished else None}]}
+
                 async with contextlib.aclosing(merged(streams)) as it:
                     async for i, out in it:
-                        outs[i].append(out)
-                        text, lp = out.text, output_logprobs([out], offsets[i]) if want_lp else None
-                        if body.echo and len(outs[i]) == 1:  # the prompt before the choice's first text
-                            etext, elp = echoed(i, outs[i - i % n])
-                            text, offsets[i] = etext + text, offsets[i] + len(etext)
-                            if lp is not None:
-                                lp = merge_logprobs(elp, output_logprobs([out], offsets[i]))
-                        elif not out.text and not out.finished:
+                        lead = i - i % n
+                        if body.echo and want_lp and i != lead and _input_logprobs(outs[lead]) is None:
+                            held.setdefault(lead, []).append((i, out))
                             continue
-                        offsets[i] += len(out.text)
-                        choice = {"index": i, "text": text, "logprobs": lp,
-                                  "finish_reason": out.finish_reason.value if out.finished else None}
-                        yield sse({"id": cid, "object": "text_completion", "created": created,
-                                   "model": engine.model_name, "choices": [choice]})
+                        for j, o in [(i, out)] + (held.pop(lead, []) if i == lead else []):
+                            if (c := chunk(j, o)) is not None:
+                                yield sse(c)
+                for j, o in [x for xs in held.values() for x in xs]:  # (a first answer that ended early)
+                    if (c := chunk(j, o)) is not None:
+                        yield sse(c)
                 if body.include_usage:
                     yield sse({"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
                                "choices": [], "usage": _usage([o[-1] if o else None for o in outs], n)})

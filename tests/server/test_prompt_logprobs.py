@@ -1,6 +1,8 @@
 """``logprob_start_len`` / ``input_token_logprobs`` (SGLang's) and ``echo`` with ``logprobs`` (OpenAI's):
 the logprobs of the prompt's own tokens, against transformers, with and without the radix cache."""
 
+import json
+
 import pytest
 
 from tests.server.conftest import accounting, assert_idle, make_engine, run, serving
@@ -103,9 +105,21 @@ def test_completions_echo_with_logprobs_reports_the_prompts_tokens(tiny_ckpt):
                                                          "max_tokens": 3, "temperature": 0})
             plain = await c.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 3,
                                                           "temperature": 0})
-            return scored.json(), both.json(), plain.json(), await accounting(engine)
+            streamed = await c.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "logprobs": 1, "n": 3,
+                                                             "max_tokens": 4, "seed": 3, "stream": True})
+            return scored.json(), both.json(), plain.json(), streamed.text, await accounting(engine)
 
-    scored, both, plain, acc = run(go())
+    scored, both, plain, streamed, acc = run(go())
+    firsts = {}
+    for line in streamed.splitlines():
+        if line.startswith("data: {"):
+            ch = json.loads(line[6:])["choices"][0]
+            firsts.setdefault(ch["index"], ch)
+    assert sorted(firsts) == [0, 1, 2]
+    for ch in firsts.values():  # every choice's first chunk: the prompt, its logprobs (computed once), a token
+        assert ch["text"].startswith(engine.tokenizer.decode(PROMPT))
+        assert ch["logprobs"]["token_logprobs"][0] is None
+        assert ch["logprobs"]["token_logprobs"][1:len(PROMPT)] == pytest.approx(want[1:], abs=1e-4)
     text = engine.tokenizer.decode(PROMPT)
     ch = scored["choices"][0]
     assert ch["text"] == text and scored["usage"]["completion_tokens"] == 0

@@ -283,9 +283,12 @@ def test_models_retrieve_router_default_name_and_absolute_paths(tiny_ckpt):
             return (await c.get("/v1/models/tiny"), await c.get("/v1/models/gpt-9"),
                     await c.post("/v1/completions", json={"model": "unknown", "prompt": "x", "max_tokens": 1}),
                     (await c.get("/get_model_info")).json(), (await c.get("/get_server_info")).json(),
-                    await c.get("/no/such/route"), await c.delete("/generate"))
+                    await c.get("/no/such/route"), await c.delete("/generate"),
+                    await c.post("/v1/chat/completions", json={"model": str(tiny_ckpt.resolve()), "max_tokens": 1,
+                                                               "messages": [{"role": "user", "content": "x"}]}))
 
-    card, missing, unknown, info, server, route, method = run(go())
+    card, missing, unknown, info, server, route, method, by_path = run(go())
+    assert by_path.status_code == 200, by_path.text
     assert card.status_code == 200 and card.json()["id"] == "tiny"
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert unknown.status_code == 200

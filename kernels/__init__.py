@@ -6,6 +6,7 @@ from mambaserve.kernels.config import KernelConfig
 from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, conv_varlen_runs_triton
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
 from mambaserve.kernels.norm_linear import ConvStep, gated_rmsnorm_linear, rmsnorm_linear
+from mambaserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from mambaserve.kernels.rmsnorm import rmsnorm
 from mambaserve.kernels.selective_state_update import selective_state_update
 from mambaserve.kernels.ssd_scan import BoundaryStates, scan_runs_triton, ssd_scan_varlen
@@ -22,10 +23,13 @@ __all__ = [
     "copy_slots",
     "gated_rmsnorm",
     "gated_rmsnorm_linear",
+    "paged_decode_attention",
+    "paged_prefill_attention",
     "rmsnorm",
     "rmsnorm_linear",
     "scan_runs_triton",
     "scatter_steps",
     "selective_state_update",
     "ssd_scan_varlen",
+    "write_kv",
 ]

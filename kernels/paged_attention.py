@@ -26,7 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from mambaserve.kernels._dispatch import use_triton
+from mambaserve.kernels._dispatch import (HAS_TRITON, interpreting, next_pow2, seq_block, sm_count, tl, triton,
+                                         use_triton)
+
+if HAS_TRITON:
+    from mambaserve.kernels.paged_attention_kernels import (_decode_kernel, _decode_reduce_kernel, _prefill_kernel,
+                                                            _write_kv_kernel)
+
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int | None = None) -> None:
@@ -127,25 +134,141 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 # ---------------------------------------------------------------------------------------------- launchers
 
+LOG2E = 1.4426950408889634
+# Tiles on a GPU (benchmarks/paged_attention.py sweeps them with ``tiles=``). Prefill: 128 rows (tokens x the
+# group's heads) by 64 keys, 8 warps, the flash-attention shape for head_dim 128; decode: 64 keys a step, 4 warps.
+PREFILL_TILES = {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+DECODE_TILES = {"block_n": 64, "num_warps": 4, "num_stages": 2, "splits": None}
+# Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still cross several tiles.
+_INTERPRET_TILES = {"rows": 16, "block_n": 16, "num_warps": 1, "num_stages": 1}
+
+
+def _dot_types(q: torch.Tensor, cache: torch.Tensor):
+    """(matrix-unit operand type, input precision). fp32 keeps fp32 products (tf32 would cost ~1e-3
+    relative); the Triton 3.9 interpreter multiplies bf16 operands wrongly, so under it they go in as
+    fp32 (same values, exact products)."""
+    if interpreting() or torch.float32 in (q.dtype, cache.dtype):
+        return tl.float32, "ieee"
+    return _TL_DTYPES[cache.dtype], "tf32"
+
+
+def _scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, cap_scale) of the kernels' base-2 scores (``_attend``'s docstring)."""
+    if softcap:
+        return float(softcap) * LOG2E, float(scale) / float(softcap)
+    return float(scale) * LOG2E, 1.0
+
+
+def decode_splits(batch: int, kv_heads: int, max_tokens: int, sms: int, block_n: int) -> int:
+    """Splits of each row's keys (flash decoding), from shapes only, so a CUDA graph replays the same
+    launch. A program per (row, KV head) fills the GPU once there are two per SM; below that, split the
+    keys until there are about four per SM, but never below four key tiles a split (the partial outputs
+    and the merge cost more than they save) and at most 64."""
+    programs = batch * kv_heads
+    if programs >= 2 * sms:
+        return 1
+    return max(1, min(triton.cdiv(4 * sms, programs), max_tokens // (4 * block_n), 64))
+
+
+def _tiles(base: dict, t: torch.Tensor, overrides: dict | None) -> dict:
+    tiles = {**base, **(_INTERPRET_TILES if not t.is_cuda else {})}
+    tiles.update(overrides or {})
+    return tiles
+
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, force_triton: bool | None = None) -> None:
     """Store new tokens' K/V into the paged caches (see the module docstring). In place, no host sync."""
     _check_cache(k_cache, v_cache)
-    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    if not use_triton(k, force_triton):
+        return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    T, Hkv, D = k.shape
+    if v.shape != k.shape or k_cache.shape[2:] != (Hkv, D) or slot_mapping.shape != (T,):
+        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)} "
+                         f"do not fit a cache of [pages, page_size, {k_cache.shape[2]}, {k_cache.shape[3]}]")
+    if T == 0:
+        return None
+    E = Hkv * D
+    BLOCK = min(next_pow2(E), 2048)
+    _write_kv_kernel[(T, triton.cdiv(E, BLOCK))](
+        k, v, k_cache, v_cache, slot_mapping, E, D, k_cache.shape[1], *k.stride(), *v.stride(),
+        *k_cache.stride(), *v_cache.stride(), BLOCK=BLOCK, num_warps=4)
+    return None
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, *,
                             sliding_window: int | None = None, softcap: float | None = None,
-                            force_triton: bool | None = None):
-    """Packed varlen causal attention of new tokens over their sequences' cached prefix and themselves."""
-    return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                                       sliding_window=sliding_window, softcap=softcap)
+                            force_triton: bool | None = None, tiles: dict | None = None):
+    """Packed varlen causal attention of new tokens over their sequences' cached prefix and themselves.
+    Triton path: one launch, no host synchronisation. ``tiles`` overrides ``PREFILL_TILES``."""
+    kw = dict(sliding_window=sliding_window, softcap=softcap)
+    if not use_triton(q, force_triton):
+        return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, **kw)
+    _check_cache(k_cache, v_cache, q.shape[1])
+    T, Hq, D = q.shape
+    S = seq_lens.numel()
+    if k_cache.shape[3] != D or cu_seqlens_q.numel() != S + 1 or block_table.shape[0] != S:
+        raise ValueError(f"prefill: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, {S} seq_lens, "
+                         f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_table {tuple(block_table.shape)}")
+    out = torch.zeros_like(q) if T == 0 or S == 0 else torch.empty_like(q)
+    if T == 0 or S == 0:
+        return out
+    cfg = _tiles(PREFILL_TILES, q, tiles)
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    GP = next_pow2(G)
+    BLOCK_T = max(1, cfg["rows"] // GP)
+    dot_t, prec = _dot_types(q, k_cache)
+    qk_scale, cap_scale = _scales(scale, softcap)
+    grid = (T // BLOCK_T + 2 * S, Hkv)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, S, D, G, k_cache.shape[1],
+        qk_scale, cap_scale, int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0), *out.stride(),
+        GP=GP, BLOCK_T=BLOCK_T, BLOCK_N=cfg["block_n"], BLOCK_D=max(16, next_pow2(D)), BLOCK_S=seq_block(S),
+        WINDOW=sliding_window is not None, SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, *,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           force_triton: bool | None = None):
-    """One query token per sequence over its pages; ``seq_lens == 0`` rows are zeros."""
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale,
-                                      sliding_window=sliding_window, softcap=softcap)
-
+                           force_triton: bool | None = None, tiles: dict | None = None):
+    """One query token per sequence over its pages; ``seq_lens == 0`` rows are zeros. Triton path: no
+    host synchronisation and a launch fixed by the shapes (CUDA-graph capturable): split-K over
+    ``decode_splits`` (or ``tiles["splits"]``) parts, then a merge kernel when there is more than one."""
+    kw = dict(sliding_window=sliding_window, softcap=softcap)
+    if not use_triton(q, force_triton):
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale, **kw)
+    _check_cache(k_cache, v_cache, q.shape[1])
+    B, Hq, D = q.shape
+    if k_cache.shape[3] != D or seq_lens.shape != (B,) or block_table.shape[0] != B:
+        raise ValueError(f"decode: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, seq_lens "
+                         f"{tuple(seq_lens.shape)}, block_table {tuple(block_table.shape)}")
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    cfg = _tiles(DECODE_TILES, q, tiles)
+    num_pages, page_size, Hkv = k_cache.shape[:3]
+    G = Hq // Hkv
+    BLOCK_N, BLOCK_D = cfg["block_n"], max(16, next_pow2(D))
+    splits = cfg["splits"]
+    if splits is None:
+        sms = sm_count(q.device) if q.is_cuda else 1
+        splits = decode_splits(B, Hkv, block_table.shape[1] * page_size, sms, BLOCK_N)
+    part = lse = out  # placeholders when the kernel writes the output itself
+    if splits > 1:
+        part = torch.empty(B, Hq, splits, BLOCK_D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+    dot_t, prec = _dot_types(q, k_cache)
+    qk_scale, cap_scale = _scales(scale, softcap)
+    _decode_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, block_table, seq_lens, out, part, lse, D, G, page_size,
+        qk_scale, cap_scale, int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0), *out.stride(),
+        SPLITS=splits, GP=next_pow2(G), BLOCK_M=max(16, next_pow2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        WINDOW=sliding_window is not None, SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if splits > 1:
+        _decode_reduce_kernel[(B, Hq)](part, lse, out, D, *out.stride(), SPLITS=splits,
+                                       BLOCK_SPLITS=next_pow2(splits), BLOCK_D=BLOCK_D, num_warps=4)
+    return out

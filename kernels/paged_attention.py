@@ -221,11 +221,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     qk_scale, cap_scale = _scales(scale, softcap)
     grid = (T // BLOCK_T + 2 * S, Hkv)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, S, D, G, k_cache.shape[1],
-        qk_scale, cap_scale, int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_table.stride(0), *out.stride(),
-        GP=GP, BLOCK_T=BLOCK_T, BLOCK_N=cfg["block_n"], BLOCK_D=max(16, next_pow2(D)), BLOCK_S=seq_block(S),
-        WINDOW=sliding_window is not None, SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec,
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, S, D, G, qk_scale, cap_scale,
+        int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *out.stride(), PAGE=k_cache.shape[1], GP=GP, BLOCK_T=BLOCK_T, BLOCK_N=cfg["block_n"],
+        BLOCK_D=max(16, next_pow2(D)), BLOCK_S=seq_block(S), WINDOW=sliding_window is not None,
+        SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -262,12 +262,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, *,
     dot_t, prec = _dot_types(q, k_cache)
     qk_scale, cap_scale = _scales(scale, softcap)
     _decode_kernel[(B, Hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, out, part, lse, D, G, page_size,
-        qk_scale, cap_scale, int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_table.stride(0), *out.stride(),
-        SPLITS=splits, GP=next_pow2(G), BLOCK_M=max(16, next_pow2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        WINDOW=sliding_window is not None, SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, k_cache, v_cache, block_table, seq_lens, out, part, lse, D, G, qk_scale, cap_scale,
+        int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *out.stride(), PAGE=page_size, SPLITS=splits, GP=next_pow2(G), BLOCK_M=max(16, next_pow2(G)),
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=sliding_window is not None, SOFTCAP=bool(softcap),
+        DOT_T=dot_t, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _decode_reduce_kernel[(B, Hq)](part, lse, out, D, *out.stride(), SPLITS=splits,
                                        BLOCK_SPLITS=next_pow2(splits), BLOCK_D=BLOCK_D, num_warps=4)

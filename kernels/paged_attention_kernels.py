@@ -31,7 +31,7 @@ if HAS_TRITON:
     NEG = tl.constexpr(-1.0e30)
 
     @triton.jit
-    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, E, D, PAGE,
+    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, E: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                          k_t, k_h, k_d, v_t, v_h, v_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d,
                          BLOCK: tl.constexpr):
         """Grid (T, cdiv(Hkv * D, BLOCK)): elements ``[BLOCK]`` of token t's K and V rows."""
@@ -49,8 +49,8 @@ if HAS_TRITON:
         tl.store(vc_ptr + page * vc_p + off * vc_o + h * vc_h + d * vc_d, v.to(vc_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, lo, hi, lim, q_pos, d, md, PAGE,
-                kc_p, kc_o, kc_d, vc_p, vc_o, vc_d, qk_scale, cap_scale, window,
+    def _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, lo, hi, lim, q_pos, d, md,
+                kc_p, kc_o, kc_d, vc_p, vc_o, vc_d, qk_scale, cap_scale, window, PAGE: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
                 DOT_T: tl.constexpr, PREC: tl.constexpr):
         """Online softmax of the rows ``q`` [BLOCK_M, BLOCK_D] over keys ``[lo, hi)``, those ``>= lim``
@@ -87,10 +87,11 @@ if HAS_TRITON:
         return acc, m_i, l_i
 
     @triton.jit
-    def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, S, D, G, PAGE,
+    def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, S, D: tl.constexpr, G,
                         qk_scale, cap_scale, window,
                         q_t, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, o_t, o_h, o_d,
-                        GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PAGE: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr,
                         BLOCK_S: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                         DOT_T: tl.constexpr, PREC: tl.constexpr):
         """Grid (NB, Hkv). Rows: BLOCK_T tokens x GP heads of KV head ``kvh``'s group."""
@@ -120,27 +121,28 @@ if HAS_TRITON:
         end = tl.where(has, p0 + (tok1 - tok0), 0)  # one past the block's last position
         if WINDOW:
             lo = tl.maximum(p0 - window + 1, 0) // BLOCK_N * BLOCK_N
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc, vc, bt, lo, end, end, q_pos, d, md, PAGE,
-                                    kc_p, kc_o, kc_d, vc_p, vc_o, vc_d, qk_scale, cap_scale, window,
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc, vc, bt, lo, end, end, q_pos, d, md,
+                                    kc_p, kc_o, kc_d, vc_p, vc_o, vc_d, qk_scale, cap_scale, window, PAGE,
                                     True, True, SOFTCAP, BLOCK_N, DOT_T, PREC)
         else:
             # keys up to p0 are visible to every row: no causal mask below the last whole tile of them
             full = tl.where(has, tl.maximum(p0 + 1, 0) // BLOCK_N * BLOCK_N, 0)
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc, vc, bt, 0, full, end, q_pos, d, md, PAGE,
-                                    kc_p, kc_o, kc_d, vc_p, vc_o, vc_d, qk_scale, cap_scale, window,
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc, vc, bt, 0, full, end, q_pos, d, md,
+                                    kc_p, kc_o, kc_d, vc_p, vc_o, vc_d, qk_scale, cap_scale, window, PAGE,
                                     False, False, SOFTCAP, BLOCK_N, DOT_T, PREC)
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc, vc, bt, full, end, end, q_pos, d, md, PAGE,
-                                    kc_p, kc_o, kc_d, vc_p, vc_o, vc_d, qk_scale, cap_scale, window,
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc, vc, bt, full, end, end, q_pos, d, md,
+                                    kc_p, kc_o, kc_d, vc_p, vc_o, vc_d, qk_scale, cap_scale, window, PAGE,
                                     True, False, SOFTCAP, BLOCK_N, DOT_T, PREC)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok64[:, None] * o_t + hq[:, None] * o_h + d[None, :] * o_d,
                  o.to(out_ptr.dtype.element_ty), mask=mrow[:, None] & md[None, :])
 
     @triton.jit
-    def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, D, G, PAGE,
+    def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, D: tl.constexpr, G,
                        qk_scale, cap_scale, window,
                        q_b, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, o_b, o_h, o_d,
-                       SPLITS: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PAGE: tl.constexpr, SPLITS: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                        DOT_T: tl.constexpr, PREC: tl.constexpr):
         """Grid (B, Hkv, SPLITS). Rows: the group's heads (BLOCK_M >= 16 for the matrix unit, the rest
@@ -166,8 +168,8 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], NEG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr + kvh.to(tl.int64) * kc_h, vc_ptr + kvh.to(tl.int64) * vc_h,
-                                bt_ptr + b64 * bt_b, k0, k1, k1, r, d, md, PAGE, kc_p, kc_o, kc_d, vc_p, vc_o, vc_d,
-                                qk_scale, cap_scale, window, False, False, SOFTCAP, BLOCK_N, DOT_T, PREC)
+                                bt_ptr + b64 * bt_b, k0, k1, k1, r, d, md, kc_p, kc_o, kc_d, vc_p, vc_o, vc_d,
+                                qk_scale, cap_scale, window, PAGE, False, False, SOFTCAP, BLOCK_N, DOT_T, PREC)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         mo = mrow[:, None] & md[None, :]
         if SPLITS == 1:
@@ -180,7 +182,7 @@ if HAS_TRITON:
             tl.store(lse_ptr + row, lse, mask=mrow)
 
     @triton.jit
-    def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, D, o_b, o_h, o_d, SPLITS: tl.constexpr,
+    def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, D: tl.constexpr, o_b, o_h, o_d, SPLITS: tl.constexpr,
                               BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
         """Grid (B, Hq): out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); all splits empty -> 0."""
         b, h = tl.program_id(0), tl.program_id(1)

@@ -264,10 +264,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, *,
     _decode_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part, lse, D, G, qk_scale, cap_scale,
         int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        *out.stride(), PAGE=page_size, SPLITS=splits, GP=next_pow2(G), BLOCK_M=max(16, next_pow2(G)),
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=sliding_window is not None, SOFTCAP=bool(softcap),
-        DOT_T=dot_t, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        *out.stride(), splits, PAGE=page_size, SPLIT=splits > 1, GP=next_pow2(G),
+        BLOCK_M=max(16, next_pow2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=sliding_window is not None,
+        SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
-        _decode_reduce_kernel[(B, Hq)](part, lse, out, D, *out.stride(), SPLITS=splits,
-                                       BLOCK_SPLITS=next_pow2(splits), BLOCK_D=BLOCK_D, num_warps=4)
+        _decode_reduce_kernel[(B, Hq)](part, lse, out, splits, *out.stride(), D=D, BLOCK_SPLITS=next_pow2(splits),
+                                       BLOCK_D=BLOCK_D, num_warps=4)
     return out

@@ -18,7 +18,9 @@ in base 2, fp32 from the scores on; the running maximum starts at a finite -1e30
   _decode_kernel            [B, Hkv, SPLITS]    flash decoding: split s of row b takes an equal share of the
                                                 row's keys (the share sized on the device from seq_lens, so a
                                                 CUDA graph sized for the longest context spreads short ones
-                                                over all splits too); SPLITS == 1 writes the output directly
+                                                over all splits too); unsplit (SPLIT false) it writes the
+                                                output directly. SPLITS is a runtime argument: two compiles
+                                                serve every batch size
   _decode_reduce_kernel     [B, Hq]             merges the splits' (output, log-sum-exp) pairs
 """
 
@@ -141,7 +143,7 @@ if HAS_TRITON:
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, D: tl.constexpr, G,
                        qk_scale, cap_scale, window,
                        q_b, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, o_b, o_h, o_d,
-                       PAGE: tl.constexpr, SPLITS: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       SPLITS, PAGE: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                        DOT_T: tl.constexpr, PREC: tl.constexpr):
@@ -172,7 +174,7 @@ if HAS_TRITON:
                                 qk_scale, cap_scale, window, PAGE, False, False, SOFTCAP, BLOCK_N, DOT_T, PREC)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         mo = mrow[:, None] & md[None, :]
-        if SPLITS == 1:
+        if not SPLIT:
             tl.store(out_ptr + b64 * o_b + hq[:, None] * o_h + d[None, :] * o_d, o.to(out_ptr.dtype.element_ty),
                      mask=mo)
         else:  # partials [B, Hq, SPLITS, BLOCK_D] and log2-sum-exp [B, Hq, SPLITS], fp32, contiguous
@@ -182,7 +184,7 @@ if HAS_TRITON:
             tl.store(lse_ptr + row, lse, mask=mrow)
 
     @triton.jit
-    def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, D: tl.constexpr, o_b, o_h, o_d, SPLITS: tl.constexpr,
+    def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, SPLITS, o_b, o_h, o_d, D: tl.constexpr,
                               BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
         """Grid (B, Hq): out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); all splits empty -> 0."""
         b, h = tl.program_id(0), tl.program_id(1)

@@ -216,7 +216,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
     GP = next_pow2(G)
-    BLOCK_T = max(1, cfg["rows"] // GP)
+    BLOCK_D = max(16, next_pow2(D))
+    rows = cfg["rows"] if BLOCK_D <= 128 or "rows" in (tiles or {}) else min(cfg["rows"], 64)  # fp32 acc: registers
+    BLOCK_T = max(1, rows // GP)
     dot_t, prec = _dot_types(q, k_cache)
     qk_scale, cap_scale = _scales(scale, softcap)
     grid = (T // BLOCK_T + 2 * S, Hkv)
@@ -224,7 +226,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, S, D, G, qk_scale, cap_scale,
         int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *out.stride(), PAGE=k_cache.shape[1], GP=GP, BLOCK_T=BLOCK_T, BLOCK_N=cfg["block_n"],
-        BLOCK_D=max(16, next_pow2(D)), BLOCK_S=seq_block(S), WINDOW=sliding_window is not None,
+        BLOCK_D=BLOCK_D, BLOCK_S=seq_block(S), WINDOW=sliding_window is not None,
         SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -96,12 +96,17 @@ if HAS_TRITON:
                         BLOCK_D: tl.constexpr,
                         BLOCK_S: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                         DOT_T: tl.constexpr, PREC: tl.constexpr):
-        """Grid (NB, Hkv). Rows: BLOCK_T tokens x GP heads of KV head ``kvh``'s group."""
+        """Grid (NB, Hkv). Rows: BLOCK_T tokens x GP heads of KV head ``kvh``'s group. A sequence's blocks
+        run last one first: the blocks with the most keys start earliest, so they do not make the tail."""
         pid, kvh = tl.program_id(0), tl.program_id(1)
         seq, blk, tok0, tok1 = locate_block(pid, cu_ptr, cu_ptr, S, BLOCK_T, False, BLOCK_S)
         has = seq < S  # past the last block: no rows, no keys, nothing stored
         L = tl.load(lens_ptr + seq, mask=has, other=0)
-        n = tl.load(cu_ptr + seq + 1, mask=has, other=0) - tl.load(cu_ptr + seq, mask=has, other=0)
+        first = tl.load(cu_ptr + seq, mask=has, other=0)
+        n = tl.load(cu_ptr + seq + 1, mask=has, other=0) - first
+        blk = tl.where(has, tl.cdiv(n, BLOCK_T) - 1 - blk, 0)
+        tok0 = first + blk * BLOCK_T
+        tok1 = tl.where(has, tl.minimum(tok0 + BLOCK_T, first + n), tok0)
         p0 = L - n + blk * BLOCK_T  # absolute position of the block's first token
         r = tl.arange(0, BLOCK_T * GP)
         tok = tok0 + r // GP

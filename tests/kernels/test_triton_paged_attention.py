@@ -129,3 +129,21 @@ def test_decode_splits_follow_the_shapes():
     assert decode_splits(1, 8, 4096, 132, 64) == 16
     assert decode_splits(1, 8, 128, 132, 64) == 1
     assert decode_splits(4, 8, 65536, 132, 64) == 17
+
+
+def test_int64_index_tensors(dev):
+    """Callers may hold lengths, offsets and page tables as int64: same results."""
+    c = paged_case([20, 6], [4, 6], Hq=4, Hkv=2, page_size=4, dev=dev, seed=12)
+    out, ref = _prefill(c, 0.3)
+    assert_close(out, ref, TOL[torch.float32])
+    wide = paged_prefill_attention(c.q, c.k_cache, c.v_cache, c.block_table.long(), c.cu_seqlens_q.long(),
+                                   c.seq_lens.long(), 0.3, force_triton=True)
+    assert torch.equal(wide, out)
+    q = c.q[:2]
+    dec = paged_decode_attention(q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, 0.3, force_triton=True,
+                                 tiles={"splits": 2})
+    dec64 = paged_decode_attention(q, c.k_cache, c.v_cache, c.block_table.long(), c.seq_lens.long(), 0.3,
+                                   force_triton=True, tiles={"splits": 2})
+    assert torch.equal(dec, dec64)
+    assert_close(dec, paged_decode_attention_ref(q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, 0.3),
+                 TOL[torch.float32])

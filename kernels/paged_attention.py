@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, interpreting, next_pow2, seq_block, sm_count, tl, triton,
-                                         use_triton)
+from mambaserve.kernels._dispatch import (HAS_TRITON, interpreting, next_pow2, pdl_args, seq_block, sm_count, tl,
+                                         triton, use_triton)
 
 if HAS_TRITON:
     from mambaserve.kernels.paged_attention_kernels import (_decode_kernel, _decode_reduce_kernel, _prefill_kernel,
@@ -191,7 +191,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, force_triton: bool | None 
     BLOCK = min(next_pow2(E), 2048)
     _write_kv_kernel[(T, triton.cdiv(E, BLOCK))](
         k, v, k_cache, v_cache, slot_mapping, E, D, k_cache.shape[1], *k.stride(), *v.stride(),
-        *k_cache.stride(), *v_cache.stride(), BLOCK=BLOCK, num_warps=4)
+        *k_cache.stride(), *v_cache.stride(), BLOCK=BLOCK, num_warps=4, **pdl_args(k))
     return None
 
 

@@ -22,11 +22,15 @@ in base 2, fp32 from the scores on; the running maximum starts at a finite -1e30
                                                 output directly. SPLITS is a runtime argument: two compiles
                                                 serve every batch size
   _decode_reduce_kernel     [B, Hq]             merges the splits' (output, log-sum-exp) pairs
+
+write_kv and the decode kernels launch with programmatic dependent launch where the other decode kernels
+do (``pdl_args``: Hopper, ``MAMBASERVE_PDL``): ``pdl_start`` first, no read before its wait, so they join the
+decode step's chain without moving any access ahead of the kernel that produces it.
 """
 
 from __future__ import annotations
 
-from mambaserve.kernels._dispatch import HAS_TRITON, locate_block, tl, triton
+from mambaserve.kernels._dispatch import HAS_TRITON, locate_block, pdl_start, tl, triton
 
 if HAS_TRITON:
     # the running maximum's start and an empty split's log-sum-exp: finite, so no inf - inf
@@ -35,8 +39,9 @@ if HAS_TRITON:
     @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, E: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                          k_t, k_h, k_d, v_t, v_h, v_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Grid (T, cdiv(Hkv * D, BLOCK)): elements ``[BLOCK]`` of token t's K and V rows."""
+        pdl_start(USE_PDL)
         t, pe = tl.program_id(0), tl.program_id(1)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         e = pe * BLOCK + tl.arange(0, BLOCK)
@@ -151,10 +156,11 @@ if HAS_TRITON:
                        SPLITS, PAGE: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                       DOT_T: tl.constexpr, PREC: tl.constexpr):
+                       DOT_T: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Grid (B, Hkv, SPLITS). Rows: the group's heads (BLOCK_M >= 16 for the matrix unit, the rest
         masked). Split s covers keys ``[lo + s * share, lo + (s + 1) * share)`` of ``[lo, L)``, lo the
         window's first key; every key in it is at or before the query's position L - 1, so no causal mask."""
+        pdl_start(USE_PDL)
         b, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         L = tl.load(lens_ptr + b)
         lo = 0
@@ -190,8 +196,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, SPLITS, o_b, o_h, o_d, D: tl.constexpr,
-                              BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+                              BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Grid (B, Hq): out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); all splits empty -> 0."""
+        pdl_start(USE_PDL)
         b, h = tl.program_id(0), tl.program_id(1)
         s = tl.arange(0, BLOCK_SPLITS)
         ms = s < SPLITS

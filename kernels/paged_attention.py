@@ -20,6 +20,11 @@ length needs are never read (they may hold anything, -1 included).
 Options of both attention ops: ``sliding_window=W`` (a token attends to positions ``p - W < j <= p``),
 ``softcap=c`` (scores ``c * tanh(s / c)`` before the softmax, Gemma-2 style). Scores, softmax and the
 weighted sum are fp32 whatever the inputs' dtype (fp32 / fp16 / bf16); the output has ``q``'s dtype.
+
+Each op has its pure-torch reference beside it (``<op>_ref``, same signature); the launchers run the
+Triton kernels (``paged_attention_kernels``: how they work) on CUDA, the references on CPU or under
+``MAMBASERVE_KERNELS=ref``; ``force_triton`` and ``tiles`` (over ``PREFILL_TILES`` / ``DECODE_TILES``)
+are for tests and benchmark sweeps.
 """
 
 from __future__ import annotations

@@ -92,9 +92,9 @@ def _graph(fn):
 
 @pytest.mark.parametrize("batch", [1, 64])
 def test_decode_cuda_graph_replays_new_lengths_and_pages(batch):
-    """Captured once with a block table sized for 4096 tokens; replayed with other lengths (0 included),
-    other pages and other queries, as the engine's decode graphs are."""
-    Hq, Hkv, ps, max_pages = 32, 8, 16, 256
+    """Captured once with a block table sized for 4096 (batch 1) / 2048 tokens; replayed with other lengths
+    (0 included), other pages and other queries, as the engine's decode graphs are."""
+    Hq, Hkv, ps, max_pages = 32, 8, 16, 256 if batch == 1 else 128
     num_pages = batch * max_pages + 8
     g = torch.Generator().manual_seed(batch)
     k_cache = torch.randn(num_pages, ps, Hkv, D, generator=g).to(BF).cuda()

@@ -9,6 +9,9 @@ prefill over a long cached prefix are bound by. Keys are gathered token by token
 keys are contiguous in memory whenever the page holds the whole tile. Softmax is online (flash attention),
 in base 2, fp32 from the scores on; the running maximum starts at a finite -1e30, so rows that see no key
 (padding rows, empty splits, ``seq_lens == 0``) keep l = 0 and produce 0 without a NaN on the way.
+Head dim and page size are compile-time constants: compiled for sm_90 (Triton 3.9) with a runtime
+head dim, its mask held the K/V loads to 2 bytes and kept the key loop from pipelining; as constants the
+tiles load 16 bytes a thread through cp.async.
 
   _write_kv_kernel          [T, E/BLOCK]        k, v rows into their slots; slot -1 moves nothing
   _prefill_kernel           [NB, Hkv]           NB = T // BLOCK_T + 2 B programs (``locate_block``: no host

@@ -13,6 +13,7 @@ length needs are never read (they may hold anything, -1 included).
   ``seq_lens`` int32 ``[B]`` is each sequence's total length, cached prefix + new tokens, whose K/V
   are already in the cache. New token ``i`` of sequence ``b`` sits at absolute position
   ``seq_lens[b] - q_len_b + i`` and attends to every position up to its own. Returns ``[T, Hq, D]``.
+  (The kernels clamp ``seq_lens`` to ``max_pages * page_size``: a wrong length never reads past a row.)
 - ``paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)``: ``q`` ``[B, Hq, D]``,
   one new token per sequence (already written) at position ``seq_lens[b] - 1``. Rows with
   ``seq_lens == 0`` (CUDA-graph padding) return zeros and read nothing. Returns ``[B, Hq, D]``.
@@ -230,10 +231,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, S, D, G, qk_scale, cap_scale,
         int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        *out.stride(), PAGE=k_cache.shape[1], GP=GP, BLOCK_T=BLOCK_T, BLOCK_N=cfg["block_n"],
-        BLOCK_D=BLOCK_D, BLOCK_S=seq_block(S), WINDOW=sliding_window is not None,
-        SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        block_table.shape[1] * k_cache.shape[1], *out.stride(), PAGE=k_cache.shape[1], GP=GP, BLOCK_T=BLOCK_T,
+        BLOCK_N=cfg["block_n"], BLOCK_D=BLOCK_D, BLOCK_S=seq_block(S), WINDOW=sliding_window is not None,
+        SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -268,13 +268,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, *,
         lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
     dot_t, prec = _dot_types(q, k_cache)
     qk_scale, cap_scale = _scales(scale, softcap)
+    pdl = pdl_args(q)
     _decode_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part, lse, D, G, qk_scale, cap_scale,
         int(sliding_window or 0), *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        *out.stride(), splits, PAGE=page_size, SPLIT=splits > 1, GP=next_pow2(G),
-        BLOCK_M=max(16, next_pow2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=sliding_window is not None,
-        SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        block_table.shape[1] * k_cache.shape[1], *out.stride(), splits, PAGE=page_size, SPLIT=splits > 1,
+        GP=next_pow2(G), BLOCK_M=max(16, next_pow2(G)), BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        WINDOW=sliding_window is not None, SOFTCAP=bool(softcap), DOT_T=dot_t, PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     if splits > 1:
         _decode_reduce_kernel[(B, Hq)](part, lse, out, splits, *out.stride(), D=D, BLOCK_SPLITS=next_pow2(splits),
-                                       BLOCK_D=BLOCK_D, num_warps=4)
+                                       BLOCK_D=BLOCK_D, num_warps=4, **pdl)
     return out

@@ -99,7 +99,7 @@ if HAS_TRITON:
     @triton.jit
     def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, S, D: tl.constexpr, G,
                         qk_scale, cap_scale, window,
-                        q_t, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, o_t, o_h, o_d,
+                        q_t, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, max_tok, o_t, o_h, o_d,
                         PAGE: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr,
                         BLOCK_S: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -109,7 +109,8 @@ if HAS_TRITON:
         pid, kvh = tl.program_id(0), tl.program_id(1)
         seq, blk, tok0, tok1 = locate_block(pid, cu_ptr, cu_ptr, S, BLOCK_T, False, BLOCK_S)
         has = seq < S  # past the last block: no rows, no keys, nothing stored
-        L = tl.load(lens_ptr + seq, mask=has, other=0)
+        # never past the block table's row (max_tok = its width x PAGE): a bad length reads nothing out of bounds
+        L = tl.minimum(tl.load(lens_ptr + seq, mask=has, other=0), max_tok)
         first = tl.load(cu_ptr + seq, mask=has, other=0)
         n = tl.load(cu_ptr + seq + 1, mask=has, other=0) - first
         blk = tl.where(has, tl.cdiv(n, BLOCK_T) - 1 - blk, 0)
@@ -155,7 +156,7 @@ if HAS_TRITON:
     @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, D: tl.constexpr, G,
                        qk_scale, cap_scale, window,
-                       q_b, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, o_b, o_h, o_d,
+                       q_b, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, max_tok, o_b, o_h, o_d,
                        SPLITS, PAGE: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -165,7 +166,7 @@ if HAS_TRITON:
         window's first key; every key in it is at or before the query's position L - 1, so no causal mask."""
         pdl_start(USE_PDL)
         b, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        L = tl.load(lens_ptr + b)
+        L = tl.minimum(tl.load(lens_ptr + b), max_tok)  # as in the prefill kernel
         lo = 0
         if WINDOW:
             lo = tl.maximum(L - window, 0)

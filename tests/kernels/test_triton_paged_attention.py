@@ -147,3 +147,41 @@ def test_int64_index_tensors(dev):
     assert torch.equal(dec, dec64)
     assert_close(dec, paged_decode_attention_ref(q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, 0.3),
                  TOL[torch.float32])
+
+
+def test_lengths_past_the_block_table_read_only_its_pages(dev):
+    """A length longer than the block table's row is cut to the row's pages (no read past it)."""
+    c = paged_case([12, 8], [4, 8], Hq=4, Hkv=2, page_size=4, dev=dev, seed=13, spare_columns=0)
+    width = c.block_table.shape[1] * 4  # 12 tokens
+    q = c.q[:2]
+    long = torch.tensor([width + 9, 8], dtype=torch.int32, device=dev)
+    cut = torch.tensor([width, 8], dtype=torch.int32, device=dev)
+    a = paged_decode_attention(q, c.k_cache, c.v_cache, c.block_table, long, 0.3, force_triton=True)
+    b = paged_decode_attention(q, c.k_cache, c.v_cache, c.block_table, cut, 0.3, force_triton=True)
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def test_decode_kernels_take_the_pdl_launch_arguments(dev, monkeypatch):
+    """write_kv, the decode kernel and the merge all launch with ``pdl_args`` (PDL on Hopper)."""
+    from mambaserve.kernels import paged_attention as pa
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((self.kernel.__name__, "USE_PDL" in kw))
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    for name in ("_write_kv_kernel", "_decode_kernel", "_decode_reduce_kernel"):
+        monkeypatch.setattr(pa, name, Recorder(getattr(pa, name)))
+    monkeypatch.setattr(pa, "pdl_args", lambda t: {"USE_PDL": False})  # what it gives off Hopper, made visible
+    c = paged_case([9], [1], Hq=2, Hkv=1, page_size=4, dev=dev, seed=14)
+    write_kv(c.k[0][-1:], c.v[0][-1:], c.k_cache, c.v_cache, c.slot_mapping[-1:], force_triton=True)
+    paged_decode_attention(c.q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, 0.3, force_triton=True,
+                           tiles={"splits": 2})
+    assert launches == [("_write_kv_kernel", True), ("_decode_kernel", True), ("_decode_reduce_kernel", True)]

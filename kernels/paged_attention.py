@@ -143,8 +143,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 LOG2E = 1.4426950408889634
 # Tiles on a GPU (benchmarks/paged_attention.py sweeps them with ``tiles=``). Prefill: 128 rows (tokens x the
 # group's heads) by 64 keys, 8 warps, the flash-attention shape for head_dim 128; decode: 64 keys a step, 4 warps.
-PREFILL_TILES = {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
-DECODE_TILES = {"block_n": 64, "num_warps": 4, "num_stages": 2, "splits": None}
+# Three stages: compiled for sm_90, two leave the block-table loads synchronous in the key loop (each tile's K/V
+# addresses wait on them); with three the pipeliner issues them through cp.async a stage ahead as well.
+PREFILL_TILES = {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+DECODE_TILES = {"block_n": 64, "num_warps": 4, "num_stages": 3, "splits": None}
 # Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still cross several tiles.
 _INTERPRET_TILES = {"rows": 16, "block_n": 16, "num_warps": 1, "num_stages": 1}
 

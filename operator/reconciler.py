@@ -13,6 +13,8 @@ from typing import Any
 from mambaserve.operator import builders, conditions, names
 from mambaserve.operator.conditions import Condition, Event
 from mambaserve.operator.kube import SESSION_CHILD_KINDS, ApiError, Kube, ResourceNotInstalled, owned_by
+from mambaserve.operator.pod_reasons import PRIORITY as POD_REASONS
+from mambaserve.operator.pod_reasons import PodReason, diagnose
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import (CacheTier, InferenceSession, Problem, incompatibilities, parse_cache_tier,
                                       parse_session, session_problems, tier_problems)
@@ -104,9 +106,10 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
         if session.router.enabled else None
     pods = await kube.list("Pod", session.namespace, names.server_selector(session.name))
     observed = observe(workload, await scrape(pods, settings.metrics_timeout))
+    reasons = diagnose(workload, pods)
 
     conds = [
-        *_readiness(session, observed, workload is not None, binding),
+        *_readiness(session, observed, workload is not None, binding, reasons),
         _degraded(problems),
         binding.condition,
         _router_condition(session, router),
@@ -114,10 +117,32 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
     ]
     merged = conditions.merge(previous, conds, session.generation)
     status = _session_status(session, binding, kind, observed, merged)
-    return Outcome(status, events + conditions.transitions(previous, merged))
+    return Outcome(status, events + conditions.transitions(previous, merged) + _pod_events(previous, merged))
 
 
-def _readiness(session: InferenceSession, observed: Observed, exists: bool, binding: Binding) -> list[Condition]:
+def _pod_events(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[Event]:
+    """One Warning event per new pod-level reason (or new message for it), named after the reason,
+    so ``kubectl describe`` shows e.g. ImagePullFailed with the registry's words."""
+    out: list[Event] = []
+    for type_ in ("Ready", "Progressing"):
+        now, before = conditions.find(current, type_), conditions.find(previous, type_)
+        if now is None or now["reason"] not in POD_REASONS:
+            continue
+        if before is not None and (before.get("reason"), before.get("message")) == (now["reason"], now["message"]):
+            continue
+        event = Event("Warning", now["reason"], now["message"])
+        if event not in out:
+            out.append(event)
+    return out
+
+
+def _explain(ready: int, want: int, reasons: list[PodReason]) -> tuple[str, str]:
+    top = reasons[0]
+    return top.reason, "; ".join([f"{ready}/{want} server pods ready", *(r.describe() for r in reasons)])
+
+
+def _readiness(session: InferenceSession, observed: Observed, exists: bool, binding: Binding,
+               reasons: list[PodReason] | None = None) -> list[Condition]:
     want = session.replicas
     if not exists:
         reason = "WaitingForCacheTier" if binding.hold else "WorkloadMissing"
@@ -129,6 +154,11 @@ def _readiness(session: InferenceSession, observed: Observed, exists: bool, bind
     ready = observed.ready_replicas >= want
     rolled = observed.updated_replicas >= want and observed.replicas == want
     msg = f"{observed.ready_replicas}/{want} server pods ready"
+    if reasons and not (ready and rolled):
+        # Not serving (or a rollout stuck behind failing pods): say why, in the pods' own words.
+        reason, why = _explain(observed.ready_replicas, want, list(reasons))
+        return [Condition("Ready", "True", "ReplicasReady", msg) if ready else Condition("Ready", "False", reason, why),
+                Condition("Progressing", "False" if reason != "Unschedulable" else "True", reason, why)]
     return [
         Condition("Ready", "True" if ready else "False", "ReplicasReady" if ready else "ReplicasNotReady", msg),
         Condition("Progressing", "False" if ready and rolled else "True",

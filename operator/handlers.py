@@ -89,7 +89,7 @@ def build_registry(settings: OperatorSettings, kube: Kube, metrics: OperatorMetr
 
     async def reconcile_tier(body: kopf.Body, patch: kopf.Patch) -> None:
         with metrics.track("CacheTier"):
-            outcome = await reconciler.reconcile_tier(kube, body)
+            outcome = await reconciler.reconcile_tier(kube, body, operator_settings.metrics_timeout)
         if _changed(body, outcome.status):
             patch.status.update(outcome.status)
         _post(body, outcome.events)
@@ -118,7 +118,7 @@ def build_registry(settings: OperatorSettings, kube: Kube, metrics: OperatorMetr
         with metrics.track("CacheTier"):
             blockers = await reconciler.finalize_tier(kube, body)
             if blockers:
-                outcome = await reconciler.reconcile_tier(kube, body)
+                outcome = await reconciler.reconcile_tier(kube, body, operator_settings.metrics_timeout)
                 await kube.patch_status("CacheTier", body["metadata"]["namespace"], body["metadata"]["name"],
                                         outcome.status)
                 message = f"in use by InferenceSession {', '.join(blockers)}; deletion waits until they let go"

@@ -17,8 +17,8 @@ from mambaserve.operator.pod_reasons import PRIORITY as POD_REASONS
 from mambaserve.operator.pod_reasons import PodReason, diagnose
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import (CacheTier, InferenceSession, Problem, incompatibilities, parse_cache_tier,
-                                      parse_session, session_problems, tier_problems)
-from mambaserve.operator.status import Observed, observe, scrape
+                                      parse_session, session_problems)
+from mambaserve.operator.status import Observed, TierOccupancy, observe, scrape, tier_occupancy
 
 
 @dataclasses.dataclass
@@ -262,11 +262,14 @@ async def sync_tier_bindings(kube: Kube, namespace: str, tier_name: str, leaving
                             {"boundSessions": bound, "boundSessionCount": len(bound)})
 
 
-async def reconcile_tier(kube: Kube, body: Mapping[str, Any]) -> Outcome:
+async def reconcile_tier(kube: Kube, body: Mapping[str, Any], metrics_timeout: float = 2.0) -> Outcome:
+    """The claim, then status. Ready means: the storage is real (the shared claim is Bound, or
+    each pod gets its own claim) and no server pod using the tier reports its storage tier off.
+    Occupancy is what those pods' /metrics report; a tier without sessions has none to show."""
     tier = parse_cache_tier(body)
     previous = (body.get("status") or {}).get("conditions") or []
     events: list[Event] = []
-    problems = tier_problems(tier)
+    problems: list[Problem] = []
     storage: Condition
     claim = builders.build_tier_claim(tier)
     if claim is not None and not tier.terminating:
@@ -300,21 +303,48 @@ async def reconcile_tier(kube: Kube, body: Mapping[str, Any]) -> Outcome:
     if tier.terminating and bound:
         in_use = Condition("InUse", "True", "DeletionBlocked",
                            f"deletion waits until no InferenceSession references this tier: {', '.join(bound)}")
+    pods = [p for name in bound for p in await kube.list("Pod", tier.namespace, names.server_selector(name))]
+    occupancy = tier_occupancy(await scrape(pods, metrics_timeout), shared_storage=not tier.storage.per_pod)
+    if occupancy.storage_off:
+        problems.append(Problem("StorageUnavailable",
+                                f"server pods {', '.join(occupancy.storage_off)} switched the storage tier off "
+                                "(its directory is full, read-only or gone); they serve from GPU and host only"))
     degraded = _degraded(problems)
-    ready = Condition("Ready", "True" if degraded.status == "False" else "False",
-                      "Ready" if degraded.status == "False" else degraded.reason, degraded.message)
+    storage_ok = storage.status == "True" or storage.reason == "Disabled"
+    if degraded.status == "True":
+        ready = Condition("Ready", "False", degraded.reason, degraded.message)
+    elif not storage_ok:
+        ready = Condition("Ready", "False", storage.reason, storage.message)
+    else:
+        ready = Condition("Ready", "True", "Ready", _occupancy_message(occupancy))
     merged = conditions.merge(previous, [ready, degraded, storage, in_use], tier.generation)
-    phase = "Terminating" if tier.terminating else ("Degraded" if degraded.status == "True" else "Ready")
+    phase = "Terminating" if tier.terminating else ("Degraded" if degraded.status == "True"
+                                                    else "Ready" if ready.status == "True" else "Pending")
     status: dict[str, Any] = {
         "phase": phase,
         "claimName": tier.claim_name or "",
         "boundSessions": bound,
         "boundSessionCount": len(bound),
+        "occupancy": occupancy.as_status(),
         "conditions": merged,
     }
     if tier.generation is not None:
         status["observedGeneration"] = tier.generation
     return Outcome(status, events + conditions.transitions(previous, merged))
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.1f} GiB"
+
+
+def _occupancy_message(o: TierOccupancy) -> str:
+    if not o.pods:
+        return "no server pod reports occupancy yet"
+    parts = []
+    for tier, used, cap in (("host", o.host_used, o.host_capacity), ("storage", o.storage_used, o.storage_capacity)):
+        if used is not None and cap:
+            parts.append(f"{tier} {_gib(used)} of {_gib(cap)} used")
+    return f"{', '.join(parts) or 'no tier below the GPU reported'} ({o.pods} pods reporting)"
 
 
 async def finalize_tier(kube: Kube, body: Mapping[str, Any]) -> list[str]:

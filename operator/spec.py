@@ -385,19 +385,6 @@ def incompatibilities(session: InferenceSession, tier: CacheTier) -> list[Proble
     return problems
 
 
-def tier_problems(tier: CacheTier) -> list[Problem]:
-    """Settings of a tier that the server's command line cannot express (docs/server-interface.md)."""
-    problems = []
-    if tier.prefetch_policy != "best_effort":
-        problems.append(Problem("UnsupportedByServer", f"prefetchPolicy {tier.prefetch_policy} has no server flag "
-                                                       "yet; the server prefetches best_effort"))
-    if tier.storage.enabled:
-        problems.append(Problem("UnsupportedByServer", "the storage tier holds session snapshots only "
-                                                       "(--session-snapshot-dir); spilling cached states to it is "
-                                                       "not implemented by the server yet"))
-    return problems
-
-
 def session_problems(session: InferenceSession, tier: CacheTier | None) -> list[Problem]:
     """Cross-object problems: the session runs, but not as asked. Reported as Degraded."""
     problems = []
@@ -412,6 +399,4 @@ def session_problems(session: InferenceSession, tier: CacheTier | None) -> list[
             problems.append(Problem("SharedSingleWriterClaim",
                                     f"existing claim {tier.storage.existing_claim} is {tier.storage.access_mode} "
                                     f"but up to {most} pods would mount it; only one node can"))
-    if tier is not None:
-        problems.extend(tier_problems(tier))
     return problems

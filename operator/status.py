@@ -15,6 +15,11 @@ from mambaserve.operator.settings import SERVER_PORT
 
 HIT_RATE = "mambaserve_cache_hit_rate"
 SESSIONS_OPEN = "mambaserve_sessions_open"
+# Occupancy of the tiers below the GPU, labelled tier="host|storage" (docs/server-interface.md).
+TIER_USED = "mambaserve_cache_tier_used_bytes"
+TIER_CAPACITY = "mambaserve_cache_tier_capacity_bytes"
+# 1 while a server has switched its storage tier off (directory full, read-only or gone).
+STORAGE_DEGRADED = "mambaserve_cache_storage_degraded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +27,9 @@ class PodMetrics:
     pod: str
     cache_hit_rate: float | None
     sessions_open: int | None
+    tier_used: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    tier_capacity: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    storage_degraded: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +45,24 @@ class Observed:
 def parse_metrics(pod: str, text: str) -> PodMetrics:
     hit_rate: float | None = None
     sessions: int | None = None
+    used: dict[str, float] = {}
+    capacity: dict[str, float] = {}
+    degraded: bool | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == HIT_RATE and not math.isnan(sample.value):
+            if math.isnan(sample.value):
+                continue
+            if sample.name == HIT_RATE:
                 hit_rate = float(sample.value)
-            elif sample.name == SESSIONS_OPEN and not math.isnan(sample.value):
+            elif sample.name == SESSIONS_OPEN:
                 sessions = int(sample.value)
-    return PodMetrics(pod, hit_rate, sessions)
+            elif sample.name == TIER_USED and "tier" in sample.labels:
+                used[sample.labels["tier"]] = float(sample.value)
+            elif sample.name == TIER_CAPACITY and "tier" in sample.labels:
+                capacity[sample.labels["tier"]] = float(sample.value)
+            elif sample.name == STORAGE_DEGRADED:
+                degraded = sample.value >= 1
+    return PodMetrics(pod, hit_rate, sessions, used, capacity, degraded)
 
 
 def pod_is_ready(pod: Mapping[str, Any]) -> bool:
@@ -99,3 +118,47 @@ def observe(workload: Mapping[str, Any] | None, scraped: Sequence[PodMetrics]) -
     # Each pod's gauge is already a sliding-window rate; the plain mean treats pods alike.
     hit_rate = round(sum(rates) / len(rates), 4) if rates else None
     return Observed(replicas, ready, updated, hit_rate, sum(sessions) if sessions else None, "metrics")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierOccupancy:
+    """What the pods of a tier's sessions report about the tiers below the GPU."""
+    pods: int  # pods that answered
+    host_used: float | None
+    host_capacity: float | None
+    storage_used: float | None
+    storage_capacity: float | None
+    storage_off: tuple[str, ...]  # pods that switched their storage tier off
+
+    def as_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"reportingPods": self.pods}
+        for tier, used, cap in (("host", self.host_used, self.host_capacity),
+                                ("storage", self.storage_used, self.storage_capacity)):
+            entry: dict[str, Any] = {}
+            if used is not None:
+                entry["usedBytes"] = int(used)
+            if cap is not None:
+                entry["capacityBytes"] = int(cap)
+            if used is not None and cap:
+                entry["usedFraction"] = round(used / cap, 4)
+            if entry:
+                out[tier] = entry
+        return out
+
+
+def tier_occupancy(scraped: Sequence[PodMetrics], shared_storage: bool) -> TierOccupancy:
+    """Host tiers are per pod (summed). A shared storage claim is one directory that every pod
+    reports on, so the largest report is the directory's; per-pod claims are summed."""
+    def total(values: list[float]) -> float | None:
+        return sum(values) if values else None
+
+    def one(values: list[float]) -> float | None:
+        return max(values) if values else None
+
+    host_used = [m.tier_used["host"] for m in scraped if "host" in m.tier_used]
+    host_cap = [m.tier_capacity["host"] for m in scraped if "host" in m.tier_capacity]
+    st_used = [m.tier_used["storage"] for m in scraped if "storage" in m.tier_used]
+    st_cap = [m.tier_capacity["storage"] for m in scraped if "storage" in m.tier_capacity]
+    storage = one if shared_storage else total
+    return TierOccupancy(len(scraped), total(host_used), total(host_cap), storage(st_used), storage(st_cap),
+                         tuple(sorted(m.pod for m in scraped if m.storage_degraded)))

@@ -13,7 +13,7 @@ from mambaserve.operator.builders import pod
 from mambaserve.operator.builders.common import session_metadata
 from mambaserve.operator.builders.overrides import apply_pod_template
 from mambaserve.operator.settings import SERVER_PORT, OperatorSettings
-from mambaserve.operator.spec import CacheTier, InferenceSession
+from mambaserve.operator.spec import CacheTier, InferenceSession, quantity_bytes
 
 MODEL_DIR = "/models"
 CACHE_VOLUME = "cache"
@@ -30,6 +30,10 @@ DEFAULT_REQUESTS = {True: {"cpu": "4", "memory": "16Gi"}, False: {"cpu": "2", "m
 SCRATCH = (("tmp", pod.TMP_DIR, "1Gi"), ("home", HOME_DIR, "4Gi"))
 # Session snapshots without a storage tier: lost with the pod, but written somewhere writable.
 SESSIONS_SIZE = "16Gi"
+# Directories on a storage tier's volume: the server's L3 entries, and session snapshot files
+# (both shared by every pod that mounts a ReadWriteMany claim).
+STATES_SUBDIR = "states"
+SNAPSHOTS_SUBDIR = "sessions"
 SPREAD_KEYS = ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
 
 
@@ -75,17 +79,38 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
         args += ["--mem-fraction-static", f"{tier.gpu_memory_fraction:g}"]
     if tier is not None and tier.host_size_gb > 0:
         args += ["--host-cache-size", f"{tier.host_size_gb:g}GiB"]
-    # Always named: the server's default is relative to its working directory, on a read-only filesystem.
-    args += ["--session-snapshot-dir", snapshot_dir(tier)]
+    args += storage_args(session, tier)
     return args + list(srv.extra_args)
 
 
-def snapshot_dir(tier: CacheTier | None) -> str:
-    if tier is not None and tier.storage.enabled:
-        # The server's tiers below the GPU are not built yet (spec.tier_problems reports them); what
-        # the storage volume serves today is session snapshots, shared by every pod for migration.
-        return f"{tier.storage.path.rstrip('/')}/sessions"
-    return SESSIONS_DIR
+# Shares of a storage-tier claim: cached states (LRU-deleted by the server past their share) and
+# session snapshots (refused past theirs). The rest is headroom for filesystem metadata and the
+# temporary files of atomic writes, so the volume itself never fills up.
+STATES_SHARE = 0.85
+SNAPSHOTS_SHARE = 0.10
+
+
+def storage_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
+    """Flags of the tiers below the GPU (docs/server-interface.md), and where session snapshots go."""
+    if tier is None or not tier.storage.enabled:
+        args = []
+        if tier is not None and tier.host_size_gb > 0:
+            args += ["--cache-write-policy", tier.write_policy]
+        # Always named: the server's default is relative to its working directory, on a read-only filesystem.
+        return args + ["--session-snapshot-dir", SESSIONS_DIR]
+    root = tier.storage.path.rstrip("/")
+    args = ["--storage-dir", f"{root}/{STATES_SUBDIR}"]
+    if tier.storage.size:
+        # An existing claim's size is not known here: the server then sizes the tier itself.
+        size = quantity_bytes(tier.storage.size)
+        args += ["--storage-size", str(int(size * STATES_SHARE))]
+    args += ["--cache-write-policy", tier.write_policy, "--cache-prefetch-policy", tier.prefetch_policy,
+             "--session-snapshot-dir", f"{root}/{SNAPSHOTS_SUBDIR}"]
+    if tier.storage.size:
+        args += ["--session-snapshot-max-bytes", str(int(quantity_bytes(tier.storage.size) * SNAPSHOTS_SHARE))]
+    if session.sessions.persist:
+        args += ["--session-persist"]
+    return args
 
 
 def _resources(session: InferenceSession) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from mambaserve.operator import names
 from mambaserve.operator.builders import adapter_rules, build_session_children, build_tier_claim, server_args
 from mambaserve.operator.builders.autoscaling import MISS_RATIO_METRIC, QUEUE_METRIC
 from mambaserve.operator.settings import OperatorSettings
-from mambaserve.operator.spec import parse_cache_tier, parse_session, tier_problems
+from mambaserve.operator.spec import parse_cache_tier, parse_session, session_problems
 from tests.operator.conftest import DATA, ROOT, load_yaml, sample
 from mambaserve.operator.crd_schema import admit
 from tests.operator.kube_versions import SUPPORTED
@@ -162,13 +162,21 @@ def test_autoscaled_session_with_shared_tier() -> None:
     dep = children["Deployment", "chat"]
     pod = dep["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
-    flags = dict(zip(args[::2], args[1::2]))
+    valued = [a for a in args if a != "--session-persist"]
+    flags = dict(zip(valued[::2], valued[1::2]))
     assert flags["--mamba-cache-size"] == "4096"
     assert flags["--host-cache-size"] == "32GiB"  # the host tier (L2)
-    # the storage tier is not implemented by the server yet (reported as UnsupportedByServer): no flags for
-    # it; the storage volume carries session snapshots
-    assert not {"--storage-dir", "--cache-write-policy"} & set(args)
+    # the storage tier (L3) on the shared claim: its states/ directory, 85% of the 500Gi claim, the
+    # tier's policies; session snapshots in its sessions/ directory with 10% of the claim
+    assert flags["--storage-dir"] == "/var/cache/mambaserve/states"
+    assert int(flags["--storage-size"]) == int(500 * 2**30 * 0.85)
+    assert flags["--cache-write-policy"] == "write_through_selective"
+    assert flags["--cache-prefetch-policy"] == "best_effort"
     assert flags["--session-snapshot-dir"] == "/var/cache/mambaserve/sessions"
+    assert int(flags["--session-snapshot-max-bytes"]) == int(500 * 2**30 * 0.10)
+    assert "--session-persist" in args  # sessions.persist: true in this sample
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "cache")
+    assert mount == {"name": "cache", "mountPath": "/var/cache/mambaserve"} and not mount.get("readOnly")
     assert flags["--mamba-track-interval"] == "1024" and flags["--max-running-requests"] == "256"
     cache = [v for v in pod["volumes"] if v["name"] == "cache"]
     assert cache == [{"name": "cache", "persistentVolumeClaim": {"claimName": "shared-tier-storage"}}]
@@ -390,8 +398,8 @@ def test_adapter_rules_serve_the_metrics_the_hpa_asks_for() -> None:
 
 def test_server_args_without_tier_have_no_tier_flags() -> None:
     args = server_args(session("inferencesession-minimal"), None)
-    assert not {"--storage-dir", "--host-cache-size", "--mem-fraction-static", "--mamba-cache-size",
-                "--cache-write-policy"} & set(args)
+    assert not {"--storage-dir", "--storage-size", "--host-cache-size", "--mem-fraction-static",
+                "--mamba-cache-size", "--cache-write-policy", "--cache-prefetch-policy", "--session-persist"} & set(args)
 
 
 def test_gpu_memory_fraction_and_host_size_become_server_flags() -> None:
@@ -399,7 +407,37 @@ def test_gpu_memory_fraction_and_host_size_become_server_flags() -> None:
     body["metadata"].update({"uid": "uid-t", "generation": 1})
     body["spec"]["gpu"] = {"memoryFraction": 0.8}
     t = parse_cache_tier(body)
-    flags = dict(zip(*[iter(server_args(session("inferencesession-autoscaled"), t))] * 2))
+    flags = dict(zip(*[iter(a for a in server_args(session("inferencesession-autoscaled"), t) if a != "--session-persist")] * 2))
     assert flags["--mem-fraction-static"] == "0.8" and flags["--host-cache-size"] == "32GiB"
     assert "--mamba-cache-size" not in flags
-    assert [p.reason for p in tier_problems(t)] == ["UnsupportedByServer"]  # only the storage tier is left
+
+
+def test_storage_tier_settings_become_server_flags() -> None:
+    """Every CacheTier setting has its server flag: nothing is left unsupported."""
+    body = sample("cachetier-per-pod")
+    body["metadata"].update({"uid": "uid-t", "generation": 1})
+    body["spec"].update({"writePolicy": "write_through", "prefetchPolicy": "timeout"})
+    body["spec"]["storage"]["path"] = "/mnt/l3/"
+    s = sample("inferencesession-minimal")
+    s["metadata"].update({"uid": "uid-s", "generation": 1})
+    s["spec"]["sessions"] = {"persist": True}
+    s["spec"]["cacheTierRef"] = {"name": "local-nvme"}
+    sess, t = parse_session(s), parse_cache_tier(body)
+    args = server_args(sess, t)
+    flags = dict(zip(*[iter(a for a in args if a != "--session-persist")] * 2))
+    assert flags["--storage-dir"] == "/mnt/l3/states" and flags["--session-snapshot-dir"] == "/mnt/l3/sessions"
+    assert (flags["--cache-write-policy"], flags["--cache-prefetch-policy"]) == ("write_through", "timeout")
+    assert "--session-persist" in args
+    assert session_problems(sess, t) == []  # persist with storage: nothing to report
+    # The per-pod claim (StatefulSet) is mounted read-write at the tier's path.
+    workload = by_kind(build_session_children(sess, t, SETTINGS))["StatefulSet", "tiny"]
+    container = workload["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "cache", "mountPath": "/mnt/l3/"} in container["volumeMounts"]
+    # An existing claim: its size is unknown, so the server sizes the tier from the free space.
+    body["spec"]["storage"] = {"enabled": True, "existingClaim": "nvme", "accessMode": "ReadWriteMany"}
+    args = server_args(sess, parse_cache_tier(body))
+    assert "--storage-dir" in args and "--storage-size" not in args and "--session-snapshot-max-bytes" not in args
+    # persist without storage: no flag, and the session reports why.
+    plain = server_args(sess, None)
+    assert "--session-persist" not in plain
+    assert [p.reason for p in session_problems(sess, None)] == ["PersistenceNeedsStorage"]

@@ -82,14 +82,13 @@ async def test_session_lifecycle_create_update_scale_status_delete(cluster: Clus
     await cluster.patch("InferenceSession", "chat", {"spec": {"replicas": 5}}, sub="scale")
     await eventually(lambda: cluster.get("Deployment", "chat")["spec"]["replicas"] == 5)
 
-    # The Deployment controller reports ready pods: the session becomes Ready — in phase Degraded, since
-    # the shared tier asks for host and storage tiers the server does not implement yet.
+    # The Deployment controller reports ready pods: the session becomes Ready, every tier setting honoured.
     await cluster.patch("Deployment", "chat", {"status": {"replicas": 5, "readyReplicas": 5, "updatedReplicas": 5}},
                         sub="status")
     await cluster.patch("Deployment", "chat-router", {"status": {"replicas": 2, "readyReplicas": 2}}, sub="status")
     await eventually(lambda: cluster.condition("InferenceSession", "chat", "Ready")["status"] == "True")
-    await eventually(lambda: status(cluster, "InferenceSession", "chat").get("phase") == "Degraded")
-    assert cluster.condition("InferenceSession", "chat", "Degraded")["reason"] == "UnsupportedByServer"
+    await eventually(lambda: status(cluster, "InferenceSession", "chat").get("phase") == "Ready")
+    assert cluster.condition("InferenceSession", "chat", "Degraded")["status"] == "False"
     st = status(cluster, "InferenceSession", "chat")
     assert (st["replicas"], st["readyReplicas"], st["metricsSource"]) == (5, 5, "workload")
     assert cluster.condition("InferenceSession", "chat", "RouterReady")["status"] == "True"
@@ -264,3 +263,64 @@ async def test_spec_changes_replace_and_prune_children(cluster: Cluster, start_o
     await eventually(lambda: status(cluster, "InferenceSession", "chat").get("workload") == "StatefulSet/chat")
     await eventually(lambda: status(cluster, "CacheTier", "local-nvme").get("boundSessions") == ["chat"])
     await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == [])
+
+
+async def test_cache_tier_ready_once_its_storage_is_real_with_the_occupancy_pods_report(
+        cluster: Cluster, start_operator: Any) -> None:
+    # A server pod's /metrics (names from docs/server-interface.md); `degraded` flips its storage tier off.
+    state = {"degraded": 0}
+
+    async def metrics(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.Response(text=(
+            "# TYPE mambaserve_cache_tier_used_bytes gauge\n"
+            'mambaserve_cache_tier_used_bytes{tier="host"} 1073741824\n'
+            'mambaserve_cache_tier_used_bytes{tier="storage"} 107374182400\n'
+            "# TYPE mambaserve_cache_tier_capacity_bytes gauge\n"
+            'mambaserve_cache_tier_capacity_bytes{tier="host"} 34359738368\n'
+            'mambaserve_cache_tier_capacity_bytes{tier="storage"} 456340275200\n'
+            "# TYPE mambaserve_cache_storage_degraded gauge\n"
+            f"mambaserve_cache_storage_degraded {state['degraded']}\n"))
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        await start_operator()
+        await cluster.create(sample("cachetier-shared"))
+        # The claim exists but no volume is bound yet: not Ready, and it says why.
+        ready = await eventually(lambda: (c := cluster.condition("CacheTier", "shared-tier", "Ready")) and c)
+        assert (ready["status"], ready["reason"]) == ("False", "ClaimPending")
+        assert status(cluster, "CacheTier", "shared-tier")["phase"] == "Pending"
+        await cluster.patch("PersistentVolumeClaim", "shared-tier-storage", {"status": {"phase": "Bound"}}, sub="status")
+        await eventually(lambda: cluster.condition("CacheTier", "shared-tier", "Ready")["status"] == "True")
+        assert cluster.condition("CacheTier", "shared-tier", "Degraded")["status"] == "False"
+
+        body = sample("inferencesession-minimal")
+        body["spec"]["cacheTierRef"] = {"name": "shared-tier"}
+        await cluster.create(body)
+        for i in range(2):  # two pods on the one shared claim: storage counted once, host memory twice
+            await cluster.create({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"tiny-{i}", "labels": names.server_selector("tiny")},
+                "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
+                "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+            })
+        occupancy = await eventually(lambda: (o := status(cluster, "CacheTier", "shared-tier").get("occupancy"))
+                                     and o.get("reportingPods") == 2 and o)
+        assert occupancy["host"] == {"usedBytes": 2 * 2**30, "capacityBytes": 64 * 2**30, "usedFraction": 0.0312}
+        assert occupancy["storage"] == {"usedBytes": 100 * 2**30, "capacityBytes": 425 * 2**30,
+                                        "usedFraction": 0.2353}
+        assert "storage 100.0 GiB of 425.0 GiB used" in cluster.condition("CacheTier", "shared-tier", "Ready")["message"]
+        assert admit(load_crd("cachetiers"), cluster.get("CacheTier", "shared-tier"))[1] == []
+
+        # A server that lost its storage directory says so; the tier reports it instead of looking fine.
+        state["degraded"] = 1
+        degraded = await eventually(lambda: (c := cluster.condition("CacheTier", "shared-tier", "Degraded"))
+                                    and c["status"] == "True" and c)
+        assert degraded["reason"] == "StorageUnavailable" and "tiny-0, tiny-1" in degraded["message"]
+        assert status(cluster, "CacheTier", "shared-tier")["phase"] == "Degraded"
+    finally:
+        await runner.cleanup()

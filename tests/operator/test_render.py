@@ -69,8 +69,17 @@ def test_renders_what_the_operator_builds_and_every_object_is_valid_and_restrict
         else:
             for version in SUPPORTED:
                 kubernetes_validate.validate(obj, version, strict=True)
-    # What the operator cannot honour is said on stderr, not silently dropped.
-    assert "warning: InferenceSession llm/chat: the storage tier holds session snapshots only" in result.stderr
+    # Every setting of the session and its tier is honoured: nothing to warn about.
+    assert result.stderr == ""
+
+
+def test_what_the_operator_cannot_honour_is_said_on_stderr() -> None:
+    body = sample("inferencesession-minimal")
+    body["spec"]["sessions"] = {"persist": True}  # persistence without a storage tier
+    result = run_cli("-f", "-", stdin=yaml.safe_dump(body))
+    assert result.returncode == 0, result.stderr
+    assert "warning: InferenceSession llm/tiny: sessions.persist needs a cacheTierRef" in result.stderr
+    assert "--session-persist" not in result.stdout
 
 
 def test_a_cluster_copy_keeps_its_owner_references_and_stdin_lists_work() -> None:

@@ -118,7 +118,7 @@ class Autoscaling:
     engine: str = "hpa"
     min_replicas: int = 1
     max_replicas: int = 4
-    target_cache_hit_rate: float = 0.5
+    target_capacity_miss_ratio: float = 0.1
     target_queue_depth: int | None = None
     scale_up: ScalingBehaviour = ScalingBehaviour(0, 2, 60)
     scale_down: ScalingBehaviour = ScalingBehaviour(600, 1, 300)
@@ -301,7 +301,8 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             engine=_get(scaling, "engine", d_as.engine),
             min_replicas=int(_get(scaling, "minReplicas", d_as.min_replicas)),
             max_replicas=int(_get(scaling, "maxReplicas", d_as.max_replicas)),
-            target_cache_hit_rate=float(_get(scaling, "targetCacheHitRate", d_as.target_cache_hit_rate)),
+            target_capacity_miss_ratio=float(_get(scaling, "targetCapacityMissRatio",
+                                                  d_as.target_capacity_miss_ratio)),
             target_queue_depth=scaling.get("targetQueueDepth"),
             scale_up=_behaviour(scaling.get("scaleUp"), d_as.scale_up),
             scale_down=_behaviour(scaling.get("scaleDown"), d_as.scale_down),

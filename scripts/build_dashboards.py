@@ -203,36 +203,44 @@ SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",
           [T(rate("mambaserve_session_restores_total", "namespace, mambaserve_io_session"), S)], unit="ops"),
 ])
 
+_TARGETS = ("0.02", "0.05", "0.1", "0.2", "0.3", "0.5")
 TARGET_VAR = {
-    "type": "custom", "name": "target_hit_rate", "label": "Target hit rate",
-    "description": "The InferenceSession's spec.autoscaling.targetCacheHitRate (CRD default 0.5); "
+    "type": "custom", "name": "target_capacity_miss_ratio", "label": "Target capacity-miss ratio",
+    "description": "The InferenceSession's spec.autoscaling.targetCapacityMissRatio (CRD default 0.1); "
                    "Prometheus does not know it, so pick it here.",
-    "query": "0.3,0.4,0.5,0.6,0.7,0.8,0.9",
-    "current": {"text": "0.5", "value": "0.5"},
-    "options": [{"text": v, "value": v, "selected": v == "0.5"} for v in
-                ("0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9")],
+    "query": ",".join(_TARGETS),
+    "current": {"text": "0.1", "value": "0.1"},
+    "options": [{"text": v, "value": v, "selected": v == "0.1"} for v in _TARGETS],
     "hide": 0,
 }
 
-_POD_MISS = (f"clamp_min(1 - ({hits('namespace, mambaserve_io_session, pod', window=HPA_WINDOW)} / "
-             f"{rate(QUERIED, 'namespace, mambaserve_io_session, pod', window=HPA_WINDOW)}), 0)")
+_CAPACITY_MISSES = "mambaserve_prefix_cache_capacity_miss_tokens_total"
+_BY_POD = "namespace, mambaserve_io_session, pod"
+_POD_CAPACITY_MISS = (f"{rate(_CAPACITY_MISSES, _BY_POD, window=HPA_WINDOW)} / "
+                      f"{rate(QUERIED, _BY_POD, window=HPA_WINDOW)}")
 
 AUTOSCALING = Dashboard("mambaserve-autoscaling", "mambaserve / Autoscaling",
-                        "What the HPA sees: the miss ratio per pod against the target, serving replicas, and the "
-                        "replica count the HPA formula asks for.", [
-    Panel("Replicas: serving vs HPA formula", "Serving = scraped server pods. Desired = ceil(sum of pod miss ratios "
-          "/ (1 - target)), the HPA's rule for a Pods metric with an AverageValue target, before min/max replicas "
+                        "What the autoscaler sees: the capacity-miss ratio (misses more cache would have hit) per "
+                        "pod against the target, serving replicas, and the replica count the HPA formula asks for.", [
+    Panel("Replicas: serving vs HPA formula", "Serving = scraped server pods. Desired = ceil(sum of pod capacity-miss "
+          "ratios / target), the HPA's rule for a Pods metric with an AverageValue target, before min/max replicas "
           "and its 10% tolerance. The HPA's own desiredReplicas needs kube-state-metrics.", [
         T(f"count by (namespace, mambaserve_io_session) (mambaserve_state_slots_total{{{SEL}}})", f"serving {S}"),
-        T(f"ceil(sum by (namespace, mambaserve_io_session) ({_POD_MISS}) / (1 - $target_hit_rate))",
+        T(f"ceil(sum by (namespace, mambaserve_io_session) ({_POD_CAPACITY_MISS}) / $target_capacity_miss_ratio)",
           f"desired {S}")], decimals=0),
-    Panel("Hit rate vs target", "Each session's hit rate from the counters against the target.", [
-        T(hit_rate("namespace, mambaserve_io_session", window=HPA_WINDOW), f"hit rate {S}"),
-        T("vector($target_hit_rate)", "target")], unit="percentunit", max=1),
-    Panel("Miss ratio per pod (HPA metric)", "mambaserve_cache_miss_ratio as prometheus-adapter computes it for "
-          "the HPA: the HPA adds pods while the average is above 1 - target.", [
-        T(_POD_MISS, POD),
-        T("vector(1 - $target_hit_rate)", "HPA target")], unit="percentunit", max=1),
+    Panel("Misses: capacity vs compulsory", "Share of prompt tokens that missed because their prefix had been "
+          "evicted for space (more replicas would hit them) and that missed because the prefix was never seen "
+          "(no replica count helps). Only the first drives autoscaling.", [
+        T(f"{rate(_CAPACITY_MISSES, 'namespace, mambaserve_io_session', window=HPA_WINDOW)} / "
+          f"{rate(QUERIED, 'namespace, mambaserve_io_session', window=HPA_WINDOW)}", f"capacity {S}"),
+        T(f"1 - {hit_rate('namespace, mambaserve_io_session', window=HPA_WINDOW)} - "
+          f"{rate(_CAPACITY_MISSES, 'namespace, mambaserve_io_session', window=HPA_WINDOW)} / "
+          f"{rate(QUERIED, 'namespace, mambaserve_io_session', window=HPA_WINDOW)}", f"compulsory {S}"),
+        T("vector($target_capacity_miss_ratio)", "target")], unit="percentunit", max=1),
+    Panel("Capacity-miss ratio per pod (HPA metric)", "mambaserve_cache_capacity_miss_ratio as prometheus-adapter "
+          "computes it for the HPA: the HPA adds pods while the average is above the target.", [
+        T(_POD_CAPACITY_MISS, POD),
+        T("vector($target_capacity_miss_ratio)", "HPA target")], unit="percentunit", max=1),
     Panel("Waiting requests per pod (HPA queue metric)", "The second HPA metric when targetQueueDepth is set.",
           [T(f"mambaserve_num_waiting_requests{{{SEL}}}", POD)], decimals=0),
 ])

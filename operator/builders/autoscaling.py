@@ -1,11 +1,18 @@
-"""Autoscaling on the prefix-cache hit rate: an HPA (through prometheus-adapter) or a KEDA ScaledObject.
+"""Autoscaling on capacity misses: an HPA (through prometheus-adapter) or a KEDA ScaledObject.
 
 Both target the InferenceSession's scale subresource, so the autoscaler writes
 ``InferenceSession.spec.replicas`` and the operator carries that count to the workload.
 
-Autoscalers add replicas while a metric is *above* its target, and a falling hit rate is what
-calls for more replicas (more aggregate cache), so the metric they see is the miss ratio,
-``1 - hit rate``, against a target of ``1 - targetCacheHitRate``.
+The signal is the *capacity-miss ratio*: prompt tokens whose prefix had been cached and was evicted
+for space (``mambaserve_prefix_cache_capacity_miss_tokens_total``), over all prompt tokens looked
+up. More replicas mean more aggregate cache, which turns exactly those misses into hits. The raw
+miss ratio also counts compulsory misses (prefixes never seen): traffic of fresh prompts misses
+whatever the cache size, and scaling on it buys GPUs that cannot help. The ratio is above its
+target (``targetCapacityMissRatio``) while the cache is too small for the reuse the traffic has.
+Queue depth (optional) is the second signal: more replicas also help when requests wait.
+
+Both signals come from the server pods, so with no pods there is no signal: scaling from zero is
+refused by the CRD (``minReplicas`` >= 1 with autoscaling) instead of never waking up.
 """
 
 from __future__ import annotations
@@ -17,20 +24,16 @@ from mambaserve.operator.builders.common import session_metadata
 from mambaserve.operator.settings import API_VERSION, OperatorSettings
 from mambaserve.operator.spec import Autoscaling, InferenceSession
 
-MISS_RATIO_METRIC = "mambaserve_cache_miss_ratio"
+CAPACITY_MISS_METRIC = "mambaserve_cache_capacity_miss_ratio"
 QUEUE_METRIC = "mambaserve_num_waiting_requests"
-# Server counters (docs/server-interface.md); hit tokens are labelled by tier, queried tokens are not.
-_HITS = "mambaserve_prefix_cache_hit_tokens_total"
+# Server counters (docs/server-interface.md).
+_CAPACITY_MISSES = "mambaserve_prefix_cache_capacity_miss_tokens_total"
 _QUERIED = "mambaserve_prefix_cache_queried_tokens_total"
 RATE_WINDOW = "2m"
 
 
 def _target(session: InferenceSession) -> dict[str, str]:
     return {"apiVersion": API_VERSION, "kind": "InferenceSession", "name": session.name}
-
-
-def _miss_target(scaling: Autoscaling) -> float:
-    return round(1.0 - scaling.target_cache_hit_rate, 4)
 
 
 def _milli(value: float) -> str:
@@ -52,8 +55,8 @@ def build_hpa(session: InferenceSession) -> dict[str, Any]:
     metrics: list[dict[str, Any]] = [{
         "type": "Pods",
         "pods": {
-            "metric": {"name": MISS_RATIO_METRIC},
-            "target": {"type": "AverageValue", "averageValue": _milli(_miss_target(scaling))},
+            "metric": {"name": CAPACITY_MISS_METRIC},
+            "target": {"type": "AverageValue", "averageValue": _milli(scaling.target_capacity_miss_ratio)},
         },
     }]
     if scaling.target_queue_depth is not None:
@@ -85,10 +88,15 @@ def _series(session: InferenceSession) -> str:
     return f'namespace="{session.namespace}",{label}="{session.name}"'
 
 
-def miss_ratio_query(session: InferenceSession) -> str:
+def capacity_miss_query(session: InferenceSession) -> str:
+    """The session's capacity-miss ratio; no traffic makes it 0/0 (no value), and KEDA holds."""
     sel = _series(session)
-    return (f"1 - (sum(rate({_HITS}{{{sel}}}[{RATE_WINDOW}])) / "
-            f"sum(rate({_QUERIED}{{{sel}}}[{RATE_WINDOW}])))")
+    return (f"sum(rate({_CAPACITY_MISSES}{{{sel}}}[{RATE_WINDOW}])) / "
+            f"sum(rate({_QUERIED}{{{sel}}}[{RATE_WINDOW}]))")
+
+
+def queue_query(session: InferenceSession) -> str:
+    return f"sum({QUEUE_METRIC}{{{_series(session)}}})"
 
 
 def build_scaled_object(session: InferenceSession, settings: OperatorSettings) -> dict[str, Any]:
@@ -96,13 +104,13 @@ def build_scaled_object(session: InferenceSession, settings: OperatorSettings) -
     address = scaling.prometheus_address or settings.prometheus_url
     triggers: list[dict[str, Any]] = [{
         "type": "prometheus",
-        "name": "cache-miss-ratio",
+        "name": "capacity-miss-ratio",
         # Value, not AverageValue: a ratio does not grow with the number of pods.
         "metricType": "Value",
         "metadata": {
             "serverAddress": address,
-            "query": miss_ratio_query(session),
-            "threshold": str(_miss_target(scaling)),
+            "query": capacity_miss_query(session),
+            "threshold": str(scaling.target_capacity_miss_ratio),
             "ignoreNullValues": "true",
         },
     }]
@@ -113,7 +121,7 @@ def build_scaled_object(session: InferenceSession, settings: OperatorSettings) -
             "metricType": "AverageValue",
             "metadata": {
                 "serverAddress": address,
-                "query": f"sum({QUEUE_METRIC}{{{_series(session)}}})",
+                "query": queue_query(session),
                 "threshold": str(scaling.target_queue_depth),
             },
         })
@@ -144,11 +152,11 @@ def adapter_rules() -> dict[str, Any]:
         {
             "seriesQuery": f'{_QUERIED}{{namespace!="",pod!=""}}',
             "resources": pods,
-            "name": {"matches": f"^{_QUERIED}$", "as": MISS_RATIO_METRIC},
+            "name": {"matches": f"^{_QUERIED}$", "as": CAPACITY_MISS_METRIC},
             # No traffic makes this 0/0: the adapter then returns no value and the HPA holds.
             "metricsQuery": (
-                f"clamp_min(1 - (sum by (<<.GroupBy>>) (rate({_HITS}{{<<.LabelMatchers>>}}[{RATE_WINDOW}])) / "
-                f"sum by (<<.GroupBy>>) (rate(<<.Series>>{{<<.LabelMatchers>>}}[{RATE_WINDOW}]))), 0)"
+                f"sum by (<<.GroupBy>>) (rate({_CAPACITY_MISSES}{{<<.LabelMatchers>>}}[{RATE_WINDOW}])) / "
+                f"sum by (<<.GroupBy>>) (rate(<<.Series>>{{<<.LabelMatchers>>}}[{RATE_WINDOW}]))"
             ),
         },
         {

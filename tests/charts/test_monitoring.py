@@ -22,7 +22,8 @@ from tests.charts.live_stack import LiveStack, exported_names
 PROMETHEUS_SERIES = {"up"}
 # Grafana variables as the test evaluates them: every namespace and session, a rate window of
 # several scrapes (the live Prometheus scrapes every second), the CRD's default hit-rate target.
-GRAFANA_VARS = {"$namespace": ".*", "$session": ".*", "$__rate_interval": "10s", "$target_hit_rate": "0.5"}
+GRAFANA_VARS = {"$namespace": ".*", "$session": ".*", "$__rate_interval": "10s", "$target_hit_rate": "0.5",
+                "$target_capacity_miss_ratio": "0.1"}
 
 
 def dashboards() -> dict[str, dict[str, Any]]:

@@ -10,7 +10,7 @@ import pytest
 
 from mambaserve.operator import names
 from mambaserve.operator.builders import adapter_rules, build_session_children, build_tier_claim, server_args
-from mambaserve.operator.builders.autoscaling import MISS_RATIO_METRIC, QUEUE_METRIC
+from mambaserve.operator.builders.autoscaling import CAPACITY_MISS_METRIC, QUEUE_METRIC
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import parse_cache_tier, parse_session, session_problems
 from tests.operator.conftest import DATA, ROOT, load_yaml, sample
@@ -196,8 +196,8 @@ def test_autoscaled_session_with_shared_tier() -> None:
     assert hpa["scaleTargetRef"] == {"apiVersion": "mambaserve.io/v1alpha1", "kind": "InferenceSession",
                                      "name": "chat"}
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 8)
-    assert hpa["metrics"][0]["pods"] == {"metric": {"name": MISS_RATIO_METRIC},
-                                         "target": {"type": "AverageValue", "averageValue": "400m"}}
+    assert hpa["metrics"][0]["pods"] == {"metric": {"name": CAPACITY_MISS_METRIC},
+                                         "target": {"type": "AverageValue", "averageValue": "50m"}}
     assert hpa["metrics"][1]["pods"]["metric"]["name"] == QUEUE_METRIC
     assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 900
 
@@ -259,11 +259,13 @@ def test_keda_session_with_per_pod_tier_runs_as_statefulset() -> None:
 
     so = children["ScaledObject", "agents"]["spec"]
     assert so["scaleTargetRef"]["kind"] == "InferenceSession"
-    assert (so["minReplicaCount"], so["maxReplicaCount"]) == (0, 4)
+    assert (so["minReplicaCount"], so["maxReplicaCount"]) == (1, 4)
     trigger = so["triggers"][0]
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
-    assert trigger["metadata"]["threshold"] == "0.5"
-    assert "mambaserve_prefix_cache_hit_tokens_total" in trigger["metadata"]["query"]
+    assert trigger["metadata"]["threshold"] == "0.1"
+    # capacity misses over queried tokens: compulsory misses (never-seen prefixes) do not scale
+    assert trigger["metadata"]["query"].startswith("sum(rate(mambaserve_prefix_cache_capacity_miss_tokens_total{")
+    assert "mambaserve_prefix_cache_hit_tokens_total" not in trigger["metadata"]["query"]
     assert 'mambaserve_io_session="agents"' in trigger["metadata"]["query"]
     assert ("HorizontalPodAutoscaler", "agents") not in children
     router = children["Deployment", "agents-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -381,7 +383,7 @@ def test_server_flags_are_the_documented_ones(scenario: str) -> None:
 def test_metric_names_are_the_documented_ones() -> None:
     from mambaserve.operator import status
     from mambaserve.operator.builders import autoscaling
-    for metric in (status.HIT_RATE, status.SESSIONS_OPEN, QUEUE_METRIC, autoscaling._HITS, autoscaling._QUERIED,
+    for metric in (status.HIT_RATE, status.SESSIONS_OPEN, QUEUE_METRIC, autoscaling._CAPACITY_MISSES, autoscaling._QUERIED,
                    "mambaserve_operator_reconciles_total", "mambaserve_operator_reconcile_errors_total",
                    "mambaserve_operator_reconcile_duration_seconds"):
         assert f"`{metric}`" in INTERFACE, metric
@@ -390,7 +392,7 @@ def test_metric_names_are_the_documented_ones() -> None:
 def test_adapter_rules_serve_the_metrics_the_hpa_asks_for() -> None:
     rules = adapter_rules()["rules"]
     served = {r["name"]["as"] for r in rules}
-    assert served == {MISS_RATIO_METRIC, QUEUE_METRIC}
+    assert served == {CAPACITY_MISS_METRIC, QUEUE_METRIC}
     for rule in rules:
         assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
         assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]

@@ -109,7 +109,9 @@ def _tier(name: str = "t1", **spec: Any) -> dict[str, Any]:
 
 INVALID_SESSIONS = [
     ("min>max", _session(autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2}), "minReplicas must be less"),
-    ("hpa to zero", _session(autoscaling={"enabled": True, "minReplicas": 0}), "at least 1 with engine hpa"),
+    ("hpa to zero", _session(autoscaling={"enabled": True, "minReplicas": 0}), "come from the server pods"),
+    ("keda to zero", _session(autoscaling={"enabled": True, "engine": "keda", "minReplicas": 0}),
+     "minReplicas must be at least 1"),
     ("bad source scheme", _session(model={"source": "s3://bucket/model"}), "model.source must be"),
     ("hf without name", _session(model={"source": "hf://org"}), "model.source must be"),
     ("relative path", _session(model={"source": "models/m"}), "model.source must be"),
@@ -117,7 +119,7 @@ INVALID_SESSIONS = [
     ("track without extra_buffer", _session(server={"trackInterval": 64}), "needs cacheStrategy extra_buffer"),
     ("bad enum", _session(server={"cacheStrategy": "everything"}), "cacheStrategy"),
     ("negative replicas", _session(replicas=-1), "replicas"),
-    ("hit rate 1", _session(autoscaling={"targetCacheHitRate": 1.0}), "targetCacheHitRate"),
+    ("capacity-miss target 0", _session(autoscaling={"targetCapacityMissRatio": 0}), "targetCapacityMissRatio"),
     ("unknown field", _session(gpus=2), "Additional properties"),
     ("router policy", _session(router={"policy": "sticky"}), "policy"),
     ("toleration Exists+value", _session(placement={"tolerations": [{"key": "k", "operator": "Exists",
@@ -192,7 +194,8 @@ VALID_EDGE_CASES = [
     _session(model={"source": "hf://org/name@v1.0/sub"}),
     _session(model={"source": "pvc://weights"}),
     _session(model={"source": "pvc://weights/dir/model"}),
-    _session(autoscaling={"enabled": True, "engine": "keda", "minReplicas": 0, "maxReplicas": 3}),
+    _session(autoscaling={"enabled": True, "engine": "keda", "minReplicas": 1, "maxReplicas": 3}),
+    _session(replicas=0, autoscaling={"enabled": False, "minReplicas": 0}),  # parked by hand: allowed
     _session(autoscaling={"enabled": False, "minReplicas": 9, "maxReplicas": 2}),  # not checked while disabled
     _session(server={"cacheStrategy": "extra_buffer", "trackInterval": 256, "extraArgs": ["--seed", "7"]}),
     _session(resources={"gpus": 0, "requests": {"cpu": 2, "memory": "8Gi"}}),

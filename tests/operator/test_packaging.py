@@ -71,7 +71,7 @@ def test_bad_monitor_labels_are_refused(capsys) -> None:  # type: ignore[no-unty
 def test_adapter_rules_subcommand(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["adapter-rules"]) == 0
     rules = yaml.safe_load(capsys.readouterr().out)["rules"]
-    assert {r["name"]["as"] for r in rules} == {"mambaserve_cache_miss_ratio", "mambaserve_num_waiting_requests"}
+    assert {r["name"]["as"] for r in rules} == {"mambaserve_cache_capacity_miss_ratio", "mambaserve_num_waiting_requests"}
 
 
 def test_module_entry_point_runs() -> None:

@@ -402,7 +402,7 @@ def test_notes_give_the_next_commands(rendered: dict[str, Rendered]) -> None:
     namespaced = rendered["namespaced"].notes
     assert "watching llm, batch" in namespaced and "kubectl -n llm apply" in namespaced
     on = rendered["clusterwide-monitoring-on"].notes
-    assert "serverPodMonitor.enabled=true" not in on and "mambaserve_cache_miss_ratio" in on
+    assert "serverPodMonitor.enabled=true" not in on and "mambaserve_cache_capacity_miss_ratio" in on
 
 
 def test_readme_documents_the_crd_upgrade_path_and_missing_metrics() -> None:

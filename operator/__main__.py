@@ -1,7 +1,8 @@
 """``python -m mambaserve.operator`` / ``mambaserve-operator``.
 
 Subcommands besides running: ``adapter-rules`` prints the prometheus-adapter rules the HPA engine
-needs; ``render -f FILE`` prints the objects InferenceSessions and CacheTiers become (render.py). The operator runs as a single replica (a ``Recreate`` Deployment) in standalone mode: no
+needs; ``render -f FILE`` prints the objects InferenceSessions and CacheTiers become (render.py);
+``release-finalizers`` stops the operator and removes its finalizers (the chart's uninstall hook). The operator runs as a single replica (a ``Recreate`` Deployment) in standalone mode: no
 Kopf peering, so two operators never fight over the same objects and there are no peering CRDs.
 """
 
@@ -50,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["render"]:
         from mambaserve.operator import render  # offline: no Kopf, no API connection
         return render.main(args[1:])
+    if args[:1] == ["release-finalizers"]:
+        from mambaserve.operator import uninstall  # the chart's pre-delete hook
+        return uninstall.main(args[1:])
     if args[:1] == ["run"]:
         args = args[1:]
     settings = parse_settings(args)

@@ -35,6 +35,11 @@ class OperatorSettings:
     router_image: str = "lmsysorg/sgl-model-gateway:v0.3.2"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     service_monitors: bool = False  # only when prometheus-operator's CRDs are installed
+    # Kopf's finalizer on InferenceSessions and CacheTiers: deletion waits for the operator's cleanup
+    # (children deleted at once, a CacheTier held while sessions use it). Off: deletions never wait
+    # for the operator; owner references let the garbage collector remove the children, and a
+    # CacheTier in use can be deleted (its sessions then report CacheTierBound=False, NotFound).
+    finalizers: bool = True
     # Labels of the ServiceMonitors the operator creates. A kube-prometheus-stack Prometheus selects
     # monitors labelled `release: <its Helm release name>`; "kube-prometheus-stack" is the usual one.
     monitor_labels: tuple[tuple[str, str], ...] = (("release", "kube-prometheus-stack"),)
@@ -84,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="watch only this namespace (repeatable); default: all namespaces")
     parser.add_argument("--service-monitors", action=argparse.BooleanOptionalAction, default=None,
                         help="create ServiceMonitors (needs prometheus-operator CRDs)")
+    parser.add_argument("--finalizers", action=argparse.BooleanOptionalAction, default=None,
+                        help="hold deletions of InferenceSessions and CacheTiers for the operator's cleanup "
+                             "(default: on; the chart's uninstall hook removes them)")
     parser.add_argument("--monitor-labels", default=None, metavar="K=V[,K=V...]",
                         help="labels of the ServiceMonitors, for the Prometheus that selects them "
                              "(default: release=kube-prometheus-stack; empty: none)")
@@ -122,6 +130,12 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
         monitors = env[_env_name("service-monitors")].lower() in ("1", "true", "yes", "on")
     if monitors is not None:
         values["service_monitors"] = monitors
+
+    finalizers = args.finalizers
+    if finalizers is None and _env_name("finalizers") in env:
+        finalizers = env[_env_name("finalizers")].lower() in ("1", "true", "yes", "on")
+    if finalizers is not None:
+        values["finalizers"] = finalizers
 
     labels = args.monitor_labels
     if labels is None:

@@ -43,13 +43,17 @@ class Rendered:
         self.manifests = manifests
         self.notes = next((v for k, v in manifests.items() if k.endswith("NOTES.txt")), "")
         self.objects: list[dict[str, Any]] = []
+        # Hooks (helm.sh/hook) run at their event and are not part of the release's resources, as
+        # Helm treats them: kept apart so that the operator's objects are counted as installed.
+        self.hooks: list[dict[str, Any]] = []
         for path, text in manifests.items():
             if path.endswith(".txt"):
                 continue
             for doc in yaml.safe_load_all(text):
                 if doc:
                     doc.setdefault("metadata", {})
-                    self.objects.append(doc)
+                    hook = "helm.sh/hook" in (doc["metadata"].get("annotations") or {})
+                    (self.hooks if hook else self.objects).append(doc)
 
     def kinds(self) -> list[str]:
         return sorted(o["kind"] for o in self.objects)

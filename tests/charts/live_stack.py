@@ -87,6 +87,9 @@ class Emulator:
                 import aiohttp.web
                 refused = outer._authorize(raw_request.method, raw_request.path, dict(raw_request.query),
                                            raw_request.headers.get("User-Agent", ""))
+                if refused is None and raw_request.method in ("POST", "PATCH", "PUT") and raw_request.can_read_body:
+                    refused = outer._authorize_owners(raw_request.path, await raw_request.read(),
+                                                      raw_request.headers.get("User-Agent", ""))
                 if refused is not None:
                     return aiohttp.web.json_response(status=403, data={
                         "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
@@ -108,6 +111,7 @@ class Emulator:
         self.denied: list[str] = []
         self.failing: set[tuple[str, str]] = set()
         self.answered: list[dict[str, Any]] = []  # requests answered here rather than by kmock
+        self.implied: list[dict[str, Any]] = []  # accesses admission checked on the operator's behalf
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="kmock", daemon=True)
         self.thread.start()
@@ -138,6 +142,30 @@ class Emulator:
             return None
         self.denied.append(str(access))
         return f"{access} is forbidden by the chart's RBAC"
+
+    def _authorize_owners(self, path: str, raw: bytes, agent: str) -> str | None:
+        """OwnerReferencesPermissionEnforcement (on in OpenShift): blockOwnerDeletion needs update
+        on the owner's finalizers. Checked accesses are recorded as requests the operator made."""
+        import json
+
+        from tests.charts.rbac import access_of, owner_reference_accesses
+
+        if self.authorizer is None or agent.startswith("kmock/"):
+            return None
+        target = access_of("POST", path, {})
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError:
+            return None
+        for access in owner_reference_accesses(body, target.namespace if target else None):
+            self.implied.append({"method": "PUT", "agent": agent, "params": {},
+                                 "path": f"/apis/{access.group}/v1alpha1/namespaces/{access.namespace}/"
+                                         f"{access.resource.split('/')[0]}/{access.name}/finalizers"})
+            if not self.authorizer.allows(access):
+                self.denied.append(str(access))
+                return (f"cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set "
+                        f"finalizers on: {access} is forbidden by the chart's RBAC")
+        return None
 
     NAMESPACES = ("default", "llm", "other", "mambaserve-system")
 
@@ -188,7 +216,7 @@ class Emulator:
         async def collect() -> list[dict[str, Any]]:
             return [{"method": http_method(r), "path": r.url.path, "params": dict(r.params),
                      "agent": (r.headers or {}).get("User-Agent", "")} for r in self.kmock]
-        return self.call(collect()) + list(self.answered)
+        return self.call(collect()) + list(self.answered) + list(self.implied)
 
     def close(self) -> None:
         async def stop() -> None:

@@ -99,3 +99,24 @@ class Authorizer:
         """Every (group, resource, verb) the rules name."""
         return {(g, r, v) for _, rule in self.grants for g in rule["apiGroups"] for r in rule["resources"]
                 for v in rule["verbs"]}
+
+
+def owner_reference_accesses(body: Any, namespace: str | None) -> list[Access]:
+    """What OpenShift's OwnerReferencesPermissionEnforcement admission plugin checks on a write:
+    an owner reference with ``blockOwnerDeletion: true`` needs ``update`` on the owner's
+    ``finalizers`` subresource (owners here are the operator's own kinds, named by plural)."""
+    if isinstance(body, list):  # a JSON patch: the values it writes
+        values = [op.get("value") for op in body if isinstance(op, Mapping)]
+        refs = [r for v in values if isinstance(v, list) for r in v if isinstance(r, Mapping) and "uid" in r]
+    elif isinstance(body, Mapping):
+        refs = list(((body.get("metadata") or {}).get("ownerReferences")) or [])
+    else:
+        refs = []
+    out = []
+    for ref in refs:
+        if not ref.get("blockOwnerDeletion"):
+            continue
+        group = ref["apiVersion"].rpartition("/")[0]
+        plural = ref["kind"].lower() + "s"
+        out.append(Access("update", group, f"{plural}/finalizers", namespace, ref.get("name")))
+    return out

@@ -123,3 +123,25 @@ def test_authorizer_refuses_what_the_rules_do_not_name() -> None:
     ]:
         assert not auth.allows(access_of(method, path, params)), (method, path)
     assert access_of("GET", "/apis/mambaserve.io/v1alpha1", {}) is None  # discovery
+
+
+def test_owner_references_pass_owner_reference_permission_enforcement() -> None:
+    """OpenShift refuses an owner reference with blockOwnerDeletion unless the writer may update the
+    owner's finalizers. The operator's children carry such references (its owner references block
+    foreground deletion until they are gone), so the chart grants exactly that update; without the
+    grant the emulated plugin refuses the write (the live test above runs the operator under it)."""
+    from mambaserve.operator import names
+    from tests.charts.rbac import owner_reference_accesses
+
+    child = {"metadata": {"ownerReferences": [names.owner_reference("InferenceSession", "chat", "u1")]}}
+    [access] = owner_reference_accesses(child, "llm")
+    assert str(access) == "update mambaserve.io/inferencesessions/finalizers in llm"
+    claim = {"metadata": {"ownerReferences": [names.owner_reference("CacheTier", "shared", "u2")]}}
+    patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": claim["metadata"]["ownerReferences"]}]
+    assert str(owner_reference_accesses(patch, "llm")[0]) == "update mambaserve.io/cachetiers/finalizers in llm"
+    rendered = render()
+    assert authorizer(rendered).allows(access)
+    without = [{**o, "rules": [r for r in o["rules"] if not any(x.endswith("/finalizers") for x in r["resources"])]}
+               if o["kind"] == "ClusterRole" else o for o in rendered.objects]
+    account = rendered.one("ServiceAccount")["metadata"]
+    assert not Authorizer(without, account["name"], account["namespace"]).allows(access)

@@ -96,6 +96,11 @@ real operator and checks every request it makes against these rules.
 - apiGroups: ["mambaserve.io"]
   resources: ["cachetiers"]
   verbs: ["get", "list", "watch", "patch"]
+# Owner references with blockOwnerDeletion: where the OwnerReferencesPermissionEnforcement admission
+# plugin is on (OpenShift), setting one needs update on the owner's finalizers subresource.
+- apiGroups: ["mambaserve.io"]
+  resources: ["inferencesessions/finalizers", "cachetiers/finalizers"]
+  verbs: ["update"]
 # Status is a subresource of both CRDs; the operator writes it and nothing else does.
 - apiGroups: ["mambaserve.io"]
   resources: ["inferencesessions/status", "cachetiers/status"]

@@ -39,6 +39,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("v1", "Pod", "pods"),
     Kind("apps/v1", "Deployment", "deployments"),
     Kind("apps/v1", "StatefulSet", "statefulsets"),
+    Kind("batch/v1", "Job", "jobs"),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
@@ -52,7 +53,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
 # Kinds an InferenceSession may own; stale ones are pruned by label and owner uid.
 SESSION_CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget",
                        "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor",
-                       "ServiceAccount", "Role", "RoleBinding")
+                       "ServiceAccount", "Role", "RoleBinding", "Job", "PersistentVolumeClaim")
 
 # Top-level spec keys of a StatefulSet that the API server lets change; the rest need a new object.
 _STATEFULSET_MUTABLE = ("replicas", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy",
@@ -314,6 +315,8 @@ def _update_ops(desired: Mapping[str, Any], live: Mapping[str, Any]) -> list[dic
             for sub, sub_value in value.items():
                 if desired["kind"] == "StatefulSet" and sub not in _STATEFULSET_MUTABLE:
                     continue
+                if desired["kind"] == "Job":
+                    continue  # a Job's spec is fixed (the immutable hash recreates it); the API server adds to it
                 ops.append({"op": "add", "path": _pointer("spec", sub), "value": sub_value})
         else:
             ops.append({"op": "add", "path": _pointer(key), "value": value})

@@ -37,6 +37,14 @@ def router(name: str) -> str:
     return f"{name}-router"
 
 
+def model_claim(name: str) -> str:
+    return f"{name}-model"
+
+
+def model_job(name: str) -> str:
+    return f"{name}-model-download"
+
+
 def tier_claim(tier_name: str) -> str:
     return f"{tier_name}-storage"
 

@@ -37,12 +37,30 @@ def _get(mapping: Mapping[str, Any] | None, key: str, default: Any = None) -> An
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelCache:
+    """A claim the session's hf:// model is downloaded into once and that every pod mounts read-only."""
+    enabled: bool = False
+    size: str | None = None
+    storage_class_name: str | None = None
+    access_mode: str = "ReadWriteMany"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDownload:
+    allow_patterns: tuple[str, ...] = ()  # empty: the server's own list (mambaserve.server.model_download)
+    requests: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
+    limits: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSource:
     source: str
     served_name: str | None = None
     token_secret: str | None = None
     token_key: str = "token"
     download_size_limit: str = "64Gi"
+    cache: ModelCache = ModelCache()
+    download: ModelDownload = ModelDownload()
 
     @property
     def scheme(self) -> str:
@@ -262,6 +280,17 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             token_secret=token.get("name"),
             token_key=_get(token, "key", "token"),
             download_size_limit=_get(model, "downloadSizeLimit", "64Gi"),
+            cache=ModelCache(
+                enabled=bool(_get(model.get("cache"), "enabled", False)),
+                size=(model.get("cache") or {}).get("size"),
+                storage_class_name=(model.get("cache") or {}).get("storageClassName"),
+                access_mode=_get(model.get("cache"), "accessMode", "ReadWriteMany"),
+            ),
+            download=ModelDownload(
+                allow_patterns=tuple((model.get("download") or {}).get("allowPatterns") or ()),
+                requests=dict(((model.get("download") or {}).get("resources") or {}).get("requests") or {}),
+                limits=dict(((model.get("download") or {}).get("resources") or {}).get("limits") or {}),
+            ),
         ),
         replicas=int(_get(spec, "replicas", 1)),
         image=spec.get("image") or None,
@@ -393,6 +422,13 @@ def session_problems(session: InferenceSession, tier: CacheTier | None) -> list[
         problems.append(Problem("PersistenceNeedsStorage",
                                 "sessions.persist needs a cacheTierRef whose CacheTier has storage enabled; "
                                 "sessions will not survive restarts"))
+    cache = session.model.cache
+    if session.model.scheme == "hf" and cache.enabled and cache.access_mode == "ReadWriteOnce":
+        most = session.autoscaling.max_replicas if session.autoscaling.enabled else session.replicas
+        if most > 1:
+            problems.append(Problem("ModelCacheSingleNode",
+                                    f"model.cache is ReadWriteOnce but up to {most} pods mount it: pods on other "
+                                    "nodes than the download Job's cannot start (use ReadWriteMany)"))
     if tier is not None and tier.storage.enabled and tier.storage.existing_claim \
             and tier.storage.access_mode != "ReadWriteMany":
         most = session.autoscaling.max_replicas if session.autoscaling.enabled else session.replicas

@@ -7,6 +7,7 @@ from typing import Any
 from mambaserve.operator.builders.autoscaling import adapter_rules, build_hpa, build_scaled_object
 from mambaserve.operator.builders.config import build_config_map
 from mambaserve.operator.builders.disruption import build_pdb
+from mambaserve.operator.builders.model import build_model_claim, build_model_job, uses_cache
 from mambaserve.operator.builders.monitoring import build_router_monitor, build_service_monitor
 from mambaserve.operator.builders.router import (build_router_deployment, build_router_pdb, build_router_role,
                                                  build_router_role_binding, build_router_service_account)
@@ -25,7 +26,11 @@ def build_session_children(session: InferenceSession, tier: CacheTier | None,
 
     Anything the session owns that is not in this list is stale and gets deleted.
     """
-    children = [
+    children = []
+    if uses_cache(session):
+        # Before the workload: its pods mount the claim and wait for the Job's download.
+        children += [build_model_claim(session), build_model_job(session, session.image or settings.server_image)]
+    children += [
         build_config_map(session, tier),
         build_headless_service(session),
         build_workload(session, tier, settings),

@@ -9,13 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from mambaserve.operator import names
-from mambaserve.operator.builders import pod
+from mambaserve.operator.builders import model, pod
 from mambaserve.operator.builders.common import session_metadata
 from mambaserve.operator.builders.overrides import apply_pod_template
 from mambaserve.operator.settings import SERVER_PORT, OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession, quantity_bytes
 
-MODEL_DIR = "/models"
 CACHE_VOLUME = "cache"
 HOME_DIR = "/var/lib/mambaserve/home"
 # Session snapshots go to the storage tier when the CacheTier has one, else to an emptyDir here.
@@ -38,12 +37,7 @@ SPREAD_KEYS = ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
 
 
 def model_path(session: InferenceSession) -> str:
-    model = session.model
-    if model.scheme == "hf":
-        return f"{MODEL_DIR}/{model.hf_repo.split('/')[-1]}"
-    if model.scheme == "pvc":
-        return f"{MODEL_DIR}/{model.pvc_path}".rstrip("/") if model.pvc_path else MODEL_DIR
-    return model.source
+    return model.model_dir(session)
 
 
 def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
@@ -160,37 +154,6 @@ def _scratch() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             [pod.mount(name, path) for name, path, _ in SCRATCH])
 
 
-def _model_volume_and_init(session: InferenceSession, image: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """Volumes, mounts and init containers that make the model available at model_path()."""
-    model = session.model
-    if model.scheme == "pvc":
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": model.pvc_claim, "readOnly": True}}
-        return [volume], [pod.mount("model", MODEL_DIR, read_only=True)], []
-    if model.scheme == "hf":
-        volume = pod.empty_dir("model", model.download_size_limit)
-        env: list[dict[str, Any]] = [*runtime_env(), {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
-        if model.token_secret:
-            env.append({"name": "HF_TOKEN", "valueFrom": {
-                "secretKeyRef": {"name": model.token_secret, "key": model.token_key}}})
-        # huggingface_hub ships with the server image (transformers depends on it); calling its
-        # Python API avoids depending on which CLI name (huggingface-cli / hf) the image has.
-        download = {
-            "name": "model-download",
-            "image": image,
-            "imagePullPolicy": session.image_pull_policy,
-            "command": ["python3", "-c",
-                        "import sys; from huggingface_hub import snapshot_download; "
-                        "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])",
-                        model.hf_repo, model.hf_revision, model_path(session)],
-            "env": env,
-            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
-            "volumeMounts": [pod.mount("model", MODEL_DIR), *_scratch()[1]],
-            "securityContext": pod.container_security_context(),
-        }
-        return [volume], [pod.mount("model", MODEL_DIR, read_only=True)], [download]
-    return [], [], []
-
-
 def _placement(session: InferenceSession) -> dict[str, Any]:
     placement, spec = session.placement, {}
     if placement.node_selector:
@@ -216,7 +179,7 @@ def _placement(session: InferenceSession) -> dict[str, Any]:
 
 def pod_template(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings) -> dict[str, Any]:
     image = session.image or settings.server_image
-    volumes, mounts, init = _model_volume_and_init(session, image)
+    volumes, mounts, init = model.model_volumes(session, image)
     scratch_volumes, scratch_mounts = _scratch()
     volumes += scratch_volumes
     mounts += scratch_mounts

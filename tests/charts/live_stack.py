@@ -369,6 +369,7 @@ def operator_objects() -> list[dict[str, Any]]:
 
     chat = sample("inferencesession-autoscaled")  # HPA, router (SA, Role, RoleBinding), shared tier
     chat["spec"]["model"].pop("tokenSecretRef", None)
+    chat["spec"]["model"]["cache"] = {"enabled": True, "size": "20Gi"}  # a model claim and its download Job
     faulty = sample("inferencesession-minimal")
     faulty["metadata"]["name"] = "faulty"
     # agents: KEDA and a per-pod storage tier, so a StatefulSet.

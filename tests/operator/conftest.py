@@ -70,6 +70,7 @@ EMULATED = [
     ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True, ["status"]),
     ("apps/v1/deployments", "Deployment", True, ["status", "scale"]),
     ("apps/v1/statefulsets", "StatefulSet", True, ["status", "scale"]),
+    ("batch/v1/jobs", "Job", True, ["status"]),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, ["status"]),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, ["status"]),
     ("rbac.authorization.k8s.io/v1/roles", "Role", True, []),

@@ -139,11 +139,15 @@ real operator and checks every request it makes against these rules.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "create", "patch", "delete"]
-# A CacheTier's shared storage claim: created once, never patched (a bound claim's spec is fixed),
-# deleted with the tier.
+# Claims: a CacheTier's shared storage claim and a session's model cache. Created once, never
+# patched (a bound claim's spec is fixed), deleted with their owner; model caches are pruned by label.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "list", "create", "delete"]
+# The Job that downloads a session's model into its model cache claim (re-created on a new revision).
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 {{- end -}}
 
 {{/*

@@ -47,7 +47,7 @@ class ModelCache:
 
 @dataclasses.dataclass(frozen=True)
 class ModelDownload:
-    allow_patterns: tuple[str, ...] = ()  # empty: the server's own list (mambaserve.server.model_download)
+    allow_patterns: tuple[str, ...] = ()  # empty: the server's own list (mambaserve.server.model.download)
     requests: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
     limits: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
 

@@ -9,7 +9,7 @@
 - ``hf://`` without the cache: each pod downloads into an emptyDir in an init container (no shared
   storage needed, but every pod start downloads again).
 
-Downloads run ``python -m mambaserve.server.model_download`` from the server image: restricted
+Downloads run ``python -m mambaserve.server.model.download`` from the server image: restricted
 security context, bounded resources, a Hugging Face token from a Secret when given.
 """
 
@@ -23,7 +23,7 @@ from mambaserve.operator.builders.common import session_metadata
 from mambaserve.operator.spec import InferenceSession
 
 MODEL_DIR = "/models"
-# Written last by mambaserve.server.model_download (its MARKER); a test keeps the two equal.
+# Written last by mambaserve.server.model.download (its MARKER); a test keeps the two equal.
 DOWNLOAD_MARKER = ".mambaserve-download-complete"
 HOME_DIR = "/var/lib/mambaserve/home"
 # The download is network- and disk-bound: one core; memory for huggingface_hub's buffers and
@@ -79,7 +79,7 @@ def _scratch() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 def download_container(session: InferenceSession, image: str, volume: str) -> dict[str, Any]:
     model = session.model
-    command = ["python3", "-m", "mambaserve.server.model_download", model.hf_repo, model.hf_revision,
+    command = ["python3", "-m", "mambaserve.server.model.download", model.hf_repo, model.hf_revision,
                model_dir(session)]
     for pattern in model.download.allow_patterns:
         command += ["--allow", pattern]

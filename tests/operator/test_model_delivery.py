@@ -16,7 +16,7 @@ from mambaserve.operator.builders.model import DOWNLOAD_MARKER
 from mambaserve.operator.crd_schema import admit
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import parse_session, session_problems
-from mambaserve.server import model_download
+from mambaserve.server.model import download as model_download
 from tests.operator.conftest import Cluster, eventually, load_crd, sample
 from tests.operator.kube_versions import SUPPORTED
 from tests.operator.pod_security import restricted_violations, writable_root_filesystems
@@ -46,7 +46,7 @@ def test_model_cache_is_one_claim_one_download_job_and_read_only_pods() -> None:
     assert claim["metadata"]["ownerReferences"][0]["kind"] == "InferenceSession"
     # The Job downloads only what the server loads, with bounded resources and the token from its Secret.
     (download,) = job["spec"]["template"]["spec"]["containers"]
-    assert download["command"] == ["python3", "-m", "mambaserve.server.model_download", "state-spaces/mamba2-130m",
+    assert download["command"] == ["python3", "-m", "mambaserve.server.model.download", "state-spaces/mamba2-130m",
                                    "r1", "/models/state-spaces--mamba2-130m/r1"]
     assert download["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in download["env"]
@@ -82,7 +82,7 @@ def test_download_settings_and_the_per_pod_download() -> None:
     assert not any(kind in ("Job", "PersistentVolumeClaim") for kind, _ in objs)
     pod = objs["Deployment", "tiny"]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["command"][:3] == ["python3", "-m", "mambaserve.server.model_download"]
+    assert init["command"][:3] == ["python3", "-m", "mambaserve.server.model.download"]
     assert init["resources"]["limits"] == {"memory": "8Gi"}
     assert {"name": "model", "emptyDir": {"sizeLimit": "64Gi"}} in pod["volumes"]
     for version in SUPPORTED:

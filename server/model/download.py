@@ -1,4 +1,4 @@
-"""``python -m mambaserve.server.model_download REPO REVISION DEST``: fetch only what the server loads.
+"""``python -m mambaserve.server.model.download REPO REVISION DEST``: fetch only what the server loads.
 
 What the operator's model-download Job and init container run (in the server image, which has
 ``huggingface_hub`` through ``transformers``). Only the files the server reads are fetched
@@ -73,7 +73,7 @@ def download(repo: str, revision: str, dest: str, allow: Sequence[str] = ALLOW,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mambaserve.server.model_download",
+    parser = argparse.ArgumentParser(prog="python -m mambaserve.server.model.download",
                                      description="Download the files of a checkpoint the server loads.")
     parser.add_argument("repo")
     parser.add_argument("revision")

@@ -61,6 +61,7 @@ _NOTEWORTHY = {
     ("Autoscaling", "True"): "Normal",
     ("Autoscaling", "False"): "Warning",
     ("InUse", "True"): "Normal",
+    ("ModelReady", "True"): "Normal",
 }
 
 

@@ -18,7 +18,7 @@ _CONFIG = {"CreateContainerConfigError", "CreateContainerError", "RunContainerEr
 
 # Most actionable first: a refused pod never exists, an image that never pulls never starts, ...
 PRIORITY = ("AdmissionRefused", "ImagePullFailed", "ContainerConfigError", "CrashLoopBackOff", "Unschedulable",
-            "ProgressDeadlineExceeded")
+            "ProgressDeadlineExceeded", "WaitingForModel")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,13 +106,21 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
         if session.router.enabled else None
     pods = await kube.list("Pod", session.namespace, names.server_selector(session.name))
     observed = observe(workload, await scrape(pods, settings.metrics_timeout))
+    model = await _model_condition(kube, session)
     reasons = diagnose(workload, pods)
+    if model is not None and model.status != "True":
+        # The download's own pods (image pull, crash loop, scheduling) explain the wait too.
+        reasons += [r for r in diagnose(None, await kube.list("Pod", session.namespace, _download_selector(session)))
+                    if r.reason not in {x.reason for x in reasons}]
 
+    if model is not None and model.status != "True" and not reasons:
+        reasons = [PodReason("WaitingForModel", model.message)]
     conds = [
         *_readiness(session, observed, workload is not None, binding, reasons),
         _degraded(problems),
         binding.condition,
         _router_condition(session, router),
+        *([model] if model is not None else []),
         _autoscaling_condition(session, missing_kinds),
     ]
     merged = conditions.merge(previous, conds, session.generation)
@@ -126,7 +134,7 @@ def _pod_events(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -
     out: list[Event] = []
     for type_ in ("Ready", "Progressing"):
         now, before = conditions.find(current, type_), conditions.find(previous, type_)
-        if now is None or now["reason"] not in POD_REASONS:
+        if now is None or now["reason"] not in POD_REASONS or now["reason"] == "WaitingForModel":
             continue
         if before is not None and (before.get("reason"), before.get("message")) == (now["reason"], now["message"]):
             continue
@@ -134,6 +142,11 @@ def _pod_events(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -
         if event not in out:
             out.append(event)
     return out
+
+
+# Reasons that will not resolve by waiting: the rollout is stuck until someone acts.
+STUCK = frozenset({"AdmissionRefused", "ImagePullFailed", "ContainerConfigError", "CrashLoopBackOff",
+                   "ProgressDeadlineExceeded"})
 
 
 def _explain(ready: int, want: int, reasons: list[PodReason]) -> tuple[str, str]:
@@ -158,12 +171,39 @@ def _readiness(session: InferenceSession, observed: Observed, exists: bool, bind
         # Not serving (or a rollout stuck behind failing pods): say why, in the pods' own words.
         reason, why = _explain(observed.ready_replicas, want, list(reasons))
         return [Condition("Ready", "True", "ReplicasReady", msg) if ready else Condition("Ready", "False", reason, why),
-                Condition("Progressing", "False" if reason != "Unschedulable" else "True", reason, why)]
+                Condition("Progressing", "False" if reason in STUCK else "True", reason, why)]
     return [
         Condition("Ready", "True" if ready else "False", "ReplicasReady" if ready else "ReplicasNotReady", msg),
         Condition("Progressing", "False" if ready and rolled else "True",
                   "Stable" if ready and rolled else "RollingOut", msg),
     ]
+
+
+def _download_selector(session: InferenceSession) -> dict[str, str]:
+    return {names.SESSION_LABEL: session.name, names.COMPONENT_LABEL: "model-download"}
+
+
+async def _model_condition(kube: Kube, session: InferenceSession) -> Condition | None:
+    """ModelReady from the download Job of a model cache; None when the session has no cache."""
+    if not builders.uses_cache(session):
+        return None
+    job = await kube.get("Job", session.namespace, names.model_job(session.name))
+    if job is None:
+        return Condition("ModelReady", "False", "DownloadMissing", "the model download Job does not exist yet")
+    return model_condition(job, session.model.source)
+
+
+def model_condition(job: Mapping[str, Any], source: str) -> Condition:
+    status = job.get("status") or {}
+    for cond in status.get("conditions") or ():
+        if cond.get("type") == "Failed" and cond.get("status") == "True":
+            return Condition("ModelReady", "False", "DownloadFailed",
+                             f"downloading {source} failed: {cond.get('reason') or ''}: {cond.get('message') or ''}")
+    if int(status.get("succeeded") or 0) >= 1:
+        return Condition("ModelReady", "True", "Downloaded", f"{source} is on the model cache claim")
+    failed = int(status.get("failed") or 0)
+    return Condition("ModelReady", "False", "Downloading",
+                     f"downloading {source}" + (f" ({failed} failed attempts so far)" if failed else ""))
 
 
 def _degraded(problems: list[Problem]) -> Condition:

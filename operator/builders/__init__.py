@@ -17,7 +17,7 @@ from mambaserve.operator.builders.storage import build_tier_claim
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession
 
-__all__ = ["adapter_rules", "build_session_children", "build_tier_claim", "server_args", "service_url"]
+__all__ = ["adapter_rules", "build_session_children", "build_tier_claim", "server_args", "service_url", "uses_cache"]
 
 
 def build_session_children(session: InferenceSession, tier: CacheTier | None,

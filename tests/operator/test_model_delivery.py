@@ -177,3 +177,35 @@ async def test_operator_creates_replaces_and_prunes_the_model_download(cluster: 
                      and cluster.get("PersistentVolumeClaim", "tiny-model") is None)
     await eventually(lambda: cluster.get("Deployment", "tiny")["spec"]["template"]["spec"]["initContainers"][0][
         "name"] == "model-download")
+
+
+@pytest.mark.asyncio
+async def test_model_download_progress_and_failures_reach_the_conditions(cluster: Cluster,
+                                                                        start_operator: Any) -> None:
+    await start_operator()
+    body = cached_body()
+    body["metadata"].pop("uid")
+    await cluster.create(body)
+    await eventually(lambda: cluster.get("Job", "tiny-model-download"))
+    model = await eventually(lambda: cluster.condition("InferenceSession", "tiny", "ModelReady"))
+    assert (model["status"], model["reason"]) == ("False", "Downloading")
+    ready = cluster.condition("InferenceSession", "tiny", "Ready")
+    assert ready["reason"] == "WaitingForModel" and "downloading hf://state-spaces/mamba2-130m@r1" in ready["message"]
+    # The downloader's pod cannot pull its image: that is what the session says.
+    await cluster.create({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "tiny-model-download-x7k2p", "labels": names.session_labels("tiny", "model-download")},
+        "spec": {"containers": [{"name": "model-download", "image": "registry.local/mambaserve:1"}]},
+        "status": {"containerStatuses": [{"name": "model-download", "image": "registry.local/mambaserve:1",
+                                          "state": {"waiting": {"reason": "ImagePullBackOff",
+                                                                "message": "unauthorized"}}}]}})
+    await eventually(lambda: cluster.condition("InferenceSession", "tiny", "Ready")["reason"] == "ImagePullFailed")
+    # The Job gives up: ModelReady says why; then a successful retry makes it True.
+    await cluster.patch("Job", "tiny-model-download", {"status": {"failed": 7, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+         "message": "Job has reached the specified backoff limit"}]}}, sub="status")
+    failed = await eventually(lambda: (c := cluster.condition("InferenceSession", "tiny", "ModelReady"))
+                              and c["reason"] == "DownloadFailed" and c)
+    assert "BackoffLimitExceeded" in failed["message"]
+    await cluster.patch("Job", "tiny-model-download", {"status": {"succeeded": 1, "conditions": []}}, sub="status")
+    await eventually(lambda: cluster.condition("InferenceSession", "tiny", "ModelReady")["status"] == "True")
+    assert admit(load_crd("inferencesessions"), cluster.get("InferenceSession", "tiny"))[1] == []

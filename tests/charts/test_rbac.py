@@ -43,7 +43,9 @@ def operator_accesses(requests: list[dict[str, Any]]) -> list[Access]:
 
 
 def test_clusterwide_operator_works_under_the_rendered_rbac_and_uses_every_grant(live: LiveStack) -> None:
-    assert live.scenario.error is None, f"the operator did not finish its scenario: {live.scenario.error}"
+    assert live.scenario.error is None, (f"the operator did not finish its scenario: {live.scenario.error}; "
+                                         f"denied: {sorted(set(live.emulator.denied))}\n"
+                                         f"{live.operator.log.read_text()[-6000:]}")
     assert live.emulator.denied == []
     accesses = operator_accesses(live.emulator.requests())
     used = {(a.group, a.resource, a.verb) for a in accesses}

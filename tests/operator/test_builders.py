@@ -49,6 +49,7 @@ SCENARIOS = {
     "keda+per-pod": lambda: build_session_children(session("inferencesession-keda"),
                                                    tier("cachetier-per-pod"), SETTINGS),
     "platform": lambda: build_session_children(session("inferencesession-platform"), None, SETTINGS),
+    "model-cache": lambda: build_session_children(session("inferencesession-model-cache"), None, SETTINGS),
 }
 
 

@@ -107,3 +107,12 @@ async def test_release_finalizers_keeps_other_finalizers_and_can_be_limited_to_n
         await kube.close()
     assert finalizers(cluster, "InferenceSession", "tiny") == ["example.com/keep"]
     assert FINALIZER in (cluster.get("InferenceSession", "tiny", "other") or {})["metadata"]["finalizers"]
+
+
+async def test_turning_finalizers_off_releases_objects_that_have_one(cluster: Cluster, start_operator: Any) -> None:
+    body = sample("inferencesession-minimal")
+    body["metadata"]["finalizers"] = [FINALIZER]  # left by an operator that ran with finalizers on
+    await cluster.create(body)
+    await start_operator(finalizers=False)
+    await eventually(lambda: cluster.get("Deployment", "tiny"))
+    await eventually(lambda: finalizers(cluster, "InferenceSession", "tiny") == [])

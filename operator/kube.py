@@ -242,8 +242,8 @@ class Kube:
         want = meta.get("annotations") or {}
         if names.IMMUTABLE_HASH in want and live_annotations.get(names.IMMUTABLE_HASH) != want[names.IMMUTABLE_HASH]:
             if kind == "PersistentVolumeClaim":
-                raise ApiError(422, "Immutable", f"claim {name} exists with a different spec; "
-                                                 "delete it or use a new CacheTier")
+                raise ApiError(422, "Immutable", f"claim {name} exists with a different spec (size, class or "
+                                                 "access mode): delete it to have it re-created with the new one")
             # The parts the API server never lets change differ: only a new object can have them.
             await self.delete(kind, namespace, name)
             await self._wait_gone(kind, namespace, name)

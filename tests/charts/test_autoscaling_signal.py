@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from mambaserve.operator.builders.autoscaling import RATE_WINDOW, adapter_rules, build_hpa, build_scaled_object
+from mambaserve.operator.builders.autoscaling import (RATE_WINDOW, adapter_rules, build_hpa, build_scaled_object,
+                                                      queue_query)
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import parse_session
 from tests.charts.live_stack import BIN, SERVER_LABELS, Prometheus, _stop, free_port, model_dir, wait_http
@@ -132,3 +133,7 @@ def test_capacity_misses_scale_and_compulsory_misses_do_not(stack: Any) -> None:
         desired = hpa_desired(scaling.min_replicas, value, scaling.target_capacity_miss_ratio,
                               scaling.min_replicas, scaling.max_replicas)
         assert desired > scaling.min_replicas, (value, desired)
+
+    # The second signal (queue depth) is there too, and an idle server has nothing waiting.
+    [series] = prometheus.query(queue_query(s))
+    assert float(series["value"][1]) == 0.0

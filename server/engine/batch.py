@@ -39,6 +39,9 @@ class ForwardBatch:
     logprob_next: list[int] = field(default_factory=list)
     logprob_owner: list[int] = field(default_factory=list)
     logprob_top: int = 0
+    # hybrid models: each sequence's KV pages in token order, covering start_pos + its new tokens
+    # (a padded decode row, slot -1, has none)
+    pages: list[list[int]] | None = None
 
     @property
     def batch_size(self) -> int:

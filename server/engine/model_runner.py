@@ -18,6 +18,7 @@ from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.model.inputs import BatchTensors
 from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
 from mambaserve.server.engine.sampling import to_device
+from mambaserve.server.engine.kv_pool import KVPool
 from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,10 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Mamba2ForCausalLM, pool: MambaStatePool, device: torch.device):
+    def __init__(self, model: Mamba2ForCausalLM, pool: MambaStatePool, device: torch.device,
+                 kv_pool: KVPool | None = None):
         self.model, self.pool, self.device = model, pool, device
+        self.kv_pool = kv_pool  # hybrid models with attention layers: their paged KV cache
         self.graphs = None
         self.prefill_graphs = None
         self.host_pool: HostStatePool | None = None  # the host tier's tensors, when it has one
@@ -159,7 +162,12 @@ class ModelRunner:
         rows = None
         if batch.mode is ForwardMode.EXTEND and not batch.all_logits:
             rows = to_device([c - 1 for c in cu[1:]] + batch.logprob_at, torch.long, dev)
-        logits, tracked = self.model(ids, bt, self.pool.conv, self.pool.ssm, rows)
+        if self.kv_pool is None:
+            logits, tracked = self.model(ids, bt, self.pool.conv, self.pool.ssm, rows)
+        else:
+            self._attention_inputs(batch, bt)
+            logits, tracked = self.model(ids, bt, self.pool.conv, self.pool.ssm, rows,
+                                         kv=(self.kv_pool.k, self.kv_pool.v))
         input_logprobs = None
         if batch.logprob_at and not batch.all_logits:
             logits, input_logprobs = logits[:batch.batch_size], _prompt_logprobs(logits[batch.batch_size:], batch)
@@ -168,6 +176,32 @@ class ModelRunner:
             self.pool.conv[:, dst] = torch.stack([c for c, _ in tracked]).to(self.pool.conv.dtype)
             self.pool.ssm[:, dst] = torch.stack([s for _, s in tracked]).to(self.pool.ssm.dtype)
         return ForwardOutput(logits=logits, input_logprobs=input_logprobs)
+
+    def _attention_inputs(self, batch: ForwardBatch, bt: BatchTensors) -> None:
+        """The paged KV cache's view of the batch (``BatchTensors.positions`` .. ``kv_lens``), built on the host
+        from each sequence's pages: token p of a sequence goes to ``pages[p // ps] * ps + p % ps``."""
+        ps = self.kv_pool.page_size
+        pages = batch.pages or [[] for _ in batch.seq_lens]
+        positions, slots, kv_lens = [], [], []
+        for start, n, own, slot in zip(batch.start_pos, batch.seq_lens, pages, batch.slots):
+            if slot < 0 or not own:  # padding row: writes nothing, attends to nothing
+                positions += [0] * n
+                slots += [-1] * n
+                kv_lens.append(0)
+                continue
+            if len(own) * ps < start + n:
+                raise ValueError(f"a sequence of {start + n} tokens has only {len(own)} pages of {ps}")
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(own[p // ps] * ps + p % ps)
+            kv_lens.append(start + n)
+        width = max(1, max(len(p) for p in pages))
+        table = [p + [0] * (width - len(p)) for p in pages]
+        dev = self.device
+        bt.positions = to_device(positions, torch.long, dev)
+        bt.slot_mapping = to_device(slots, torch.long, dev)
+        bt.kv_lens = to_device(kv_lens, torch.int32, dev)
+        bt.block_table = to_device(table, torch.int32, dev).view(len(table), width)
 
 
 def _prompt_logprobs(logits: torch.Tensor, batch: ForwardBatch):

@@ -28,3 +28,8 @@ class BatchTensors:
     snap_slots: torch.Tensor | None = None
     host_cu: list[int] = field(default_factory=list)
     host_start: list[int] = field(default_factory=list)
+    # attention layers of hybrid models (None for pure Mamba2): the paged KV cache's view of the batch
+    positions: torch.Tensor | None = None  # [T] int64, absolute position of each token (RoPE)
+    slot_mapping: torch.Tensor | None = None  # [T] int64, page * page_size + offset where its k/v go
+    block_table: torch.Tensor | None = None  # [S, max_pages] int32, each sequence's pages in order
+    kv_lens: torch.Tensor | None = None  # [S] int32, tokens in each sequence's pages after this step

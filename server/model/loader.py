@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from mambaserve.kernels import KernelConfig
+from mambaserve.server.model.config import ModelLoadError, read_config
 from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
-from mambaserve.server.model.config import Mamba2Dims, ModelLoadError, read_config
+from mambaserve.server.model.registry import resolve
 from mambaserve.server.model.weights import load_state_dict
 
 log = logging.getLogger(__name__)
@@ -43,23 +44,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                kernel_config: KernelConfig | None = None) -> tuple[Mamba2ForCausalLM, dict]:
+    """The model ``config.json`` names (``registry.ARCHITECTURES``), weights loaded, on ``device``."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
-    dims = Mamba2Dims.from_dict(cfg)
+    arch = resolve(cfg)
+    dims = arch.read_dims(cfg)
     state = load_state_dict(model_dir)
     with torch.device("meta"):
-        model = Mamba2ForCausalLM(dims, kernel_config)
+        model = arch.model_class(dims, kernel_config)
     model = model.to_empty(device=device).to(dtype)
     if dims.tie_word_embeddings:  # to_empty breaks the tie: restore it
-        model.lm_head.weight = model.backbone.embeddings.weight
+        model.tie_weights()
     model.load_weights(state)
     # A, D, dt_bias are tiny and decide the recurrence's decay: keep them in fp32 (as mamba_ssm does).
-    for layer in model.backbone.layers:
+    for mixer in model.mixers():
         for name in ("A_log", "D", "dt_bias"):
-            p = getattr(layer.mixer, name)
+            p = getattr(mixer, name)
             p.data = p.data.float()
     model.eval()
-    log.info("loaded %s: %d layers, %d heads x %d, state %d, %.1fM parameters, %s on %s", model_dir,
-             dims.num_layers, dims.num_heads, dims.head_dim, dims.state_size,
-             sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
+    s = model.state_dims
+    log.info("loaded %s (%s): %d layers (%d Mamba2: %d heads x %d, state %d), %.1fM parameters, %s on %s", model_dir,
+             arch.name, dims.num_layers, s.num_layers if s else 0, s.num_heads if s else 0, s.head_dim if s else 0,
+             s.state_size if s else 0, sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
     return model, cfg

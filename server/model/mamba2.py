@@ -148,11 +148,19 @@ class Mamba2ForCausalLM(nn.Module):
     def __init__(self, d: Mamba2Dims, kernel_config: kernels.KernelConfig | None = None):
         super().__init__()
         self.dims = d
+        self.state_dims = d  # the state pool's shape (every layer is a Mamba2 layer)
         self.backbone = Backbone(d)
         self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
         if d.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
         self.use_kernel_config(kernel_config or kernels.KernelConfig())
+
+    def tie_weights(self) -> None:
+        if self.dims.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def mixers(self) -> list[Mamba2Mixer]:
+        return [layer.mixer for layer in self.backbone.layers]
 
     def use_kernel_config(self, config: kernels.KernelConfig) -> None:
         """Every kernel call of the model takes ``config`` from now on (capture CUDA graphs again after)."""

@@ -1,0 +1,32 @@
+"""The paged KV cache of hybrid models' attention layers: ``k``/``v`` ``[La, pages, page_size, Hkv, D]``.
+
+Only the model runner (and the attention kernels) touch these tensors; which page is whose is the
+``PageAllocator`` (``cache/pages.py``). Page ids start at 0; a block table row is padded with page 0,
+which the kernels never read past a sequence's length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mambaserve.server.cache.pages import PageAllocator
+
+
+def page_bytes(num_attention_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype) -> int:
+    """One page, every attention layer, K and V."""
+    return 2 * num_attention_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.page_size = page_size
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()

@@ -1,0 +1,52 @@
+"""``BambaForCausalLM`` (IBM Bamba): Mamba layers with attention at ``attn_layer_indices`` (RoPE on the
+first half of each head), every mixer followed by a SwiGLU feed-forward; pre-norm residual blocks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mambaserve import kernels
+from mambaserve.server.model.attention import PagedAttention
+from mambaserve.server.model.feed_forward import SwiGLU
+from mambaserve.server.model.hybrid import HybridForCausalLM, Step, layer_indices, norm, run_mamba
+from mambaserve.server.model.hybrid_config import HybridDims
+from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+
+
+class BambaLayer(nn.Module):
+    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None):
+        super().__init__()
+        self.kind, self.eps = kind, d.eps
+        self.mamba_index, self.attn_index = mamba_index, attn_index
+        self.input_layernorm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
+        self.pre_ff_layernorm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
+        if kind == "mamba":
+            self.mamba = Mamba2Mixer(d.mamba)
+        else:
+            self.self_attn = PagedAttention(d.hidden_size, d.attention)
+        self.feed_forward = SwiGLU(d.hidden_size, d.mlp)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if self.kind == "mamba":
+            x = x + run_mamba(self.input_layernorm, self.mamba, x, step, self.mamba_index)
+        else:
+            x = x + self.self_attn(norm(x, self.input_layernorm.weight, self.eps), step.bt, step.k[self.attn_index],
+                                   step.v[self.attn_index], step.rope)
+        return x + self.feed_forward(norm(x, self.pre_ff_layernorm.weight, self.eps))
+
+
+class BambaForCausalLM(HybridForCausalLM):
+    PARTS = ("model.embed_tokens", "model.layers", "model.final_layernorm")
+
+    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
+        super().__init__(d, kernel_config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size)
+        mi, ai = layer_indices(d.mixers, "mamba"), layer_indices(d.mixers, "attention")
+        self.model.layers = nn.ModuleList(BambaLayer(d, k, mi[i], ai[i]) for i, k in enumerate(d.mixers))
+        self.model.final_layernorm = nn.Module()
+        self.model.final_layernorm.weight = nn.Parameter(torch.ones(d.hidden_size))
+        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.tie_weights()
+        self.use_kernel_config(self.kernel_config)

@@ -1,0 +1,64 @@
+"""``GraniteMoeHybridForCausalLM`` (IBM Granite 4.0-H, dense and MoE): each layer is Mamba or attention,
+then a SwiGLU shared MLP plus, in MoE variants, softmax-routed experts; every sublayer's output is
+scaled by ``residual_multiplier`` before its residual add, embeddings by ``embedding_multiplier``,
+logits divided by ``logits_scaling``; attention scores use ``attention_multiplier`` as their scale and
+RoPE only where ``position_embedding_type`` is ``rope`` (Granite 4.0-H ships without: "nope").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mambaserve import kernels
+from mambaserve.server.model.attention import PagedAttention
+from mambaserve.server.model.feed_forward import FusedSwiGLU, GraniteMoE
+from mambaserve.server.model.hybrid import HybridForCausalLM, Step, layer_indices, norm, run_mamba
+from mambaserve.server.model.hybrid_config import HybridDims
+from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+
+
+class GraniteHybridLayer(nn.Module):
+    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None):
+        super().__init__()
+        self.kind, self.eps, self.mult = kind, d.eps, d.residual_multiplier
+        self.mamba_index, self.attn_index = mamba_index, attn_index
+        self.input_layernorm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
+        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
+        if kind == "mamba":
+            self.mamba = Mamba2Mixer(d.mamba)
+        else:
+            self.self_attn = PagedAttention(d.hidden_size, d.attention)
+        self.shared_mlp = FusedSwiGLU(d.hidden_size, d.mlp)
+        if d.moe is not None:
+            self.block_sparse_moe = GraniteMoE(d.hidden_size, d.moe)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if self.kind == "mamba":
+            h = run_mamba(self.input_layernorm, self.mamba, x, step, self.mamba_index)
+        else:
+            h = self.self_attn(norm(x, self.input_layernorm.weight, self.eps), step.bt, step.k[self.attn_index],
+                               step.v[self.attn_index], step.rope)
+        x = x + h * self.mult
+        h = norm(x, self.post_attention_layernorm.weight, self.eps)
+        out = self.shared_mlp(h)
+        if hasattr(self, "block_sparse_moe"):
+            out = self.block_sparse_moe(h) + out
+        return x + out * self.mult
+
+
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    PARTS = ("model.embed_tokens", "model.layers", "model.norm")
+
+    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
+        super().__init__(d, kernel_config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size)
+        mi, ai = layer_indices(d.mixers, "mamba"), layer_indices(d.mixers, "attention")
+        self.model.layers = nn.ModuleList(GraniteHybridLayer(d, k, mi[i], ai[i]) for i, k in enumerate(d.mixers))
+        self.model.norm = nn.Module()
+        self.model.norm.weight = nn.Parameter(torch.ones(d.hidden_size))
+        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.tie_weights()
+        self.use_kernel_config(self.kernel_config)
+

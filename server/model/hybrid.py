@@ -1,0 +1,156 @@
+"""What every hybrid family shares: the forward over a packed batch, the step's context, weight loading.
+
+A family module (``nemotron_h.py``, ``granite_hybrid.py``, ``bamba.py``) builds its layers with Hugging
+Face's parameter names and says where its embedding, final norm and layers are; this base runs them.
+Mamba layers reuse ``mamba2.Mamba2Mixer`` (the same kernels as pure Mamba2: varlen chunked scan for
+prefill, the fused decode path) on the state pool's tensors, indexed by Mamba layer (0..Lm-1), not by
+layer; attention layers read and write the paged KV cache, indexed by attention layer (0..La-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mambaserve import kernels
+from mambaserve.server.model.attention import rope_cos_sin
+from mambaserve.server.model.config import ModelLoadError
+from mambaserve.server.model.hybrid_config import HybridDims
+from mambaserve.server.model.inputs import BatchTensors, ForwardMode
+from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+
+
+@dataclass
+class Step:
+    """One forward's context for the layers: the batch, the state pool's tensors, the KV cache's and
+    this step's RoPE table; layers append tracked states (one entry per Mamba layer)."""
+
+    bt: BatchTensors
+    conv: torch.Tensor  # [Lm, slots, conv_dim, K-1]
+    ssm: torch.Tensor  # [Lm, slots, H, P, N]
+    k: torch.Tensor | None  # [La, pages, page_size, Hkv, D]
+    v: torch.Tensor | None
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    tracked: list
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return kernels.rmsnorm(x, None, weight, eps)[0]
+
+
+def run_mamba(pre_norm: RMSNorm, mixer: Mamba2Mixer, x: torch.Tensor, step: Step, index: int) -> torch.Tensor:
+    """``mixer(pre_norm(x))`` on Mamba layer ``index``'s states: the pre-norm runs fused with in_proj (and,
+    at decode, the conv step), as in pure Mamba2."""
+    bt, conv, ssm = step.bt, step.conv[index], step.ssm[index]
+    if bt.mode is ForwardMode.DECODE:
+        out, _ = mixer.decode(pre_norm, x, None, bt, conv, ssm)
+        step.tracked.append(None)
+        return out
+    zxbcdt, _ = pre_norm.then_linear(x, None, mixer.in_proj.weight, mixer.in_proj.bias)
+    out, tracked = mixer(zxbcdt, bt, conv, ssm)
+    step.tracked.append(tracked)
+    return out
+
+
+def layer_indices(mixers: tuple[str, ...], kind: str) -> list[int | None]:
+    """Per layer: its index among the layers of ``kind`` (its row in that kind's pool), else None."""
+    out, n = [], 0
+    for m in mixers:
+        out.append(n if m == kind else None)
+        n += m == kind
+    return out
+
+
+class HybridForCausalLM(nn.Module):
+    """Subclasses build their modules under Hugging Face's names, set ``lm_head`` and ``PARTS`` (where the
+    embedding, the layer list and the final norm are) and, where checkpoints differ from the modules,
+    ``checkpoint_state``."""
+
+    PARTS: tuple[str, str, str]
+
+    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
+        super().__init__()
+        self.dims = d
+        self.state_dims = d.mamba  # the state pool's shape (num_layers: Mamba layers only)
+        self.kernel_config = kernel_config or kernels.KernelConfig()
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.get_submodule(self.PARTS[0])
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.get_submodule(self.PARTS[1])
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.get_submodule(self.PARTS[2])
+
+    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors under this model's parameter names."""
+        return state
+
+    def mixers(self) -> list[Mamba2Mixer]:
+        return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]
+
+    def use_kernel_config(self, config: kernels.KernelConfig) -> None:
+        self.kernel_config = config
+        for m in self.modules():
+            if hasattr(m, "kernel_config"):
+                m.kernel_config = config
+
+    def tie_weights(self) -> None:
+        if self.dims.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def prefill_capturable(self) -> bool:
+        return False  # CUDA graphs are not built for hybrids (MoE syncs with the host; attention metadata)
+
+    def refresh_derived(self) -> None:
+        for m in self.mixers():
+            m.refresh_A()
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        state = self.checkpoint_state(dict(state))
+        tied = self.dims.tie_word_embeddings
+        if tied:
+            state.pop("lm_head.weight", None)
+        own = dict(self.named_parameters())
+        lm_head = {n for n, p in own.items() if p is self.lm_head.weight}
+        missing = sorted(set(own) - set(state) - (lm_head if tied else set()))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ModelLoadError(f"checkpoint does not match the config: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                p = own[name]
+                if p.shape != tensor.shape:
+                    raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
+                p.copy_(tensor.to(p.dtype))
+        self.refresh_derived()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, bt: BatchTensors, conv: torch.Tensor, ssm: torch.Tensor,
+                logit_rows: torch.Tensor | None, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """As ``Mamba2ForCausalLM.forward``, plus ``kv``: the KV pool's ``(k, v)`` ``[La, pages, page_size, Hkv,
+        D]``, written at ``bt.slot_mapping``. Returns fp32 logits and the tracked states per Mamba layer."""
+        d = self.dims
+        x = self.embed(input_ids)
+        if d.embedding_multiplier != 1.0:
+            x = x * d.embedding_multiplier
+        a = d.attention
+        rope = None
+        if a is not None and a.rope_theta is not None:
+            rope = rope_cos_sin(bt.positions, a.rotary_dim, a.rope_theta, x.dtype)
+        step = Step(bt, conv, ssm, kv[0] if kv else None, kv[1] if kv else None, rope, [])
+        for layer in self.layers:
+            x = layer(x, step)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        logits = self.lm_head(norm(x, self.final_norm.weight, d.eps))
+        if d.logits_scaling != 1.0:
+            logits = logits / d.logits_scaling
+        return logits.float(), step.tracked

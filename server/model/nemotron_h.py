@@ -1,0 +1,80 @@
+"""``NemotronHForCausalLM`` (NVIDIA Nemotron-H): one mixer per layer, Mamba ``M``, attention ``*`` (no
+position embedding), relu2 MLP ``-`` or MoE ``E``, each behind its own RMSNorm with a residual add.
+
+Parameter names are the checkpoint's (``backbone.layers.{i}.norm``, ``.mixer``); routed experts are
+stored per expert in checkpoints (``mixer.experts.{e}.up_proj.weight``) and stacked at load.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from mambaserve import kernels
+from mambaserve.server.model.attention import PagedAttention
+from mambaserve.server.model.config import ModelLoadError
+from mambaserve.server.model.feed_forward import NemotronMoE, Relu2MLP
+from mambaserve.server.model.hybrid import HybridForCausalLM, Step, layer_indices, norm, run_mamba
+from mambaserve.server.model.hybrid_config import HybridDims
+from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None):
+        super().__init__()
+        self.kind, self.eps = kind, d.eps
+        self.mamba_index, self.attn_index = mamba_index, attn_index
+        self.norm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
+        if kind == "mamba":
+            self.mixer = Mamba2Mixer(d.mamba)
+        elif kind == "attention":
+            self.mixer = PagedAttention(d.hidden_size, d.attention)
+        elif kind == "mlp":
+            self.mixer = Relu2MLP(d.hidden_size, d.mlp.intermediate_size, d.mlp.act, d.mlp.bias)
+        else:
+            self.mixer = NemotronMoE(d.hidden_size, d.moe, d.mlp.bias)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if self.kind == "mamba":
+            return x + run_mamba(self.norm, self.mixer, x, step, self.mamba_index)
+        h = norm(x, self.norm.weight, self.eps)
+        if self.kind == "attention":
+            return x + self.mixer(h, step.bt, step.k[self.attn_index], step.v[self.attn_index], step.rope)
+        return x + self.mixer(h)
+
+
+class NemotronHForCausalLM(HybridForCausalLM):
+    PARTS = ("backbone.embeddings", "backbone.layers", "backbone.norm_f")
+
+    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
+        super().__init__(d, kernel_config)
+        self.backbone = nn.Module()
+        self.backbone.embeddings = nn.Embedding(d.vocab_size, d.hidden_size)
+        mi, ai = layer_indices(d.mixers, "mamba"), layer_indices(d.mixers, "attention")
+        self.backbone.layers = nn.ModuleList(NemotronHBlock(d, k, mi[i], ai[i]) for i, k in enumerate(d.mixers))
+        self.backbone.norm_f = nn.Module()
+        self.backbone.norm_f.weight = nn.Parameter(torch.ones(d.hidden_size))
+        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.tie_weights()
+        self.use_kernel_config(self.kernel_config)
+
+    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # transformers' in-memory names start with "model."; checkpoints (and save_pretrained) with "backbone."
+        state = {("backbone." + k[6:] if k.startswith("model.") else k): v for k, v in state.items()}
+        # multi-token prediction layers (speculative decoding) are not served
+        state = {k: v for k, v in state.items() if not k.startswith(("mtp.", "backbone.mtp."))}
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        for k in list(state):
+            m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight", k)
+            if m:
+                experts.setdefault((m[1], m[3]), {})[int(m[2])] = state.pop(k)
+        n = self.dims.moe.num_experts if self.dims.moe else 0
+        for (prefix, proj), per in experts.items():
+            lacking = [e for e in range(n) if e not in per]
+            if lacking or len(per) != n:
+                raise ModelLoadError(f"{prefix}: the checkpoint has experts {sorted(per)} for {proj}, the config "
+                                     f"{n} (missing {lacking[:5]})")
+            state[f"{prefix}.{proj}"] = torch.stack([per[e] for e in range(n)])
+        return state

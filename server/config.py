@@ -23,7 +23,7 @@ class ServerConfig:
     mem_fraction_static: float = 0.88  # of the device's memory (RAM on CPU): weights + state pool + graphs + activations
     mamba_cache_strategy: str = "no_buffer"
     mamba_track_interval: int | None = None
-    page_size: int = 1
+    page_size: int | None = None  # None: 16 for hybrid models (KV pages), 1 for pure Mamba2 (radix keys)
     disable_radix_cache: bool = False
     host_cache_size: int = 0  # bytes of host memory for the host cache tier (0: none)
     max_sessions: int = 1024
@@ -50,14 +50,14 @@ class ServerConfig:
             raise ValueError(f"--state-dtype must be float32 or bfloat16, got {self.state_dtype!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        for name in ("context_length", "max_running_requests", "mamba_cache_size", "mamba_track_interval"):
+        for name in ("context_length", "max_running_requests", "mamba_cache_size", "mamba_track_interval", "page_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         if self.host_cache_size < 0:
             raise ValueError(f"--host-cache-size must be >= 0 bytes, got {self.host_cache_size}")
-        for name in ("chunked_prefill_size", "page_size", "max_sessions", "cuda_graph_max_bs", "max_request_bytes",
+        for name in ("chunked_prefill_size", "max_sessions", "cuda_graph_max_bs", "max_request_bytes",
                      "max_queued_requests", "max_prompts_per_request", "session_snapshot_max_bytes",
                      "session_snapshot_max_per_session"):
             if getattr(self, name) < 1:

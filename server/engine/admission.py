@@ -9,6 +9,7 @@ the tree, tracked snapshots, requests that end without sampling). Runs on the sc
 
 from __future__ import annotations
 
+from mambaserve.server.cache.pages import PageAllocator
 from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.engine.metrics import ServerMetrics
@@ -28,8 +29,11 @@ PROMPT_LOGITS_PER_STEP = 1024
 class Admission:
     def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager,
                  output: OutputProcessor, metrics: ServerMetrics, *, max_running: int, chunk: int,
-                 track_interval: int):
+                 track_interval: int, pages: PageAllocator | None = None):
         self.queues, self.cache, self.sessions = queues, cache, sessions
+        # hybrid models' KV pages: a request reserves pages for its prompt + max_new_tokens at admission,
+        # so decode never runs out (no retraction); it waits in the queue while they are not free
+        self.pages = pages
         self.output, self.metrics = output, metrics
         self.max_running, self.chunk, self.track_interval = max_running, chunk, track_interval
         self.last_was_extend = False
@@ -81,7 +85,7 @@ class Admission:
                 from_prev.append((i, r.pending[1]))
         batch = ForwardBatch(ForwardMode.DECODE, tokens, [1] * len(decode), [r.in_state for r in decode],
                              [r.slot for r in decode], self.cache.take_pending(), from_prev=from_prev,
-                             prev_tokens=inflight.sample.tokens if from_prev else None)
+                             prev_tokens=inflight.sample.tokens if from_prev else None, pages=self._pages(decode))
         return batch, [(r, 1) for r in decode]
 
     def _extend_batch(self, chunks: Plan) -> ForwardBatch:
@@ -116,9 +120,27 @@ class Admission:
                         break
                     track.append((i, pos, slot))
         return ForwardBatch(ForwardMode.EXTEND, tokens, lens, starts, slots, self.cache.take_pending(), track=track,
-                            snap=snap, logprob_at=at, logprob_next=nxt, logprob_owner=owner, logprob_top=top)
+                            snap=snap, logprob_at=at, logprob_next=nxt, logprob_owner=owner, logprob_top=top,
+                            pages=self._pages([r for r, _ in chunks]))
+
+    def _pages(self, reqs: list[Req]) -> list[list[int]] | None:
+        return None if self.pages is None else [self.pages.pages(r.rid) for r in reqs]
+
+    def _reserved_tokens(self, req: Req) -> int:
+        """KV tokens a request may write: its prompt and every token it may sample (the last one runs once
+        more when overlap scheduling folds it)."""
+        return len(req.prompt_ids) + req.params.max_new_tokens
 
     def _admit(self, req: Req) -> bool:
+        if self.pages is not None and not self.pages.ensure(req.rid, self._reserved_tokens(req)):
+            return False  # waits for running requests to release pages
+        if not self._admit_slot(req):
+            if self.pages is not None:
+                self.pages.release(req.rid)
+            return False
+        return True  # (a request that ended inside released its pages with its slot)
+
+    def _admit_slot(self, req: Req) -> bool:
         live = self.sessions.take_live_slot(req.session) if req.session is not None else None
         if live is not None:  # a streaming session's turn continues from its live state
             req.slot, req.in_state = live

@@ -18,13 +18,16 @@ from pathlib import Path
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine import timeline
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
-from mambaserve.server.engine.memory import PoolPlan, device_memory, plan_pool, reserve_bytes, slot_bytes
+from mambaserve.server.engine.kv_pool import KVPool, page_bytes
+from mambaserve.server.engine.memory import (HybridPlan, PoolPlan, device_memory, plan_hybrid, plan_pool, reserve_bytes,
+                                             slot_bytes)
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.request import BadRequest, Overloaded, Req, SamplingParams, StepOutput, fit_to_context
 from mambaserve.server.engine.scheduler import Scheduler
 from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
 from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
+from mambaserve.server.model.registry import resolve
 from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
 from mambaserve.server.sessions import snapshot as session_snapshot
 from mambaserve.server.sessions.table import SessionError, TurnParams
@@ -32,6 +35,19 @@ from mambaserve.server.sessions.table import SessionError, TurnParams
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_LENGTH = 8192
+HYBRID_PAGE_SIZE = 16  # KV tokens per page for hybrids unless --page-size says (not yet measured against others)
+
+
+def hybrid_refusals(cfg: ServerConfig, is_cuda: bool) -> list[str]:
+    """The features a hybrid model cannot run with yet, as the flags that ask for them (empty: none asked)."""
+    out = []
+    if not cfg.disable_radix_cache:
+        out.append("the radix cache (KV pages + Mamba snapshots in one tree is not built): pass --disable-radix-cache")
+    if cfg.host_cache_size:
+        out.append("--host-cache-size (the host tier holds Mamba snapshots only)")
+    if cfg.mamba_cache_strategy != "no_buffer" or cfg.mamba_track_interval:
+        out.append("--mamba-cache-strategy extra_buffer / --mamba-track-interval (radix cache snapshots)")
+    return out
 
 
 class Engine:
@@ -40,29 +56,52 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model, self.hf_config = load_model(cfg.model, self.dtype, self.device)
-        self.dims = d = self.model.dims
+        self.architecture = resolve(self.hf_config)
+        self.hybrid = self.architecture.hybrid
+        is_cuda = self.device.type == "cuda"
+        if self.hybrid:
+            refused = hybrid_refusals(cfg, is_cuda)
+            if refused:
+                raise ValueError(f"{self.architecture.name} is a hybrid model; not built for hybrids yet: "
+                                 + "; ".join(refused))
+            if self.model.state_dims is None:
+                raise ValueError(f"{self.architecture.name} without Mamba layers: this server runs hybrids with "
+                                 "at least one Mamba2 layer")
+        # --page-size: KV page size for hybrids (default 16), radix-key alignment for pure Mamba2 (default 1)
+        self.cfg = cfg = dataclasses.replace(cfg, page_size=cfg.page_size or (HYBRID_PAGE_SIZE if self.hybrid else 1))
+        self.dims = self.model.dims
+        d = self.model.state_dims
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.context_length = cfg.context_length or self._default_context_length()
-        is_cuda = self.device.type == "cuda"
-        plan = self._plan_pool(is_cuda)
+        plan = self._plan_hybrid(is_cuda) if self.hybrid else self._plan_pool(is_cuda)
         self.max_running = plan.max_running
         if cfg.max_running_requests and plan.max_running < cfg.max_running_requests:
             log.warning("--max-running-requests %d lowered to %d: each running request needs one of the %d state slots",
                         cfg.max_running_requests, plan.max_running, plan.slots)
         self.pool = MambaStatePool(d.num_layers, plan.slots, d.conv_dim, d.conv_kernel, d.num_heads,
                                    d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)
+        self.kv_pool = None
+        if self.hybrid and self.dims.attention is not None:
+            a = self.dims.attention
+            self.kv_pool = KVPool(len(self.dims.attention_layers), plan.pages, cfg.page_size, a.num_kv_heads,
+                                  a.head_dim, self.dtype, self.device)
+            log.info("KV pool: %d pages x %d tokens x %.3f MiB = %.2f GiB", plan.pages, cfg.page_size,
+                     plan.bytes_per_page / 2**20, plan.pages * plan.bytes_per_page / 2**30)
         self.metrics = ServerMetrics()
         host_pool = self._host_pool(is_cuda)
         self.track_interval = self._track_interval()
-        runner = ModelRunner(self.model, self.pool, self.device)
+        runner = ModelRunner(self.model, self.pool, self.device, self.kv_pool)
         runner.host_pool = host_pool
-        if is_cuda:  # eager prefill variants first: the graphs capture what is compiled by then
+        if self.hybrid and is_cuda:
+            log.warning("%s: prefill warm-up and CUDA graphs are not built for hybrid models; running eagerly",
+                        self.architecture.name)
+        elif is_cuda:  # eager prefill variants first: the graphs capture what is compiled by then
             t = time.monotonic()
             runner.warm_up(d.chunk_size, self.track_interval,
                            min(self.max_running, cfg.chunked_prefill_size))
             log.info("prefill kernels compiled in %.1f s", time.monotonic() - t)
-        if is_cuda and not cfg.disable_cuda_graph:
+        if is_cuda and not cfg.disable_cuda_graph and not self.hybrid:
             t = time.monotonic()
             runner.enable_cuda_graphs(min(self.max_running, cfg.cuda_graph_max_bs),
                                       cfg.chunked_prefill_size, self.max_running)
@@ -94,6 +133,24 @@ class Engine:
         total, in_use = device_memory(self.device)
         return plan_pool(total=total, in_use=in_use, fraction=cfg.mem_fraction_static, per_slot=per, reserve=reserve,
                          slots=cfg.mamba_cache_size, running=cfg.max_running_requests, default_running=default_running)
+
+    def _plan_hybrid(self, is_cuda: bool) -> HybridPlan:
+        """State slots, KV pages and the running limit from the memory left after the weights."""
+        cfg, d, s = self.cfg, self.dims, self.model.state_dims
+        default_running = 256 if is_cuda else 64
+        per_slot = slot_bytes(s.num_layers, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
+                              self.dtype, DTYPES[cfg.state_dtype])
+        a = d.attention
+        per_page = page_bytes(len(d.attention_layers), cfg.page_size, a.num_kv_heads, a.head_dim, self.dtype) if a else 1
+        widest = max(s.d_inner + s.conv_dim + s.num_heads, 2 * d.mlp.intermediate_size if d.mlp else 0,
+                     2 * d.moe.intermediate_size * d.moe.top_k if d.moe else 0)
+        reserve = reserve_bytes(widest, s.num_heads, s.head_dim, s.state_size, d.vocab_size, cfg.chunked_prefill_size,
+                                cfg.max_running_requests or default_running, self.dtype, graphs=False)
+        total, in_use = device_memory(self.device)
+        return plan_hybrid(total=total, in_use=in_use, fraction=cfg.mem_fraction_static, per_slot=per_slot,
+                           per_page=per_page, reserve=reserve, page_size=cfg.page_size,
+                           context_length=self.context_length, slots=cfg.mamba_cache_size,
+                           running=cfg.max_running_requests, default_running=default_running)
 
     def _host_pool(self, is_cuda: bool) -> HostStatePool | None:
         """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache)."""
@@ -241,8 +298,14 @@ class Engine:
         return await self.run_in_scheduler(self.scheduler.load)
 
     # ---- sessions -----------------------------------------------------------------------------------
+    def _no_hybrid_sessions(self) -> None:
+        if self.hybrid:
+            raise SessionError(400, f"sessions are not built for hybrid models ({self.architecture.name}) yet: "
+                               "send each turn as a whole request", "unsupported_for_hybrid")
+
     async def open_session(self, session_id: str | None, streaming: bool, timeout: float | None,
                            capacity: int | None) -> str:
+        self._no_hybrid_sessions()
         return await self.run_in_scheduler(lambda: self.scheduler.sessions.open(session_id, streaming, timeout,
                                                                                 capacity))
 
@@ -260,6 +323,7 @@ class Engine:
         raise SessionError(503, f"session {session_id!r} did not become idle", "session_busy")
 
     async def restore_session(self, name: str, session_id: str | None) -> dict:
+        self._no_hybrid_sessions()
         return await self.run_in_scheduler(lambda: self.scheduler.session_files.restore(name, session_id))
 
     # ---- info ---------------------------------------------------------------------------------------
@@ -268,7 +332,7 @@ class Engine:
         # absolute: a router started in another directory must not take a relative path for a hub model id
         return {"model_path": str(Path(c.model).resolve()), "tokenizer_path": str(Path(c.tokenizer or c.model).resolve()),
                 "served_model_name": self.model_name,
-                "is_generation": True, "architecture": "Mamba2ForCausalLM", "context_length": self.context_length}
+                "is_generation": True, "architecture": self.architecture.name, "context_length": self.context_length}
 
     async def server_info(self) -> dict:
         c = self.cfg

@@ -96,3 +96,44 @@ def _host_available() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class HybridPlan:
+    slots: int
+    max_running: int
+    pages: int
+    bytes_per_slot: int
+    bytes_per_page: int
+    budget: int
+
+
+def plan_hybrid(*, total: int, in_use: int, fraction: float, per_slot: int, per_page: int, reserve: int,
+                page_size: int, context_length: int, slots: int | None, running: int | None,
+                default_running: int) -> HybridPlan:
+    """State slots, KV pages and the running limit of a hybrid model, from one budget (as ``plan_pool``).
+
+    Without a radix cache or sessions only running requests hold state, so the state pool gets one slot
+    per running request; the KV pool gets the rest, at most what every running request could fill (a
+    request reserves pages for its whole prompt + max_new_tokens at admission, at most a context), and at
+    least one full context. When both do not fit, fewer requests run. Raises ValueError, one line with the
+    numbers, when even one request with a full context cannot."""
+    budget = int(fraction * total) - in_use - reserve
+    context_pages = -(-context_length // page_size)
+    how = (f"{fraction:g} x {total / GiB:.1f} GiB (--mem-fraction-static) - {in_use / GiB:.1f} GiB in use "
+           f"- {reserve / GiB:.1f} GiB reserved for activations = {max(budget, 0) / GiB:.2f} GiB")
+    fit = (budget - context_pages * per_page) // per_slot  # slots beside one context of pages
+    if slots is not None and slots > fit:
+        raise ValueError(f"--mamba-cache-size {slots} needs {slots * per_slot / GiB:.2f} GiB beside one context of "
+                         f"KV pages ({context_pages * per_page / GiB:.2f} GiB) but the pools have {how}: at most "
+                         f"{max(fit, 0)} slots")
+    if fit < 1:
+        raise ValueError(f"a hybrid model needs {(per_slot + context_pages * per_page) / GiB:.2f} GiB for one "
+                         f"request of --context-length {context_length} ({per_slot / 2**20:.2f} MiB of state + "
+                         f"{context_pages} KV pages of {per_page / 2**20:.3f} MiB) but has {how}; lower "
+                         "--context-length or raise --mem-fraction-static")
+    running = running or default_running
+    slots = min(slots or running, fit)
+    running = min(running, slots)
+    pages = min((budget - slots * per_slot) // per_page, running * context_pages)
+    return HybridPlan(slots, running, max(pages, context_pages), per_slot, per_page, budget)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from mambaserve.server.cache.pages import PageAllocator
 from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.request import FinishReason, Req, RequestQueues, StepOutput
@@ -18,8 +19,9 @@ from mambaserve.server.sessions.manager import SessionManager
 
 class OutputProcessor:
     def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager, sampler: Sampler,
-                 metrics: ServerMetrics, context_length: int):
+                 metrics: ServerMetrics, context_length: int, pages: PageAllocator | None = None):
         self.queues, self.cache, self.sessions, self.sampler = queues, cache, sessions, sampler
+        self.pages = pages  # hybrid models' KV pages: a request's are released when it ends
         self.metrics = metrics
         self.context_length = context_length
 
@@ -104,6 +106,8 @@ class OutputProcessor:
             if error or not self.cache.keep(req.tokens(req.in_state), req.slot):
                 self.cache.free(req.slot)
             req.slot = None
+        if self.pages is not None:
+            self.pages.release(req.rid)
         self.sampler.forget(req.rid)
         self.metrics.requests.labels("error" if error else reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - req.created)

@@ -57,9 +57,12 @@ class Scheduler:
                  context_length: int, track_interval: int = 0, compat: dict | None = None):
         self.runner, self.metrics = runner, metrics
         self.slots = runner.pool.allocator
-        host = HostTier(runner.host_pool.capacity, cfg.page_size) if runner.host_pool is not None else None
+        page_size = cfg.page_size or 1
+        host = HostTier(runner.host_pool.capacity, page_size) if runner.host_pool is not None else None
         self.cache = (DisabledCache(self.slots) if cfg.disable_radix_cache
-                      else PrefixCache(self.slots, cfg.page_size, host=host))
+                      else PrefixCache(self.slots, page_size, host=host))
+        # hybrid models: KV pages, reserved per request at admission and released at its end
+        self.pages = runner.kv_pool.allocator if runner.kv_pool is not None else None
         self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout),
                                        session_slot_limit(cfg.session_slot_fraction, self.slots.capacity),
                                        self.cache.free, self._keep_or_free,
@@ -69,10 +72,11 @@ class Scheduler:
                                           cfg.session_snapshot_max_per_session)
         self.queues = RequestQueues()
         self.sampler = Sampler(runner.device, cfg.seed)
-        self.output = OutputProcessor(self.queues, self.cache, self.sessions, self.sampler, metrics, context_length)
+        self.output = OutputProcessor(self.queues, self.cache, self.sessions, self.sampler, metrics, context_length,
+                                      pages=self.pages)
         self.admission = Admission(self.queues, self.cache, self.sessions, self.output, metrics,
                                    max_running=max_running, chunk=cfg.chunked_prefill_size,
-                                   track_interval=0 if cfg.disable_radix_cache else track_interval)
+                                   track_interval=0 if cfg.disable_radix_cache else track_interval, pages=self.pages)
         self.max_running = max_running
         self.context_length = context_length
         self.overlap = not cfg.disable_overlap_schedule
@@ -286,6 +290,10 @@ class Scheduler:
             "a session waits for a turn that no longer exists"
         assert self.stalled_steps <= 1, f"requests wait while nothing runs ({self.stalled_steps} steps): admission is stuck"
         self.cache.check_invariants()
+        if self.pages is not None:  # every KV page is free or held by exactly one running request
+            self.pages.check()
+            assert set(self.pages.owners()) <= {r.rid for r in running}, \
+                f"KV pages held by requests that ended: {set(self.pages.owners()) - {r.rid for r in running}}"
 
     def accounting(self) -> dict:
         q = self.queues
@@ -294,7 +302,8 @@ class Scheduler:
                 "host_capacity": host.allocator.capacity if host else 0, "held_by_host": host.allocator.num_used if host else 0,
                 "held_by_tree": self.cache.tree_slots, "held_by_sessions": len(self.sessions.held_slots),
                 "evictable": self.cache.evictable_slots, "running": len(q.running), "waiting": len(q.waiting),
-                "sessions": len(self.sessions.table.sessions)}
+                "sessions": len(self.sessions.table.sessions),
+                **({"kv_pages": self.pages.capacity, "kv_pages_free": self.pages.num_free} if self.pages else {})}
 
     def load(self) -> dict:
         """Requests running and waiting, and the tokens (prompt + output so far) they hold: what

@@ -1,0 +1,84 @@
+"""Hybrid models through the engine without the radix cache: continuous batching, chunked prefill and
+decode give transformers' greedy outputs; KV pages and slots all come back; the features not built
+for hybrids are refused with the reason, before anything runs."""
+
+import asyncio
+
+import pytest
+import torch
+
+from mambaserve.server.config import ServerConfig
+from mambaserve.server.engine.engine import Engine
+from mambaserve.server.engine.request import SamplingParams
+from mambaserve.server.sessions.table import SessionError
+from tests.server.tiny_hybrids import make_hybrid_checkpoint
+
+
+def _engine(path, **kw):
+    cfg = dict(model=str(path), device="cpu", disable_radix_cache=True, context_length=256,
+               debug_cache_invariants=True, chunked_prefill_size=7, max_running_requests=3)
+    return Engine(ServerConfig(**{**cfg, **kw}))
+
+
+def _hf_greedy(path, prompt, n):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+async def _generate(engine, prompts, n):
+    async def one(p):
+        ids = []
+        async for o in engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)):
+            ids += o.token_ids
+        return ids
+    return await asyncio.gather(*[one(p) for p in prompts])
+
+
+@pytest.mark.parametrize("family,page_size", [("nemotron_h", 1), ("granite_moe", 4), ("bamba", 16)])
+def test_greedy_generation_equals_transformers(tmp_path, family, page_size):
+    """Four prompts on three running slots (one waits for a slot and for pages), prompts longer than the
+    7-token prefill chunk, decode batched: every output equals transformers' generate."""
+    path = make_hybrid_checkpoint(tmp_path / family, family)
+    engine = _engine(path, page_size=page_size)
+    engine.start()
+    try:
+        prompts = [list(range(5, 16)), [20, 21, 22], [30] * 17, [40, 41, 42, 43, 44]]
+        outs = asyncio.run(_generate(engine, prompts, 6))
+        acct = asyncio.run(engine.accounting())
+    finally:
+        engine.stop()
+    for p, out in zip(prompts, outs):
+        assert out == _hf_greedy(path, p, 6), p
+    assert acct["kv_pages_free"] == acct["kv_pages"] and acct["free"] == acct["capacity"]
+
+
+def test_pages_scarce_requests_wait_not_fail(tmp_path):
+    """A KV pool of one context (the plan's floor) for 3 running slots: requests take turns for pages."""
+    path = make_hybrid_checkpoint(tmp_path / "g", "granite_dense_rope")
+    engine = _engine(path, page_size=4, context_length=40)
+    engine.kv_pool.allocator.__init__(10, 4)  # exactly one 40-token context
+    engine.start()
+    try:
+        prompts = [[7] * 20, [8] * 12, [9] * 25]
+        outs = asyncio.run(_generate(engine, prompts, 5))
+        acct = asyncio.run(engine.accounting())
+    finally:
+        engine.stop()
+    for p, out in zip(prompts, outs):
+        assert out == _hf_greedy(path, p, 5)
+    assert acct["kv_pages_free"] == 10
+
+
+def test_features_not_built_for_hybrids_are_refused(tmp_path):
+    path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
+    with pytest.raises(ValueError, match="NemotronHForCausalLM is a hybrid model.*--disable-radix-cache"):
+        _engine(path, disable_radix_cache=False)
+    with pytest.raises(ValueError, match="--host-cache-size"):
+        _engine(path, host_cache_size=2**20)
+    engine = _engine(path)
+    assert engine.cfg.page_size == 16 and engine.kv_pool.page_size == 16  # the hybrid default
+    with pytest.raises(SessionError, match="sessions are not built for hybrid models"):
+        asyncio.run(engine.open_session(None, True, None, None))

@@ -36,9 +36,16 @@ def _runner(path, page_size, slots=6, pages=96):
     return ModelRunner(model, pool, torch.device("cpu"), kv)
 
 
+_ORACLE: dict = {}
+
+
 def _hf(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids]), position_ids=torch.arange(len(ids))[None], use_cache=False).logits[0]
+    """The oracle's logits for every position of ``ids`` (remembered: page sizes share sequences)."""
+    key = (id(hf), tuple(ids))
+    if key not in _ORACLE:
+        with torch.no_grad():
+            _ORACLE[key] = hf(torch.tensor([ids]), position_ids=torch.arange(len(ids))[None], use_cache=False).logits[0]
+    return _ORACLE[key]
 
 
 def _prompt(n, seed):

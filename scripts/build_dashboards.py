@@ -158,6 +158,11 @@ CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
         T(f"sum(mambaserve_state_slots_used{{{SEL}}})", "used"),
         T(f"sum(mambaserve_state_slots_evictable{{{SEL}}})", "evictable (cached snapshots)"),
         T(f"sum(mambaserve_session_held_slots{{{SEL}}})", "held by sessions")], decimals=0),
+    Panel("KV pages (hybrid models)", "Paged KV cache of the attention layers of all selected pods: capacity and "
+          "pages held by running requests (each reserves its prompt + max_new_tokens at admission). "
+          "Zero for pure Mamba2 models.", [
+        T(f"sum(mambaserve_kv_pages_total{{{SEL}}})", "total"),
+        T(f"sum(mambaserve_kv_pages_used{{{SEL}}})", "used")], decimals=0),
     Panel("Pinned share of the pool per pod", "(used - evictable) / total: slots eviction cannot free. Near 100% "
           "with waiting requests is the StatePoolExhausted alert.",
           [T(f"(mambaserve_state_slots_used{{{SEL}}} - mambaserve_state_slots_evictable{{{SEL}}}) "

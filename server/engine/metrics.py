@@ -41,6 +41,10 @@ class ServerMetrics:
         self.slots_used = Gauge("mambaserve_state_slots_used", "State slots in use", registry=r)
         self.slots_evictable = Gauge("mambaserve_state_slots_evictable",
                                      "Used slots that eviction could free (cached snapshots not in use)", registry=r)
+        # hybrid models' paged KV cache (0 pages for pure Mamba2)
+        self.kv_pages_total = Gauge("mambaserve_kv_pages_total", "KV pages of the attention layers (hybrid models)",
+                                    registry=r)
+        self.kv_pages_used = Gauge("mambaserve_kv_pages_used", "KV pages held by running requests", registry=r)
         self.cache_queried = Counter("mambaserve_prefix_cache_queried_tokens",
                                      "Prompt tokens looked up in the prefix cache", registry=r)
         self.cache_hit = Counter("mambaserve_prefix_cache_hit_tokens", "Prompt tokens served from a cache",

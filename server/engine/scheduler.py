@@ -90,6 +90,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         metrics.slots_total.set(self.slots.capacity)
+        metrics.kv_pages_total.set(self.pages.capacity if self.pages else 0)
         metrics.host_slots_total.set(host.allocator.capacity if host is not None else 0)
 
     # ---- thread-safe API -------------------------------------------------------------------------
@@ -262,6 +263,8 @@ class Scheduler:
         m.waiting.set(len(self.queues.waiting))
         m.slots_used.set(self.slots.num_used)
         m.slots_evictable.set(self.cache.evictable_slots)
+        if self.pages is not None:
+            m.kv_pages_used.set(self.pages.num_used)
         m.sessions_open.set(len(self.sessions.table.sessions))
         m.session_held_slots.set(len(self.sessions.held_slots))
         if self.cache.evictions:

@@ -82,3 +82,35 @@ def test_features_not_built_for_hybrids_are_refused(tmp_path):
     assert engine.cfg.page_size == 16 and engine.kv_pool.page_size == 16  # the hybrid default
     with pytest.raises(SessionError, match="sessions are not built for hybrid models"):
         asyncio.run(engine.open_session(None, True, None, None))
+
+
+def test_aborts_and_bad_requests_give_every_page_back(tmp_path):
+    """A request closed mid-generation, one aborted while it waits for pages, and an out-of-range prompt:
+    every KV page and slot is free afterwards and the next request still equals transformers."""
+    path = make_hybrid_checkpoint(tmp_path / "g", "granite_moe")
+    engine = _engine(path, page_size=4, context_length=64)
+    engine.kv_pool.allocator.__init__(16, 4)  # one 64-token context: the second request waits for pages
+
+    async def go():
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        first = engine.generate([5] * 20, params)
+        waiting = engine.generate([6] * 20, params)  # needs 15 pages while the first holds 15
+        got = 0
+        async for out in first:
+            got += len(out.token_ids)
+            if got >= 3:
+                break
+        await first.aclose()  # the client went away mid-generation
+        await waiting.aclose()  # and this one before it ever ran
+        with pytest.raises(Exception, match="out of range"):
+            engine.check_prompt([10**6], SamplingParams(), False)
+        return await _generate(engine, [[9, 8, 7]], 4), await engine.accounting()
+
+    engine.start()
+    try:
+        (out,), acct = asyncio.run(go())
+        engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
+    finally:
+        engine.stop()
+    assert out == _hf_greedy(path, [9, 8, 7], 4)
+    assert acct["kv_pages_free"] == 16 and acct["free"] == acct["capacity"]

@@ -1,0 +1,172 @@
+"""Forward speed of hybrid models (random weights, real shapes) through the model runner: prefill tokens/s
+and decode step time per batch size, beside the memory-bandwidth bound of each decode step.
+
+The model is built in place from its dims (no checkpoint written: an 8B random checkpoint takes minutes
+to save and load), its KV pool and state pool sized for the largest batch. Decode rows sit at
+``--context`` tokens each (their pages allocated; the KV values are whatever the pool holds, which does
+not change the work). Runs eagerly: CUDA graphs are not built for hybrids, and the MoE fallback syncs
+once per MoE layer per step (design §11). The bound counts every non-expert weight once, the experts a
+step can touch (min(E, batch x top_k) per MoE layer), each row's state read and written, and each row's
+KV read, over the measured device copy bandwidth.
+
+  python benchmarks/hybrid_step.py --shape granite-4.0-h-tiny --batches 1,64,256
+  python benchmarks/hybrid_step.py --shape nemotron-h-8b --batches 1,64 --context 2048
+  python benchmarks/hybrid_step.py --shape tiny --device cpu          # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
+from mambaserve.server.engine.kv_pool import KVPool
+from mambaserve.server.engine.model_runner import ModelRunner
+from mambaserve.server.engine.state_pool import MambaStatePool
+from mambaserve.server.model import hybrid_config
+from mambaserve.server.model.registry import ARCHITECTURES
+
+def _nemotron_8b_pattern() -> str:
+    """52 layers with Nemotron-H-8B's counts (24 Mamba, 4 attention, 24 MLP), attention spread evenly (the
+    published order differs in places; the work per step does not)."""
+    out = ""
+    for i in range(24):
+        out += "M-"
+        if i in (5, 11, 17, 23):
+            out += "*"
+    return out
+
+
+# Published configs' shapes (vocab, widths, head counts); weights are random.
+SHAPES = {
+    "nemotron-h-8b": ("NemotronHForCausalLM", dict(
+        vocab_size=131072, hidden_size=4096, hybrid_override_pattern=_nemotron_8b_pattern(),
+        mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, chunk_size=128, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=21504, max_position_embeddings=8192)),
+    "granite-4.0-h-tiny": ("GraniteMoeHybridForCausalLM", dict(
+        vocab_size=100352, hidden_size=1536, num_hidden_layers=40,
+        layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)], num_attention_heads=12,
+        num_key_value_heads=4, mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+        mamba_chunk_size=256, num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
+        shared_intermediate_size=1024, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.0078125, logits_scaling=6.0)),
+    "tiny": ("GraniteMoeHybridForCausalLM", dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=64,
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=64)),
+}
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype):
+    arch_name, cfg = SHAPES[shape]
+    arch = ARCHITECTURES[arch_name]
+    dims = arch.read_dims(cfg)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = arch.model_class(dims)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.uniform_(-1.0, 0.5)
+            elif p.dim() >= 2:
+                p.normal_(std=0.02)
+            else:
+                p.fill_(1.0)
+        for m in model.mixers():
+            for n in ("A_log", "D", "dt_bias"):
+                getattr(m, n).data = getattr(m, n).data.float()
+    model.refresh_derived()
+    return model.eval(), dims
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        best = max(best, 5 * 2 * a.numel() * 4 / (time.perf_counter() - t))
+    return best
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def decode_bytes(model, dims: hybrid_config.HybridDims, batch: int, context: int, pool, kv) -> int:
+    expert_bytes, other = 0, 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if ".experts." in name or "input_linear" in name and p.dim() == 3 or "output_linear" in name and p.dim() == 3:
+            expert_bytes += n
+        else:
+            other += n
+    if dims.moe:
+        touched = min(dims.moe.num_experts, batch * dims.moe.top_k) / dims.moe.num_experts
+        other += int(expert_bytes * touched)
+    state = 2 * pool.bytes_per_slot * batch
+    kv_read = kv.bytes_per_page // kv.page_size * context * batch if kv else 0
+    return other + state + kv_read
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="granite-4.0-h-tiny", choices=sorted(SHAPES))
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--context", type=int, default=1024, help="tokens already in each decode row's KV")
+    ap.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill timed")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, dims = build(a.shape, device, dtype)
+    batches = [int(b) for b in a.batches.split(",")]
+    rows = max(batches) + 1
+    s, at = dims.mamba, dims.attention
+    pool = MambaStatePool(s.num_layers, rows, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
+                          dtype, torch.float32, device)
+    per_row = -(-max(a.context + 1, a.prefill) // a.page_size)
+    kv = KVPool(len(dims.attention_layers), rows * per_row, a.page_size, at.num_kv_heads, at.head_dim, dtype, device)
+    runner = ModelRunner(model, pool, device, kv)
+    pages = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
+    ids = torch.randint(1, dims.vocab_size, (a.prefill,)).tolist()
+    prefill = ForwardBatch(ForwardMode.EXTEND, ids, [a.prefill], [0], [0], pages=[pages[0]])
+    t_prefill = timed(lambda: runner.forward(prefill), device, max(1, a.reps // 5))
+    bw = copy_bandwidth(device)
+    out = {"shape": a.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "dtype": str(dtype), "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+           "prefill_tokens": a.prefill, "prefill_tok_s": a.prefill / t_prefill, "context": a.context,
+           "copy_bandwidth_GBs": bw / 1e9, "decode": []}
+    for b in batches:
+        batch = ForwardBatch(ForwardMode.DECODE, ids[:b] if b <= len(ids) else [1] * b, [1] * b, [a.context] * b,
+                             list(range(1, b + 1)), pages=pages[1:b + 1])
+        t = timed(lambda: runner.forward(batch), device, a.reps)
+        bound = decode_bytes(model, dims, b, a.context, pool, kv) / bw
+        out["decode"].append({"batch": b, "step_ms": t * 1e3, "tok_s": b / t, "bound_ms": bound * 1e3,
+                              "x_bound": t / bound if bound == bound else None})
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -102,6 +102,13 @@ def _eos(cfg: dict) -> list[int]:
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
+def _kv_heads(cfg: dict, heads: int, default: int | None) -> int:
+    """KV heads: the family's transformers default when absent (8 for Nemotron-H and Bamba, not the query
+    heads), the query heads when null."""
+    kv = cfg.get("num_key_value_heads", default)
+    return heads if kv is None else int(kv)
+
+
 def _layer_kinds(names: list[str], field: str) -> tuple[str, ...]:
     try:
         return tuple(_LAYER_NAMES[n] for n in names)
@@ -164,7 +171,8 @@ def nemotron_h(cfg: dict) -> HybridDims:
                    groups="n_groups", state="ssm_state_size", conv="conv_kernel", chunk="chunk_size",
                    conv_bias="use_conv_bias", proj_bias="use_bias", eps=eps, dt_limit=dt_limit, defaults=d)
     heads = int(cfg.get("num_attention_heads", 32))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = int(cfg.get("head_dim", 128) or hidden // heads)  # transformers' defaults: 128 and 8 KV heads
+    kv_heads = _kv_heads(cfg, heads, 8)
     act = cfg.get("mlp_hidden_act", "relu2")
     if act != "relu2":
         raise ModelLoadError(f"mlp_hidden_act {act!r}: Nemotron-H is implemented with relu2")
@@ -180,8 +188,8 @@ def nemotron_h(cfg: dict) -> HybridDims:
     return HybridDims(
         architecture="NemotronHForCausalLM", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden, mixers=mixers,
         ffns=(None,) * len(mixers), mamba=mamba if "mamba" in mixers else None,
-        attention=AttentionDims(heads, int(cfg.get("num_key_value_heads") or heads), head_dim, head_dim ** -0.5,
-                                bool(cfg.get("attention_bias", False)), None, 0) if "attention" in mixers else None,
+        attention=AttentionDims(heads, kv_heads, head_dim, head_dim ** -0.5, bool(cfg.get("attention_bias", False)),
+                                None, 0) if "attention" in mixers else None,
         mlp=MlpDims(int(cfg.get("intermediate_size", 21504)), False, act, bool(cfg.get("mlp_bias", False))),
         moe=moe, eps=eps, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_id=_eos(cfg),
         max_position_embeddings=cfg.get("max_position_embeddings"))
@@ -217,7 +225,7 @@ def granite_hybrid(cfg: dict) -> HybridDims:
     return HybridDims(
         architecture="GraniteMoeHybridForCausalLM", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         mixers=mixers, ffns=("moe" if experts else "mlp",) * n, mamba=mamba if "mamba" in mixers else None,
-        attention=AttentionDims(heads, int(cfg.get("num_key_value_heads") or heads), head_dim,
+        attention=AttentionDims(heads, _kv_heads(cfg, heads, None), head_dim,
                                 float(cfg.get("attention_multiplier", 1.0)), bool(cfg.get("attention_bias", False)),
                                 theta, rot) if "attention" in mixers else None,
         mlp=MlpDims(int(cfg.get("shared_intermediate_size", 1024)), True, act, False), moe=moe, eps=eps,
@@ -250,7 +258,7 @@ def bamba(cfg: dict) -> HybridDims:
     return HybridDims(
         architecture="BambaForCausalLM", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden, mixers=mixers,
         ffns=("mlp",) * n, mamba=mamba if "mamba" in mixers else None,
-        attention=AttentionDims(heads, int(cfg.get("num_key_value_heads") or heads), head_dim, head_dim ** -0.5,
+        attention=AttentionDims(heads, _kv_heads(cfg, heads, 8), head_dim, head_dim ** -0.5,
                                 bool(cfg.get("attention_bias", False)), theta, rot) if attn else None,
         mlp=MlpDims(int(cfg.get("intermediate_size", 14336)), True, act, bool(cfg.get("mlp_bias", False))), moe=None,
         eps=eps, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_id=_eos(cfg),

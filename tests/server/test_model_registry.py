@@ -68,3 +68,30 @@ def test_unknown_layer_type_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="sliding_attention"):
         load_model(path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family,fields", [
+    ("nemotron_h", ["n_groups", "conv_kernel", "chunk_size", "ssm_state_size", "mamba_head_dim", "use_conv_bias",
+                    "num_key_value_heads", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+                    "moe_latent_size", "time_step_min", "layer_norm_epsilon", "mlp_bias", "attention_bias"]),
+    ("granitemoehybrid", ["mamba_n_groups", "mamba_d_conv", "mamba_chunk_size", "mamba_d_state", "mamba_d_head",
+                          "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "rms_norm_eps",
+                          "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+                          "num_experts_per_tok", "shared_intermediate_size", "position_embedding_type"]),
+    ("bamba", ["mamba_n_groups", "mamba_d_conv", "mamba_chunk_size", "mamba_d_state", "mamba_d_head",
+               "mamba_conv_bias", "rms_norm_eps", "num_key_value_heads", "rope_parameters"]),
+])
+def test_adapter_defaults_are_transformers_defaults(family, fields):
+    """A config.json that leaves a field out means transformers' default (a wrong n_groups default once
+    passed every test whose configs spelled it out): the adapter reads the same dims either way."""
+    from transformers import AutoConfig
+
+    layers = {"nemotron_h": {"mamba_num_heads": 8},  # its default pattern has every layer kind
+              "granitemoehybrid": {"mamba_n_heads": 8, "num_hidden_layers": 2, "layer_types": ["mamba", "attention"]},
+              "bamba": {"mamba_n_heads": 8, "num_hidden_layers": 2, "attn_layer_indices": [1]}}[family]
+    full = AutoConfig.for_model(family, vocab_size=64, hidden_size=256, num_attention_heads=4, **layers).to_dict()
+    full["time_step_limit"] = list(full.get("time_step_limit") or (0.0, float("inf")))
+    stripped = {k: v for k, v in full.items() if k not in fields}
+    read = ARCHITECTURES[full["architectures"][0] if full.get("architectures") else
+                         next(a.name for a in ARCHITECTURES.values() if a.model_type == family)].read_dims
+    assert read(full).attention is not None and read(stripped) == read(full)

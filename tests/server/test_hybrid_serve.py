@@ -1,0 +1,46 @@
+"""`mambaserve serve --model <hybrid checkpoint>` as a user starts it: refused in one line without
+--disable-radix-cache; with it, /generate answers transformers' greedy tokens and /get_model_info names
+the architecture."""
+
+import time
+
+import httpx
+import torch
+
+from tests.server.conftest import free_port
+from tests.server.test_cli_serve import _serve
+from tests.server.tiny_hybrids import make_hybrid_checkpoint
+
+
+def test_serve_a_hybrid_checkpoint(tmp_path):
+    path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
+    proc = _serve(path, free_port(), "--device", "cpu")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err
+    assert "NemotronHForCausalLM is a hybrid model; not built for hybrids yet" in err and "--disable-radix-cache" in err
+
+    port = free_port()
+    proc = _serve(path, port, "--device", "cpu", "--disable-radix-cache", "--context-length", "256")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        gen = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
+                         json={"input_ids": [11, 12, 13, 14, 15], "sampling_params": {"max_new_tokens": 6,
+                                                                                   "temperature": 0, "ignore_eos": True}})
+        info = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=10).json()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([[11, 12, 13, 14, 15]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                      eos_token_id=None)[0, 5:].tolist()
+    assert gen.status_code == 200 and gen.json()["output_ids"] == ref
+    assert info["architecture"] == "NemotronHForCausalLM"

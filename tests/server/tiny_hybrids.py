@@ -59,8 +59,11 @@ def _bamba():
     return BambaForCausalLM, cfg
 
 
-def make_hybrid_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
+def make_hybrid_checkpoint(path: Path, family: str, seed: int = 0, chunk_size: int | None = None) -> Path:
+    """``chunk_size``: the Mamba layers' scan chunk (default 8; the GPU tests take 16 so the Triton scan runs)."""
     cls, cfg = FAMILIES[family]()
+    if chunk_size is not None:
+        setattr(cfg, "chunk_size" if family == "nemotron_h" else "mamba_chunk_size", chunk_size)
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():

@@ -110,7 +110,7 @@ class Engine:
             cfg, runner, self.metrics, max_running=self.max_running, context_length=self.context_length,
             track_interval=self.track_interval,
             compat=session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]))
-        eos = set(d.eos_token_id)
+        eos = set(self.dims.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)

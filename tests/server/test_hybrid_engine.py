@@ -114,3 +114,28 @@ def test_aborts_and_bad_requests_give_every_page_back(tmp_path):
         engine.stop()
     assert out == _hf_greedy(path, [9, 8, 7], 4)
     assert acct["kv_pages_free"] == 16 and acct["free"] == acct["capacity"]
+
+
+def test_the_configs_eos_stops_generation(tmp_path):
+    """config.json's eos_token_id (not the tokenizer's) ends a greedy generation where transformers' would."""
+    import json
+
+    path = make_hybrid_checkpoint(tmp_path / "b", "bamba")
+    prompt = [30, 31, 32]
+    full = _hf_greedy(path, prompt, 8)
+    eos = full[3]
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(cfg))
+    engine = _engine(path)
+    engine.start()
+    try:
+        async def go():
+            ids = []
+            async for o in engine.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0.0)):
+                ids += o.token_ids
+            return ids
+        out = asyncio.run(go())
+    finally:
+        engine.stop()
+    assert eos in engine.eos_token_ids and out == full[:full.index(eos) + 1]

@@ -10,11 +10,10 @@ import torch
 
 from tests.server.tiny_models import VOCAB, byte_tokenizer
 
-# Mamba shape shared by all: 2 groups (a wrong n_groups default or an ungrouped gated norm shows), 8-token chunks
-_MAMBA = dict(hidden_size=16)
-
+# Every family's Mamba layers have 2 groups (an ungrouped gated norm shows) and 8-token chunks.
 FAMILIES = {
-    # M * - E M *: every mixer kind; MoE with grouped sigmoid routing and a correction bias; head_dim 8 != 16/4
+    # M * - E M *: every mixer kind; MoE with grouped sigmoid routing, a correction bias and a latent width;
+    # head_dim 8 != 16/4
     "nemotron_h": lambda: _nemotron(["linear_attention", "full_attention", "mlp", "moe", "linear_attention",
                                      "full_attention"]),
     # Granite 4.0-H tiny's layout: MoE + shared MLP, no position embedding, every multiplier != 1
@@ -33,7 +32,7 @@ def _nemotron(layers):
                           num_key_value_heads=2, head_dim=8, intermediate_size=24, mamba_num_heads=4, mamba_head_dim=8,
                           n_groups=2, ssm_state_size=8, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=12, moe_shared_expert_intermediate_size=10, n_group=2, topk_group=1,
-                          routed_scaling_factor=1.5, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+                          routed_scaling_factor=1.5, moe_latent_size=12, eos_token_id=0, bos_token_id=0, pad_token_id=0)
     return NemotronHForCausalLM, cfg
 
 

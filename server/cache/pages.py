@@ -15,7 +15,8 @@ def pages_for(tokens: int, page_size: int) -> int:
 class PageAllocator:
     def __init__(self, capacity: int, page_size: int):
         if capacity < 1 or page_size < 1:
-            raise ValueError(f"the KV pool needs at least one page of at least one token (got {capacity} x {page_size})")
+            raise ValueError(f"the KV pool needs at least one page of at least one token (got {capacity} pages "
+                             f"of {page_size})")
         self.capacity, self.page_size = capacity, page_size
         self._free = list(range(capacity - 1, -1, -1))  # LIFO: a just-freed page is reused first
         self._owned: dict[object, list[int]] = {}

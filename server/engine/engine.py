@@ -141,7 +141,8 @@ class Engine:
         per_slot = slot_bytes(s.num_layers, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
                               self.dtype, DTYPES[cfg.state_dtype])
         a = d.attention
-        per_page = page_bytes(len(d.attention_layers), cfg.page_size, a.num_kv_heads, a.head_dim, self.dtype) if a else 1
+        per_page = (page_bytes(len(d.attention_layers), cfg.page_size, a.num_kv_heads, a.head_dim, self.dtype)
+                    if a else 1)
         widest = max(s.d_inner + s.conv_dim + s.num_heads, 2 * d.mlp.intermediate_size if d.mlp else 0,
                      2 * d.moe.intermediate_size * d.moe.top_k if d.moe else 0)
         reserve = reserve_bytes(widest, s.num_heads, s.head_dim, s.state_size, d.vocab_size, cfg.chunked_prefill_size,

@@ -3,6 +3,7 @@ decode give transformers' greedy outputs; KV pages and slots all come back; the 
 for hybrids are refused with the reason, before anything runs."""
 
 import asyncio
+import functools
 
 import pytest
 import torch
@@ -20,11 +21,16 @@ def _engine(path, **kw):
     return Engine(ServerConfig(**{**cfg, **kw}))
 
 
-def _hf_greedy(path, prompt, n):
+@functools.cache
+def _hf(path):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_greedy(path, prompt, n):
+    out = _hf(str(path)).generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
 
@@ -139,3 +145,41 @@ def test_the_configs_eos_stops_generation(tmp_path):
     finally:
         engine.stop()
     assert eos in engine.eos_token_ids and out == full[:full.index(eos) + 1]
+
+
+def test_random_traffic_with_aborts_on_scarce_pages(tmp_path):
+    """Twelve requests of random lengths on 3 running slots and two contexts' worth of pages (5-token prefill
+    chunks, invariants checked after every step), three closed early: every finished one equals
+    transformers, and every page and slot comes back."""
+    import random
+
+    rng = random.Random(1)
+    path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
+    engine = _engine(path, page_size=4, context_length=48, chunked_prefill_size=5)
+    engine.kv_pool.allocator.__init__(24, 4)
+    jobs = [([rng.randrange(1, 90) for _ in range(rng.randrange(1, 31))], rng.randrange(1, 11)) for _ in range(12)]
+    early = {2, 5, 9}
+
+    async def one(i, prompt, n):
+        gen = engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+        ids = []
+        async for out in gen:
+            ids += out.token_ids
+            if i in early and ids:
+                await gen.aclose()
+                return None
+        return ids
+
+    async def go():
+        outs = await asyncio.gather(*[one(i, p, n) for i, (p, n) in enumerate(jobs)])
+        return outs, await engine.accounting()
+
+    engine.start()
+    try:
+        outs, acct = asyncio.run(go())
+    finally:
+        engine.stop()
+    for (prompt, n), out in zip(jobs, outs):
+        if out is not None:
+            assert out == _hf_greedy(path, prompt, n)
+    assert acct["kv_pages_free"] == 24 and acct["free"] == acct["capacity"] and not acct["running"]

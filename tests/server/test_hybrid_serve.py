@@ -30,9 +30,9 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
+        params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
         gen = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
-                         json={"input_ids": [11, 12, 13, 14, 15], "sampling_params": {"max_new_tokens": 6,
-                                                                                   "temperature": 0, "ignore_eos": True}})
+                         json={"input_ids": [11, 12, 13, 14, 15], "sampling_params": params})
         info = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=10).json()
     finally:
         proc.terminate()

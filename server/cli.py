@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mamba-track-interval", type=int, help="extra snapshots every N prompt tokens (extra_buffer)")
     s.add_argument("--page-size", type=int, help="tokens per KV page of hybrid models' attention layers (default 16); "
                    "for pure Mamba2, the radix cache's key alignment (default 1)")
+    s.add_argument("--max-total-tokens", type=int,
+                   help="hybrid models: tokens the KV pool holds, rounded up to pages (default: what "
+                        "--mem-fraction-static leaves beside the state pool, at most a context per running request)")
     s.add_argument("--disable-radix-cache", action="store_true", help="turn prefix caching off")
     s.add_argument("--host-cache-size", type=byte_size, default=0,
                    help="host memory for the host cache tier, e.g. 32GiB: snapshots evicted from the device go "

@@ -23,6 +23,7 @@ class ServerConfig:
     mem_fraction_static: float = 0.88  # of the device's memory (RAM on CPU): weights + state pool + graphs + activations
     mamba_cache_strategy: str = "no_buffer"
     mamba_track_interval: int | None = None
+    max_total_tokens: int | None = None  # hybrids: KV pool size in tokens (None: from --mem-fraction-static)
     page_size: int | None = None  # None: 16 for hybrid models (KV pages), 1 for pure Mamba2 (radix keys)
     disable_radix_cache: bool = False
     host_cache_size: int = 0  # bytes of host memory for the host cache tier (0: none)
@@ -50,7 +51,8 @@ class ServerConfig:
             raise ValueError(f"--state-dtype must be float32 or bfloat16, got {self.state_dtype!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        for name in ("context_length", "max_running_requests", "mamba_cache_size", "mamba_track_interval", "page_size"):
+        for name in ("context_length", "max_running_requests", "mamba_cache_size", "mamba_track_interval", "page_size",
+                     "max_total_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.mem_fraction_static <= 1:

@@ -67,6 +67,9 @@ class Engine:
             if self.model.state_dims is None:
                 raise ValueError(f"{self.architecture.name} without Mamba layers: this server runs hybrids with "
                                  "at least one Mamba2 layer")
+        elif cfg.max_total_tokens:
+            raise ValueError(f"--max-total-tokens sizes a hybrid model's KV pool; {self.architecture.name} has no "
+                             "attention layers")
         # --page-size: KV page size for hybrids (default 16), radix-key alignment for pure Mamba2 (default 1)
         self.cfg = cfg = dataclasses.replace(cfg, page_size=cfg.page_size or (HYBRID_PAGE_SIZE if self.hybrid else 1))
         self.dims = self.model.dims
@@ -151,7 +154,8 @@ class Engine:
         return plan_hybrid(total=total, in_use=in_use, fraction=cfg.mem_fraction_static, per_slot=per_slot,
                            per_page=per_page, reserve=reserve, page_size=cfg.page_size,
                            context_length=self.context_length, slots=cfg.mamba_cache_size,
-                           running=cfg.max_running_requests, default_running=default_running)
+                           running=cfg.max_running_requests, default_running=default_running,
+                           pages=-(-cfg.max_total_tokens // cfg.page_size) if cfg.max_total_tokens else None)
 
     def _host_pool(self, is_cuda: bool) -> HostStatePool | None:
         """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache)."""

@@ -110,14 +110,15 @@ class HybridPlan:
 
 def plan_hybrid(*, total: int, in_use: int, fraction: float, per_slot: int, per_page: int, reserve: int,
                 page_size: int, context_length: int, slots: int | None, running: int | None,
-                default_running: int) -> HybridPlan:
+                default_running: int, pages: int | None = None) -> HybridPlan:
     """State slots, KV pages and the running limit of a hybrid model, from one budget (as ``plan_pool``).
 
     Without a radix cache or sessions only running requests hold state, so the state pool gets one slot
     per running request; the KV pool gets the rest, at most what every running request could fill (a
     request reserves pages for its whole prompt + max_new_tokens at admission, at most a context), and at
     least one full context. When both do not fit, fewer requests run. Raises ValueError, one line with the
-    numbers, when even one request with a full context cannot."""
+    numbers, when even one request with a full context cannot. ``pages``: an explicit KV pool size
+    (``--max-total-tokens``), refused when below one context or beyond the budget."""
     budget = int(fraction * total) - in_use - reserve
     context_pages = -(-context_length // page_size)
     how = (f"{fraction:g} x {total / GiB:.1f} GiB (--mem-fraction-static) - {in_use / GiB:.1f} GiB in use "
@@ -132,8 +133,16 @@ def plan_hybrid(*, total: int, in_use: int, fraction: float, per_slot: int, per_
                          f"request of --context-length {context_length} ({per_slot / 2**20:.2f} MiB of state + "
                          f"{context_pages} KV pages of {per_page / 2**20:.3f} MiB) but has {how}; lower "
                          "--context-length or raise --mem-fraction-static")
+    if pages is not None and pages < context_pages:
+        raise ValueError(f"--max-total-tokens ({pages} pages of {page_size} tokens) holds less than one request of "
+                         f"--context-length {context_length}; raise it or lower --context-length")
+    if pages is not None and pages * per_page + per_slot > budget:
+        raise ValueError(f"--max-total-tokens ({pages} pages of {page_size} tokens) needs {pages * per_page / GiB:.2f} "
+                         f"GiB of KV pages but the pools have {how}")
     running = running or default_running
-    slots = min(slots or running, fit)
+    room = (budget - (pages or context_pages) * per_page) // per_slot if pages else fit
+    slots = min(slots or running, room)
     running = min(running, slots)
-    pages = min((budget - slots * per_slot) // per_page, running * context_pages)
-    return HybridPlan(slots, running, max(pages, context_pages), per_slot, per_page, budget)
+    if pages is None:
+        pages = max(min((budget - slots * per_slot) // per_page, running * context_pages), context_pages)
+    return HybridPlan(slots, running, pages, per_slot, per_page, budget)

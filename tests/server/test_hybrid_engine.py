@@ -64,8 +64,7 @@ def test_greedy_generation_equals_transformers(tmp_path, family, page_size):
 def test_pages_scarce_requests_wait_not_fail(tmp_path):
     """A KV pool of one context (the plan's floor) for 3 running slots: requests take turns for pages."""
     path = make_hybrid_checkpoint(tmp_path / "g", "granite_dense_rope")
-    engine = _engine(path, page_size=4, context_length=40)
-    engine.kv_pool.allocator.__init__(10, 4)  # exactly one 40-token context
+    engine = _engine(path, page_size=4, context_length=40, max_total_tokens=40)  # exactly one context
     engine.start()
     try:
         prompts = [[7] * 20, [8] * 12, [9] * 25]
@@ -75,7 +74,7 @@ def test_pages_scarce_requests_wait_not_fail(tmp_path):
         engine.stop()
     for p, out in zip(prompts, outs):
         assert out == _hf_greedy(path, p, 5)
-    assert acct["kv_pages_free"] == 10
+    assert acct["kv_pages"] == acct["kv_pages_free"] == 10 and tuple(engine.kv_pool.k.shape[1:3]) == (10, 4)
 
 
 def test_features_not_built_for_hybrids_are_refused(tmp_path):
@@ -84,6 +83,8 @@ def test_features_not_built_for_hybrids_are_refused(tmp_path):
         _engine(path, disable_radix_cache=False)
     with pytest.raises(ValueError, match="--host-cache-size"):
         _engine(path, host_cache_size=2**20)
+    with pytest.raises(ValueError, match=r"--max-total-tokens \(13 pages of 16 tokens\) holds less than one request of --context-length 256"):
+        _engine(path, max_total_tokens=200)
     engine = _engine(path)
     assert engine.cfg.page_size == 16 and engine.kv_pool.page_size == 16  # the hybrid default
     with pytest.raises(SessionError, match="sessions are not built for hybrid models"):
@@ -94,8 +95,8 @@ def test_aborts_and_bad_requests_give_every_page_back(tmp_path):
     """A request closed mid-generation, one aborted while it waits for pages, and an out-of-range prompt:
     every KV page and slot is free afterwards and the next request still equals transformers."""
     path = make_hybrid_checkpoint(tmp_path / "g", "granite_moe")
-    engine = _engine(path, page_size=4, context_length=64)
-    engine.kv_pool.allocator.__init__(16, 4)  # one 64-token context: the second request waits for pages
+    # one 64-token context: the second request waits for pages
+    engine = _engine(path, page_size=4, context_length=64, max_total_tokens=64)
 
     async def go():
         params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -155,8 +156,7 @@ def test_random_traffic_with_aborts_on_scarce_pages(tmp_path):
 
     rng = random.Random(1)
     path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
-    engine = _engine(path, page_size=4, context_length=48, chunked_prefill_size=5)
-    engine.kv_pool.allocator.__init__(24, 4)
+    engine = _engine(path, page_size=4, context_length=48, chunked_prefill_size=5, max_total_tokens=96)
     jobs = [([rng.randrange(1, 90) for _ in range(rng.randrange(1, 31))], rng.randrange(1, 11)) for _ in range(12)]
     early = {2, 5, 9}
 

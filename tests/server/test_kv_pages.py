@@ -48,3 +48,14 @@ def test_hybrid_plan_one_slot_per_running_request_and_pages_for_the_rest():
     with pytest.raises(ValueError, match="--mamba-cache-size 5000"):
         plan_hybrid(total=8 * GiB, in_use=6 * GiB, fraction=0.9, per_slot=per_slot, per_page=per_page, reserve=0,
                     page_size=16, context_length=8192, slots=5000, running=None, default_running=256)
+
+
+def test_hybrid_plan_explicit_kv_tokens():
+    kw = dict(total=8 * GiB, in_use=6 * GiB, fraction=0.9, per_slot=2 * 2**20, per_page=64 * 2**10, reserve=0,
+              page_size=16, context_length=8192, slots=None, running=None, default_running=256)
+    plan = plan_hybrid(**kw, pages=1024)
+    assert plan.pages == 1024 and plan.slots * kw["per_slot"] + 1024 * kw["per_page"] <= plan.budget
+    with pytest.raises(ValueError, match="less than one request"):
+        plan_hybrid(**kw, pages=100)
+    with pytest.raises(ValueError, match="needs .* GiB of KV pages"):
+        plan_hybrid(**kw, pages=10**6)

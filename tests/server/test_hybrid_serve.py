@@ -34,6 +34,8 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
         gen = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
                          json={"input_ids": [11, 12, 13, 14, 15], "sampling_params": params})
         info = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=10).json()
+        server = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10).json()
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
@@ -44,3 +46,6 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
                       eos_token_id=None)[0, 5:].tolist()
     assert gen.status_code == 200 and gen.json()["output_ids"] == ref
     assert info["architecture"] == "NemotronHForCausalLM"
+    state = server["internal_states"][0]
+    assert server["page_size"] == 16 and state["kv_pages"] == state["kv_pages_free"] > 0  # all back after /generate
+    assert f"mambaserve_kv_pages_total {float(state['kv_pages'])}" in metrics

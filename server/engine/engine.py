@@ -26,6 +26,7 @@ from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.request import BadRequest, Overloaded, Req, SamplingParams, StepOutput, fit_to_context
 from mambaserve.server.engine.scheduler import Scheduler
 from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
+from mambaserve.server.model.config import read_config
 from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 from mambaserve.server.model.registry import resolve
 from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
@@ -38,7 +39,7 @@ DEFAULT_CONTEXT_LENGTH = 8192
 HYBRID_PAGE_SIZE = 16  # KV tokens per page for hybrids unless --page-size says (not yet measured against others)
 
 
-def hybrid_refusals(cfg: ServerConfig, is_cuda: bool) -> list[str]:
+def hybrid_refusals(cfg: ServerConfig) -> list[str]:
     """The features a hybrid model cannot run with yet, as the flags that ask for them (empty: none asked)."""
     out = []
     if not cfg.disable_radix_cache:
@@ -55,21 +56,21 @@ class Engine:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.model, self.hf_config = load_model(cfg.model, self.dtype, self.device)
-        self.architecture = resolve(self.hf_config)
+        # what the flags ask of the architecture is judged from config.json, before the weights load
+        self.architecture = resolve(read_config(Path(cfg.model)))
         self.hybrid = self.architecture.hybrid
+        if self.hybrid and (refused := hybrid_refusals(cfg)):
+            raise ValueError(f"{self.architecture.name} is a hybrid model; not built for hybrids yet: "
+                             + "; ".join(refused))
+        if not self.hybrid and cfg.max_total_tokens:
+            raise ValueError(f"--max-total-tokens sizes a hybrid model's KV pool; {self.architecture.name} has no "
+                             "attention layers")
+        self.model, self.hf_config = load_model(cfg.model, self.dtype, self.device)
         is_cuda = self.device.type == "cuda"
         if self.hybrid:
-            refused = hybrid_refusals(cfg, is_cuda)
-            if refused:
-                raise ValueError(f"{self.architecture.name} is a hybrid model; not built for hybrids yet: "
-                                 + "; ".join(refused))
             if self.model.state_dims is None:
                 raise ValueError(f"{self.architecture.name} without Mamba layers: this server runs hybrids with "
                                  "at least one Mamba2 layer")
-        elif cfg.max_total_tokens:
-            raise ValueError(f"--max-total-tokens sizes a hybrid model's KV pool; {self.architecture.name} has no "
-                             "attention layers")
         # --page-size: KV page size for hybrids (default 16), radix-key alignment for pure Mamba2 (default 1)
         self.cfg = cfg = dataclasses.replace(cfg, page_size=cfg.page_size or (HYBRID_PAGE_SIZE if self.hybrid else 1))
         self.dims = self.model.dims

@@ -117,9 +117,8 @@ class HybridForCausalLM(nn.Module):
         tied = self.dims.tie_word_embeddings
         if tied:
             state.pop("lm_head.weight", None)
-        own = dict(self.named_parameters())
-        lm_head = {n for n, p in own.items() if p is self.lm_head.weight}
-        missing = sorted(set(own) - set(state) - (lm_head if tied else set()))
+        own = dict(self.named_parameters())  # a tied lm_head is listed once, under the embedding's name
+        missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
         if missing or unexpected:
             raise ModelLoadError(f"checkpoint does not match the config: missing {missing[:5]}, "

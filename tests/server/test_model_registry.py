@@ -95,3 +95,10 @@ def test_adapter_defaults_are_transformers_defaults(family, fields):
     read = ARCHITECTURES[full["architectures"][0] if full.get("architectures") else
                          next(a.name for a in ARCHITECTURES.values() if a.model_type == family)].read_dims
     assert read(full).attention is not None and read(stripped) == read(full)
+
+
+def test_tied_lm_head_is_the_embedding(tmp_path):
+    path = make_hybrid_checkpoint(tmp_path / "g", "granite_dense_rope")
+    assert "lm_head.weight" not in load_file(str(path / "model.safetensors"))  # tied: saved once
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    assert model.lm_head.weight is model.embed.weight

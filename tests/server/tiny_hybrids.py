@@ -18,8 +18,9 @@ FAMILIES = {
                                      "full_attention"]),
     # Granite 4.0-H tiny's layout: MoE + shared MLP, no position embedding, every multiplier != 1
     "granite_moe": lambda: _granite(num_local_experts=4, position_embedding_type=None),
-    # dense Granite (no experts) with RoPE
-    "granite_dense_rope": lambda: _granite(num_local_experts=0, position_embedding_type="rope"),
+    # dense Granite (no experts) with RoPE and the embedding tied to the LM head (as Granite 4.0 ships)
+    "granite_dense_rope": lambda: _granite(num_local_experts=0, position_embedding_type="rope",
+                                           tie_word_embeddings=True),
     # Bamba: attention with RoPE on half of each head
     "bamba": lambda: _bamba(),
 }

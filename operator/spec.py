@@ -102,7 +102,7 @@ class ServerSettings:
     max_running_requests: int | None = None
     chunked_prefill_size: int = 2048
     context_length: int | None = None
-    page_size: int = 1
+    page_size: int | None = None  # None: the server's default (it depends on the model's architecture)
     cache_strategy: str = "no_buffer"
     track_interval: int | None = None
     dtype: str = "auto"
@@ -306,7 +306,7 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             max_running_requests=server.get("maxRunningRequests"),
             chunked_prefill_size=int(_get(server, "chunkedPrefillSize", d_srv.chunked_prefill_size)),
             context_length=server.get("contextLength"),
-            page_size=int(_get(server, "pageSize", d_srv.page_size)),
+            page_size=server.get("pageSize"),
             cache_strategy=_get(server, "cacheStrategy", d_srv.cache_strategy),
             track_interval=server.get("trackInterval"),
             dtype=_get(server, "dtype", d_srv.dtype),
@@ -409,7 +409,8 @@ def incompatibilities(session: InferenceSession, tier: CacheTier) -> list[Proble
     if pin.state_dtype and pin.state_dtype != session.server.state_dtype:
         problems.append(Problem("Incompatible", f"CacheTier {tier.name} holds {pin.state_dtype} states, "
                                                 f"the session uses stateDtype {session.server.state_dtype}"))
-    if pin.page_size and pin.page_size != session.server.page_size:
+    # an unset page size is the server's default for the model: the server's own compatibility key decides
+    if pin.page_size and session.server.page_size and pin.page_size != session.server.page_size:
         problems.append(Problem("Incompatible", f"CacheTier {tier.name} is pinned to pageSize {pin.page_size}, "
                                                 f"the session uses {session.server.page_size}"))
     return problems

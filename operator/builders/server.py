@@ -51,7 +51,6 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
         "--dtype", srv.dtype,
         "--state-dtype", srv.state_dtype,
         "--chunked-prefill-size", str(srv.chunked_prefill_size),
-        "--page-size", str(srv.page_size),
         "--mamba-cache-strategy", srv.cache_strategy,
         "--max-sessions", str(sess.max_sessions),
         "--session-timeout", str(sess.timeout_seconds),
@@ -63,6 +62,8 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
         args += ["--max-running-requests", str(srv.max_running_requests)]
     if srv.context_length is not None:
         args += ["--context-length", str(srv.context_length)]
+    if srv.page_size is not None:
+        args += ["--page-size", str(srv.page_size)]
     if srv.track_interval:
         args += ["--mamba-track-interval", str(srv.track_interval)]
     if srv.disable_radix_cache:

@@ -110,7 +110,7 @@ def test_minimal_session_objects() -> None:
     assert container["command"] == ["mambaserve", "serve"]
     assert container["args"] == [
         "--model", "/models/mamba2-130m", "--host", "0.0.0.0", "--port", "30000", "--device", "cuda",
-        "--dtype", "auto", "--state-dtype", "float32", "--chunked-prefill-size", "2048", "--page-size", "1",
+        "--dtype", "auto", "--state-dtype", "float32", "--chunked-prefill-size", "2048",
         "--mamba-cache-strategy", "no_buffer", "--max-sessions", "1024", "--session-timeout", "600",
         "--log-level", "info", "--served-model-name", "mamba2-130m",
         "--session-snapshot-dir", "/var/lib/mambaserve/sessions",

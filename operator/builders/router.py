@@ -13,10 +13,14 @@ from mambaserve.operator.spec import InferenceSession
 
 def router_args(session: InferenceSession) -> list[str]:
     selector = [f"{k}={v}" for k, v in sorted(names.server_selector(session.name).items())]
+    # manual: sticky per x-smg-routing-key (a session's turns reach the pod holding its state); a new key
+    # goes to the pod with the fewest keys, not a random one
+    policy = ["--policy", "manual", "--assignment-mode", "min_group"] if session.router.policy == "manual" \
+        else ["--policy", session.router.policy]
     return [
         "--host", "0.0.0.0",
         "--port", str(ROUTER_PORT),
-        "--policy", session.router.policy,
+        *policy,
         "--service-discovery",
         "--selector", *selector,
         "--service-discovery-namespace", session.namespace,

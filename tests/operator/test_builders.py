@@ -271,6 +271,7 @@ def test_keda_session_with_per_pod_tier_runs_as_statefulset() -> None:
     assert ("HorizontalPodAutoscaler", "agents") not in children
     router = children["Deployment", "agents-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router[router.index("--policy") + 1] == "manual"
+    assert router[router.index("--assignment-mode") + 1] == "min_group"  # new sessions spread over the pods
 
 
 def test_platform_session_placement_and_pod_template_merged_last() -> None:

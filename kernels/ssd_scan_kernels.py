@@ -97,8 +97,9 @@ if HAS_TRITON:
         on: the token blocks unrolled, the chunk loop pipelined).
 
         ``SNAP``: the state before the sequence's last token also goes to its snapshot slot (``snap_ptr``,
-        -1: none): the last chunk's start state is parked there in the walk (one masked store, no extra
-        loop-carried tile), then advanced over that chunk's tokens but the last."""
+        -1: none). The walk of such a sequence stops before its last chunk, which runs apart (nothing is
+        added to the pipelined loop): its tokens but the last give the snapshot, and the last one is
+        folded in as a rank-one update (its decay applied to the rest: no division)."""
         pid, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         p0, n0 = (pid // N_BLOCKS) * BLOCK_P, (pid % N_BLOCKS) * BLOCK_N
         p = p0 + tl.arange(0, BLOCK_P)
@@ -132,18 +133,16 @@ if HAS_TRITON:
         has_init = tl.load(init_ptr + s) != 0
         sptr = ssm_ptr + slot * ss_s + h * ss_h + p[:, None] * ss_p + n[None, :] * ss_n
         state = tl.load(sptr, mask=(p < tl.where(has_init, P, 0))[:, None] & mn[None, :], other=0.0).to(tl.float32)
-        if SNAP:  # the snapshot slot's tile is addressed from the slot's (sptr): no second pointer tile held
+        n_walk = n_chunks
+        if SNAP:
             snap = tl.load(snap_ptr + s).to(tl.int64)
-            to_snap = (tl.maximum(snap, 0) - slot) * ss_s
-        for j in tl.range(0, n_chunks, num_stages=CHUNK_STAGES):
+            n_walk = tl.where(snap >= 0, n_chunks - 1, n_chunks)
+        for j in tl.range(0, n_walk, num_stages=CHUNK_STAGES):
             c = c0 + j
             tok0 = beg + tl.maximum(j * QI - off, 0)
             tok1 = beg + tl.minimum((j + 1) * QI - off, L)
             tl.store(start_ptr + (c * H + h).to(tl.int64) * P * N + tile, state.to(start_ptr.dtype.element_ty),
                      mask=m_tile)
-            if SNAP:  # the last chunk's start state, parked in the snapshot slot (fp32 pool: exact)
-                tl.store(sptr + to_snap, state.to(ssm_ptr.dtype.element_ty),
-                         mask=(p < tl.where((snap >= 0) & (j == n_chunks - 1), P, 0))[:, None] & mn[None, :])
             cs_end = tl.load(cs_ptr + h * T + tok1 - 1)
             own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
             if UNROLL:
@@ -162,18 +161,18 @@ if HAS_TRITON:
                 d = tl.load(bnd_dest_ptr + b, mask=e % Q == 0, other=-1)
                 tl.store(bnd_ptr + (d * H + h).to(tl.int64) * P * N + tile, state,
                          mask=(p < tl.where(d >= 0, P, 0))[:, None] & mn[None, :])
-        # slot -1: a padding sequence (prefill CUDA graphs), whose state goes nowhere
-        tl.store(sptr, state.to(ssm_ptr.dtype.element_ty),
-                 mask=(p < tl.where((n_chunks > 0) & (slot >= 0), P, 0))[:, None] & mn[None, :])
         if SNAP:
-            if (snap >= 0) & (n_chunks > 0):
-                tl.debug_barrier()  # the parked start state, read back by the threads that wrote it
-                last0 = beg + tl.maximum((n_chunks - 1) * QI - off, 0)  # the last chunk's first token
-                e = beg + L - 1  # the last token, left out
-                # weights exp(cs_{e-1} - cs_k) dt_k: as a chunk ending before the last token would have them
-                cs_ref = tl.load(cs_ptr + h * T + e - 1, mask=e > last0, other=0.0)
+            if (snap >= 0) & (n_chunks > 0):  # the last chunk, apart
+                c = c0 + n_chunks - 1
+                tok0 = beg + tl.maximum((n_chunks - 1) * QI - off, 0)
+                e = beg + L - 1  # the last token
+                tl.store(start_ptr + (c * H + h).to(tl.int64) * P * N + tile, state.to(start_ptr.dtype.element_ty),
+                         mask=m_tile)
+                # the chunk's tokens but the last, weighted exp(cs_{e-1} - cs_k) dt_k as a chunk ending before the
+                # last token would weigh them
+                cs_ref = tl.load(cs_ptr + h * T + e - 1, mask=e > tok0, other=0.0)
                 own = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-                for k0 in tl.range(last0, e, BLOCK_K):
+                for k0 in tl.range(tok0, e, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)
                     mk = k < e
                     xk = tl.load(x_ptr + k[None, :] * x_t + h * x_h + p[:, None] * x_p,
@@ -184,9 +183,23 @@ if HAS_TRITON:
                     dt_k = tl.load(dtp_ptr + h * T + k, mask=mk, other=0.0)
                     w = tl.where(mk, tl.exp(tl.minimum(cs_ref - cs_k, 0.0)) * dt_k, 0.0)
                     own = tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), own, input_precision=PREC)
-                m_snap = mp[:, None] & mn[None, :]
-                first = tl.load(sptr + to_snap, mask=m_snap, other=0.0).to(tl.float32)
-                tl.store(sptr + to_snap, (tl.exp(cs_ref) * first + own).to(ssm_ptr.dtype.element_ty), mask=m_snap)
+                tl.store(sptr + (snap - slot) * ss_s, (tl.exp(cs_ref) * state + own).to(ssm_ptr.dtype.element_ty),
+                         mask=m_tile)
+                # then the last token: own decays by its step, plus its rank-one input
+                cs_e = tl.load(cs_ptr + h * T + e)
+                x_e = tl.load(x_ptr + e * x_t + h * x_h + p * x_p, mask=mp, other=0.0).to(tl.float32)
+                B_e = tl.load(B_ptr + e * B_t + g * B_g + n * B_n, mask=mn, other=0.0).to(tl.float32)
+                own = tl.exp(cs_e - cs_ref) * own + tl.load(dtp_ptr + h * T + e) * x_e[:, None] * B_e[None, :]
+                state = tl.exp(cs_e) * state + own
+                if HAS_BND:
+                    e_abs = pos_s + L
+                    b = b0 + e_abs // Q - pos_s // Q - 1
+                    d = tl.load(bnd_dest_ptr + b, mask=e_abs % Q == 0, other=-1)
+                    tl.store(bnd_ptr + (d * H + h).to(tl.int64) * P * N + tile, state,
+                             mask=(p < tl.where(d >= 0, P, 0))[:, None] & mn[None, :])
+        # slot -1: a padding sequence (prefill CUDA graphs), whose state goes nowhere
+        tl.store(sptr, state.to(ssm_ptr.dtype.element_ty),
+                 mask=(p < tl.where((n_chunks > 0) & (slot >= 0), P, 0))[:, None] & mn[None, :])
 
     @triton.jit
     def _ssd_bmm_kernel(C_ptr, B_ptr, meta_ptr, cb_ptr, G, N, C_t, C_g, C_n, B_t, B_g, B_n,

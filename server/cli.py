@@ -54,6 +54,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host-cache-size", type=byte_size, default=0,
                    help="host memory for the host cache tier, e.g. 32GiB: snapshots evicted from the device go "
                         "there and are loaded back on a hit (default 0: no host tier)")
+    s.add_argument("--storage-dir",
+                   help="directory of the storage cache tier (local disk, or a volume shared by pods): snapshots "
+                        "are written there and found again by any server of the same model on it, also after a "
+                        "restart (default: no storage tier)")
+    s.add_argument("--storage-size", type=byte_size,
+                   help="bytes the storage tier may hold, e.g. 50GiB; least recently used entries are deleted past "
+                        "it (default: the free space of its filesystem less 5%% of its size, at least 1 GiB)")
+    s.add_argument("--cache-write-policy", default="write_through",
+                   choices=["write_through", "write_back", "write_through_selective"],
+                   help="when snapshots go to the storage tier: as soon as a request ends (write_through), once "
+                        "matched --cache-write-threshold times (write_through_selective), or when the host tier "
+                        "fills and is about to drop them (write_back)")
+    s.add_argument("--cache-write-threshold", type=int, default=2,
+                   help="write_through_selective: hits of a snapshot before it is written to storage")
+    s.add_argument("--cache-prefetch-policy", default="best_effort", choices=["best_effort", "wait_complete", "timeout"],
+                   help="a request whose prefix is on storage only: read it while the request waits its turn "
+                        "(best_effort), hold its admission until the read has landed (wait_complete), or hold it "
+                        "at most --cache-prefetch-timeout (timeout)")
+    s.add_argument("--cache-prefetch-timeout", type=float, default=0.5,
+                   help="seconds a request may wait for its prefix from storage (--cache-prefetch-policy timeout)")
+    s.add_argument("--session-persist", action="store_true",
+                   help="write every streaming session's state to the storage tier at each turn's end: a restarted "
+                        "server, or another one on the same --storage-dir, continues it by its session id")
     s.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
     s.add_argument("--session-timeout", type=float, default=600.0, help="default idle timeout of a session (s)")
     s.add_argument("--session-slot-fraction", type=float, default=0.5,

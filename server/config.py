@@ -27,6 +27,13 @@ class ServerConfig:
     page_size: int | None = None  # None: 16 for hybrid models (KV pages), 1 for pure Mamba2 (radix keys)
     disable_radix_cache: bool = False
     host_cache_size: int = 0  # bytes of host memory for the host cache tier (0: none)
+    storage_dir: str | None = None  # the storage cache tier's directory (None: no storage tier)
+    storage_size: int | None = None  # bytes the storage tier may hold (None: free disk less a margin)
+    cache_write_policy: str = "write_through"
+    cache_write_threshold: int = 2  # write_through_selective: hits before a snapshot is written
+    cache_prefetch_policy: str = "best_effort"
+    cache_prefetch_timeout: float = 0.5  # seconds, for the timeout prefetch policy
+    session_persist: bool = False  # streaming sessions written to the storage tier at every turn's end
     max_sessions: int = 1024
     session_timeout: float = 600.0
     session_slot_fraction: float = 0.5
@@ -57,6 +64,25 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.cache_write_policy not in ("write_through", "write_back", "write_through_selective"):
+            raise ValueError("--cache-write-policy must be write_through, write_back or write_through_selective, "
+                             f"got {self.cache_write_policy!r}")
+        if self.cache_prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
+            raise ValueError("--cache-prefetch-policy must be best_effort, wait_complete or timeout, "
+                             f"got {self.cache_prefetch_policy!r}")
+        if not (math.isfinite(self.cache_prefetch_timeout) and self.cache_prefetch_timeout > 0):
+            raise ValueError(f"--cache-prefetch-timeout must be a positive number of seconds, got "
+                             f"{self.cache_prefetch_timeout}")
+        if self.cache_write_threshold < 1:
+            raise ValueError(f"--cache-write-threshold must be >= 1, got {self.cache_write_threshold}")
+        if self.storage_size is not None and self.storage_size < 1:
+            raise ValueError(f"--storage-size must be a positive number of bytes, got {self.storage_size}")
+        if self.storage_dir is not None and not self.storage_dir.strip():
+            raise ValueError("--storage-dir is empty")
+        if self.session_persist and self.storage_dir is None:
+            raise ValueError("--session-persist needs --storage-dir (sessions are persisted to the storage tier)")
+        if self.storage_dir is not None and self.disable_radix_cache:
+            raise ValueError("--storage-dir needs the prefix cache (drop --disable-radix-cache)")
         if self.host_cache_size < 0:
             raise ValueError(f"--host-cache-size must be >= 0 bytes, got {self.host_cache_size}")
         for name in ("chunked_prefill_size", "max_sessions", "cuda_graph_max_bs", "max_request_bytes",

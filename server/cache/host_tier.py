@@ -4,8 +4,13 @@ Plain Python over host slot ids, like the device tier: a radix tree of its own (
 slot ids for slots) and an allocator of the host pool's slots. The engine's ``HostStatePool`` holds
 the tensors; the moves between tiers are state ops the model runner executes in order with the
 forward passes (``StateOps.offloads``, ``StateOps.loads``). A device snapshot evicted for space is
-copied here (its key kept, least recently used host entries dropped to make room); a request whose
-longest cached prefix lives only here gets a device slot filled from it, and the host entry stays.
+copied here (its key kept, least recently used host entries dropped to make room, those with a copy
+in the storage tier first); a request whose longest cached prefix lives only here gets a device slot
+filled from it, and the host entry stays.
+
+With a storage tier (``storage_tier``) the host pool is also its staging area: a write to storage reads
+a *locked* host entry, a read from storage fills a *reserved* slot (allocated, in no tree) that joins
+the tree when the read has landed (``commit``) or goes back (``release``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from mambaserve.server.cache.slots import SlotAllocator
 
 @dataclass(frozen=True)
 class HostLock:
-    """A matched host entry, locked until the load from it has run."""
+    """A matched host entry, locked until the load from it (or the write to storage) has run."""
 
     node: TreeNode
 
@@ -32,26 +37,68 @@ class HostTier:
     def __init__(self, capacity: int, page_size: int = 1):
         self.allocator = SlotAllocator(capacity)
         self.tree = MambaRadixCache(page_size)
+        self.reserved: set[int] = set()  # slots being filled from storage
         self.evictions = 0
 
-    def store(self, key: Sequence[int]) -> int | None:
-        """A host slot to copy the state after ``key`` into, now owned by the tier; None when the key is
-        here already or no entry can make room (all locked)."""
-        if self.tree.match_prefix(key).length == len(key):
-            return None  # (a refresh of the entry that holds it)
+    def _alloc(self) -> int | None:
         slot = self.allocator.alloc()
         if slot is None:
-            freed = self.tree.evict(1)
+            freed = self.tree.evict(1, prefer=_stored)  # a copy in storage: nothing is lost
             self.evictions += len(freed)
             for s in freed:
                 self.allocator.free(s)
             slot = self.allocator.alloc()
-            if slot is None:
-                return None
-        if not self.tree.insert(key, slot).stored:
+        return slot
+
+    def store(self, key: Sequence[int]) -> int | None:
+        """A host slot to copy the state after ``key`` into, now owned by the tier; None when the key is
+        here already or no entry can make room (all locked)."""
+        lock = self.store_locked(key)
+        if lock is None:
+            return None
+        self.tree.unlock(lock.node)
+        return lock.slot
+
+    def store_locked(self, key: Sequence[int]) -> HostLock | None:
+        """``store``, the new entry locked (the caller reads it once the copy into it has run)."""
+        if self.tree.match_prefix(key).length == len(key):
+            return None  # (a refresh of the entry that holds it)
+        slot = self._alloc()
+        if slot is None:
+            return None
+        r = self.tree.insert(key, slot)
+        if not r.stored:
             self.allocator.free(slot)
             return None
+        self.tree.lock(r.node)
+        return HostLock(r.node)
+
+    def lock_exact(self, key: Sequence[int]) -> HostLock | None:
+        """The entry at exactly ``key``, locked; None if there is none."""
+        m = self.tree.match_prefix(key)
+        if m.length != len(key) or not key:
+            return None
+        self.tree.lock(m.node)
+        return HostLock(m.node)
+
+    def reserve(self) -> int | None:
+        slot = self._alloc()
+        if slot is not None:
+            self.reserved.add(slot)
         return slot
+
+    def commit(self, key: Sequence[int], slot: int) -> TreeNode | None:
+        """A reserved slot now holding the state after ``key`` joins the tree (or is freed if the key is
+        here already); returns the node holding ``key``."""
+        self.reserved.discard(slot)
+        r = self.tree.insert(key, slot)
+        if not r.stored:
+            self.allocator.free(slot)
+        return r.node
+
+    def release(self, slot: int) -> None:
+        self.reserved.discard(slot)
+        self.allocator.free(slot)
 
     def match(self, tokens: Sequence[int]) -> tuple[int, HostLock | None]:
         m = self.tree.match_prefix(tokens)
@@ -71,4 +118,10 @@ class HostTier:
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
-        assert set(self.tree.all_slots()) == self.allocator.used_slots(), "host slot leak"
+        tree = set(self.tree.all_slots())
+        assert not tree & self.reserved, f"host slots both reserved and in the tree: {tree & self.reserved}"
+        assert tree | self.reserved == self.allocator.used_slots(), "host slot leak"
+
+
+def _stored(node: TreeNode) -> bool:
+    return node.stored

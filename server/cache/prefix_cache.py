@@ -33,6 +33,7 @@ from typing import Sequence
 from mambaserve.server.cache.host_tier import HostLock, HostTier
 from mambaserve.server.cache.radix_tree import MambaRadixCache, TreeNode
 from mambaserve.server.cache.slots import SlotAllocator
+from mambaserve.server.cache.storage_tier import MAX_INFLIGHT_WRITES, StorageTier
 
 
 @dataclass
@@ -43,6 +44,9 @@ class StateOps:
     host slot), ("load", host slot, slot)."""
 
     ops: list[tuple[str, int, int]] = field(default_factory=list)
+    # called with a CUDA event (None on the CPU) once the ops are issued: storage writes that read a
+    # host slot an offload above fills (storage_tier); empty without a storage tier
+    on_done: list = field(default_factory=list)
 
     def copy(self, src: int, dst: int) -> None:
         self.ops.append(("copy", src, dst))
@@ -69,12 +73,13 @@ class StateOps:
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.ops)
+        return bool(self.ops or self.on_done)
 
 
 class DisabledCache:
     enabled = False
     host: HostTier | None = None  # the host tier, where evicted snapshots go (PrefixCache with one)
+    storage: StorageTier | None = None  # the storage tier below it (PrefixCache with a host tier)
 
     def __init__(self, allocator: SlotAllocator):
         self.allocator = allocator
@@ -137,6 +142,15 @@ class DisabledCache:
     def touch(self, tokens: Sequence[int]) -> int:
         return 0
 
+    def residency(self, tokens: Sequence[int]) -> dict[str, int]:
+        """How much of ``tokens``' prefix each tier holds: {"gpu": n, "host": n, "storage": n} (longest
+        snapshot in each), refreshing their recency like ``touch``."""
+        return {"gpu": 0, "host": 0, "storage": 0}
+
+    def write_to_storage(self, tokens: Sequence[int], slot: int) -> bool:
+        """Copy the device state in ``slot`` (after ``tokens``) to the storage tier, through the host tier."""
+        return False
+
     @property
     def tree_slots(self) -> int:
         return 0
@@ -178,6 +192,8 @@ class PrefixCache(DisabledCache):
             for s, key in zip(freed, keys):
                 if self.host is not None and (h := self.host.store(key)) is not None:
                     self.pending.offload(s, h)  # runs before anything recorded later writes to s
+                    if self.storage is not None and self.storage.has(key):
+                        self.host.tree._owner[h].stored = True  # the host tier may drop it first
                 self.free(s)
                 self._remember_evicted(key)
             slot = self.allocator.alloc()
@@ -204,13 +220,67 @@ class PrefixCache(DisabledCache):
         if self.host is not None and len(tokens) > m.length:
             length, lock = self.host.match(tokens)
             if length > m.length:
-                return length, lock, "host"
+                node = lock.node
+                tier = "storage" if node.from_storage else "host"  # first use since it was read from disk
+                node.from_storage = False
+                if self._selective_write_due(node):
+                    key = self.host.tree.key_of(node)
+                    if self.storage.wants(key):
+                        self.host.tree.lock(node)
+                        self.storage.write_from_host(HostLock(node), key, self.pending)
+                return length, lock, tier
             if lock is not None:
                 self.host.unlock(lock)
         if m.length == 0:
             return 0, None, None
         self.tree.lock(m.node)
+        if self._selective_write_due(m.node):
+            self.write_to_storage(self.tree.key_of(m.node), m.node.slot)
         return m.length, m.node, "gpu"
+
+    def _selective_write_due(self, node: TreeNode) -> bool:
+        """``write_through_selective``: a snapshot goes to storage at its N-th hit (once)."""
+        node.hits += 1
+        st = self.storage
+        due = (st is not None and st.write_policy == "write_through_selective" and not node.stored
+               and node.hits >= st.write_threshold)
+        if due:
+            node.stored = True  # written, or being written: not asked again
+        return due
+
+    def write_to_storage(self, tokens: Sequence[int], slot: int) -> bool:
+        st = self.storage
+        if st is None or not st.wants(tokens):
+            return False
+        lock = self.host.lock_exact(tokens)
+        if lock is None:
+            lock = self.host.store_locked(tokens)
+            if lock is None:
+                return False  # every host entry is in use: the write is skipped
+            self.pending.offload(slot, lock.slot)
+        st.write_from_host(lock, tokens, self.pending)
+        return True
+
+    def write_back(self) -> None:
+        """``write_back``: host entries about to be dropped are written to storage first."""
+        st = self.storage
+        for node in st.maintain() or ():
+            if len(st.writing) >= MAX_INFLIGHT_WRITES:
+                break
+            key = self.host.tree.key_of(node)
+            if st.has(key):
+                node.stored = True
+            elif st.wants(key):
+                self.host.tree.lock(node)
+                st.write_from_host(HostLock(node), key, self.pending)
+
+    def residency(self, tokens: Sequence[int]) -> dict[str, int]:
+        out = {"gpu": self.tree.match_prefix(tokens).length if tokens else 0, "host": 0, "storage": 0}
+        if self.host is not None and tokens:
+            out["host"] = self.host.tree.match_prefix(tokens).length
+        if self.storage is not None and tokens:
+            out["storage"] = self.storage.match_length(tokens)
+        return out
 
     def restore(self, lock, slot: int) -> None:
         if isinstance(lock, HostLock):
@@ -235,15 +305,23 @@ class PrefixCache(DisabledCache):
     def touch(self, tokens: Sequence[int]) -> int:
         """Mark the snapshot ``tokens`` would match as just used (a queued request will read it: eviction
         spares it over older ones) and return its length, without locking it."""
-        if not tokens:
-            return 0
-        length = self.tree.match_prefix(tokens).length
-        return max(length, self.host.tree.match_prefix(tokens).length) if self.host is not None else length
+        r = self.residency(tokens)
+        return max(r["gpu"], r["host"])
 
     def keep(self, tokens: Sequence[int], slot: int, speculative: bool = False) -> bool:
         if not tokens:
             return False
-        return self.tree.insert(tokens, slot, speculative).stored
+        r = self.tree.insert(tokens, slot, speculative)
+        if r.stored and not speculative and self.storage is not None:
+            self.write_through(tokens, slot)
+        return r.stored
+
+    def write_through(self, tokens: Sequence[int], slot: int) -> None:
+        """``write_through``: the snapshot the tree just took at ``tokens`` (device ``slot``) goes to storage
+        now; other policies write later (``_selective_write_due``, ``write_back``)."""
+        if self.storage.write_policy == "write_through":
+            node = self.tree.match_prefix(tokens).node
+            node.stored = self.write_to_storage(tokens, slot) or node.stored
 
     @property
     def tree_slots(self) -> int:
@@ -261,6 +339,10 @@ class PrefixCache(DisabledCache):
         return len(slots) + (self.host.flush() if self.host is not None else 0)
 
     def check_invariants(self) -> None:
+        """Every tier's tree and accounting: device slots, host slots (in a tree or reserved for a read),
+        storage entries and bytes."""
         self.tree.check_invariants()
         if self.host is not None:
             self.host.check_invariants()
+        if self.storage is not None:
+            self.storage.check_invariants()

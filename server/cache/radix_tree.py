@@ -60,7 +60,8 @@ class TreeNode:
     existing object as the lower half (where its snapshot and holders' expectations live).
     """
 
-    __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access", "speculative")
+    __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access", "speculative", "hits",
+                 "stored", "from_storage")
 
     def __init__(self, key: tuple[int, ...], parent: TreeNode | None, depth: int, last_access: int = 0):
         self.key = key
@@ -71,6 +72,11 @@ class TreeNode:
         self.lock_ref = 0  # locks on this node + locks on all its descendants
         self.last_access = last_access
         self.speculative = False  # its snapshot was kept in case it is needed, and no request has used it yet
+        # (tiers) matches of its snapshot, whether the storage tier has a copy, and (host tier) whether
+        # the snapshot came from storage and has not been matched since
+        self.hits = 0
+        self.stored = False
+        self.from_storage = False
 
     def __repr__(self) -> str:
         return (f"TreeNode(depth={self.depth}, edge={len(self.key)}, slot={self.slot}, "
@@ -186,6 +192,7 @@ class MambaRadixCache:
             return InsertResult(node, existed=True, stored=False)
         node.slot = slot
         node.speculative = speculative
+        node.hits, node.stored, node.from_storage = 0, False, False  # a new snapshot
         self._owner[slot] = node
         if node.lock_ref:
             self._protected += 1
@@ -223,10 +230,11 @@ class MambaRadixCache:
         return self._clock
 
     def evict(self, num_slots: int, unused_since: int | None = None, keys: list | None = None,
-              speculative_only: bool = False) -> list[int]:
+              speculative_only: bool = False, prefer=None) -> list[int]:
         """Free up to ``num_slots`` unlocked snapshots, LRU first; returns their slot ids in order.
         ``unused_since``: only snapshots not used after that tick of ``clock``; ``speculative_only``: only
-        speculative ones; ``keys``: the evicted snapshots' token keys are appended to it.
+        speculative ones; ``keys``: the evicted snapshots' token keys are appended to it; ``prefer``: a
+        predicate on nodes, those it holds for go first (a tier drops what a lower tier has a copy of).
 
         O(S log S) in the number of snapshots S per call, which is bounded by the state pool
         (hundreds to a few thousand slots), so a scan beats keeping an ordered index in sync.
@@ -236,7 +244,9 @@ class MambaRadixCache:
         candidates = [n for n in self._owner.values()
                       if n.lock_ref == 0 and (unused_since is None or n.last_access <= unused_since)
                       and (n.speculative or not speculative_only)]
-        victims = heapq.nsmallest(num_slots, candidates, key=lambda n: (n.last_access, n.depth))
+        order = ((lambda n: (not prefer(n), n.last_access, n.depth)) if prefer is not None
+                 else (lambda n: (n.last_access, n.depth)))
+        victims = heapq.nsmallest(num_slots, candidates, key=order)
         if keys is not None:
             keys.extend(self.key_of(node) for node in victims)
         return [self._drop(node) for node in victims]

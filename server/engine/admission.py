@@ -9,6 +9,8 @@ the tree, tracked snapshots, requests that end without sampling). Runs on the sc
 
 from __future__ import annotations
 
+import time
+
 from mambaserve.server.cache.pages import PageAllocator
 from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
@@ -49,13 +51,17 @@ class Admission:
         if next_mode_is_decode(has_prefill, bool(decode), self.last_was_extend):
             return self._decode_batch(decode, inflight)
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in running if not r.prefill_done]
+        now = time.monotonic()
         ready = [(r, max(0, r.prefill_len - r.expected_cached), r.overtaken) for r in waiting
                  if (r.session is None or not r.session.awaiting_fold)  # the live state arrives next step
-                 and not (self.cache.enabled and _waits_for_its_prompt(r))]
+                 and not (self.cache.enabled and _waits_for_its_prompt(r))
+                 and not (r.prefetch is not None and r.prefetch.holds(now))]  # its prefix is being read from disk
         new_tokens = {id(r): n for r, n, _ in ready}
         cands += [PrefillCandidate(r, new_tokens[id(r)], True, not _has_live_slot(r))
                   for r in admission_order(ready, MAX_OVERTAKEN)]
-        plan = plan_prefill(cands, self.chunk, self.cache.allocator.num_free + self.cache.evictable_slots,
+        # with a host tier, idle sessions' live states can spill there when slots run short (_admit)
+        spillable = len(self.sessions.held_slots) if self.cache.host is not None else 0
+        plan = plan_prefill(cands, self.chunk, self.cache.allocator.num_free + self.cache.evictable_slots + spillable,
                             len(running), self.max_running)
         chunks, admitted, arrivals = [], [], list(waiting)
         for req, n in plan:
@@ -163,6 +169,8 @@ class Admission:
         slot = self.cache.allocator.alloc() if cached else None
         if slot is None and not (cached and self.cache.sole_reader_of_leaf(node)):
             slot = self.cache.alloc()
+            if slot is None and self.cache.host is not None and self.sessions.spill_idle():
+                slot = self.cache.alloc()  # an idle session's state went to the tree, evicted down to the host
         moved = slot is None
         if moved:
             self.cache.unlock(node)
@@ -233,6 +241,8 @@ class Admission:
         if fresh is None:
             return
         if self.cache.keep(req.tokens(req.in_state), req.slot, speculative=True):
+            if req.prefill_done and self.cache.storage is not None:
+                self.cache.write_through(req.tokens(req.in_state), req.slot)  # what a resent prompt matches
             self.cache.copy_into(req.slot, fresh)
             req.slot = fresh
         else:

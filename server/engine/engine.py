@@ -48,7 +48,10 @@ def hybrid_refusals(cfg: ServerConfig) -> list[str]:
         out.append("--host-cache-size (the host tier holds Mamba snapshots only)")
     if cfg.mamba_cache_strategy != "no_buffer" or cfg.mamba_track_interval:
         out.append("--mamba-cache-strategy extra_buffer / --mamba-track-interval (radix cache snapshots)")
+    if cfg.storage_dir:
+        out.append("--storage-dir (the storage tier holds Mamba snapshots only)")
     return out
+STAGING_SNAPSHOTS = 8  # host tier for a storage tier given no --host-cache-size (1.4 GB at the 2.7b shape)
 
 
 class Engine:
@@ -113,7 +116,8 @@ class Engine:
         self.scheduler = Scheduler(
             cfg, runner, self.metrics, max_running=self.max_running, context_length=self.context_length,
             track_interval=self.track_interval,
-            compat=session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]))
+            compat=session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]),
+            storage_compat=self._storage_compat() if cfg.storage_dir else None)
         eos = set(self.dims.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -159,17 +163,41 @@ class Engine:
                            pages=-(-cfg.max_total_tokens // cfg.page_size) if cfg.max_total_tokens else None)
 
     def _host_pool(self, is_cuda: bool) -> HostStatePool | None:
-        """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache)."""
+        """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache).
+        The storage tier moves every byte through it: with ``--storage-dir`` and no host size, a host tier
+        of STAGING_SNAPSHOTS snapshots is its staging area."""
         size = self.cfg.host_cache_size
+        per = self.pool.bytes_per_slot
+        if not size and self.cfg.storage_dir and not self.cfg.disable_radix_cache:
+            size = STAGING_SNAPSHOTS * per
+            log.info("--storage-dir without --host-cache-size: a host tier of %d snapshots stages its reads and "
+                     "writes", STAGING_SNAPSHOTS)
         if not size or self.cfg.disable_radix_cache:
             return None
-        per = self.pool.bytes_per_slot
         if size < per:
             raise ValueError(f"--host-cache-size {size} bytes holds no snapshot: one takes {per} bytes here")
         pool = HostStatePool(self.pool, size // per, pin=is_cuda)
         log.info("host cache tier: %d snapshots x %.2f MiB (%s)", pool.capacity, per / 2**20,
                  "pinned" if is_cuda else "host memory")
         return pool
+
+    def _storage_compat(self) -> dict:
+        """The storage tier's compatibility key: what a stored state depends on (cache.storage_entry)."""
+        from mambaserve.server.cache import storage_entry
+
+        t = time.monotonic()
+        cache_file = Path(self.cfg.storage_dir) / ".weights-fingerprints.json"
+        try:
+            weights = storage_entry.weights_fingerprint(self.cfg.model, cache_file)
+        except OSError as e:  # hub ids resolve elsewhere; the directory name and config then stand for it
+            log.warning("weights not fingerprinted (%s): storage entries are keyed by the model's name", e)
+            weights = f"name:{self.model_name}"
+        pool = self.pool
+        key = storage_entry.compat_key(self.hf_config, weights, self.dtype, DTYPES[self.cfg.state_dtype],
+                                       self.dims.num_layers, pool.conv[:, 0].shape, pool.ssm[:, 0].shape,
+                                       self.dims.chunk_size)
+        log.info("storage compatibility key in %.1f s: weights %s", time.monotonic() - t, weights)
+        return key
 
     def _track_interval(self) -> int:
         """Tracked-snapshot interval: states come from the chunked scan's chunk boundaries, so it must be
@@ -194,6 +222,7 @@ class Engine:
         self.scheduler.start()
 
     def stop(self) -> None:
+        """Stop the scheduler; the storage tier's queued writes are on disk when this returns."""
         self.scheduler.stop()
 
     # ---- requests -----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+STORAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 
 
@@ -60,6 +61,25 @@ class ServerMetrics:
         self.tier_bytes = Counter("mambaserve_cache_tier_bytes", "State bytes copied between tiers", ["direction"],
                                   registry=r)
         self.evictions = Counter("mambaserve_cache_evictions", "Snapshots evicted", ["tier"], registry=r)
+        self.tier_used_bytes = Gauge("mambaserve_cache_tier_used_bytes",
+                                     "Bytes of state snapshots each cache tier holds", ["tier"], registry=r)
+        self.tier_capacity_bytes = Gauge("mambaserve_cache_tier_capacity_bytes",
+                                         "Bytes each cache tier may hold (storage: --storage-size, else free disk "
+                                         "less a margin)", ["tier"], registry=r)
+        self.storage_entries = Gauge("mambaserve_cache_storage_entries",
+                                     "Entries of this model in the storage tier's directory", registry=r)
+        self.storage_load_seconds = Histogram("mambaserve_cache_storage_load_seconds",
+                                              "Time to read one snapshot from the storage tier into host memory",
+                                              buckets=STORAGE_BUCKETS, registry=r)
+        self.storage_write_seconds = Histogram("mambaserve_cache_storage_write_seconds",
+                                               "Time to write one snapshot from host memory to the storage tier",
+                                               buckets=STORAGE_BUCKETS, registry=r)
+        self.storage_rejected = Counter("mambaserve_cache_storage_rejected_entries",
+                                        "Storage entries refused: corrupt (deleted) or incompatible with this model",
+                                        ["reason"], registry=r)
+        self.storage_degraded = Gauge("mambaserve_cache_storage_degraded",
+                                      "1 while the storage tier is off because its directory is full, read-only or "
+                                      "gone (requests are served from the tiers above)", registry=r)
         self.sessions_open = Gauge("mambaserve_sessions_open", "Open sessions", registry=r)
         self.session_held_slots = Gauge("mambaserve_session_held_slots",
                                         "State slots held by streaming sessions between turns", registry=r)
@@ -69,12 +89,16 @@ class ServerMetrics:
                                         registry=r)
         # Every label value exists from the start, at 0: a ratio of counters (hit rate in PromQL, the
         # autoscaler's miss ratio) must not vanish on a pod that has had no hit yet.
-        for tier in ("gpu", "host", "session"):
+        for tier in ("gpu", "host", "storage", "session"):
             self.cache_hit.labels(tier)
-        for tier in ("gpu", "host"):
+        for tier in ("gpu", "host", "storage"):
             self.evictions.labels(tier)
-        for direction in ("gpu_to_host", "host_to_gpu"):
+            self.tier_used_bytes.labels(tier)
+            self.tier_capacity_bytes.labels(tier)
+        for direction in ("gpu_to_host", "host_to_gpu", "host_to_storage", "storage_to_host"):
             self.tier_bytes.labels(direction)
+        for reason in ("corrupt", "incompatible"):
+            self.storage_rejected.labels(reason)
         for stage in STAGES[1:]:
             self.stages.labels(stage)
         for reason in ("client", "timeout", "error"):

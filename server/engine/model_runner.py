@@ -108,6 +108,13 @@ class ModelRunner:
                 for h, slot in pairs:
                     self.pool.conv[:, slot].copy_(self.host_pool.conv[h], non_blocking=True)
                     self.pool.ssm[:, slot].copy_(self.host_pool.ssm[h], non_blocking=True)
+        if ops.on_done:  # storage writes of host slots filled above: they wait for this event, not the host
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            for done in ops.on_done:
+                done(event)
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
         """A copy of one slot's state, every layer: ``{"conv": [L, conv_dim, K-1], "ssm": [L, H, P, N]}``."""

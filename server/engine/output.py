@@ -24,6 +24,7 @@ class OutputProcessor:
         self.pages = pages  # hybrid models' KV pages: a request's are released when it ends
         self.metrics = metrics
         self.context_length = context_length
+        self.persist_turn = None  # --session-persist: called with a streaming turn that completed (scheduler)
 
     def read(self, launched: Launched) -> None:
         """Append a launched step's tokens (waits only for that step's host copies)."""
@@ -98,6 +99,8 @@ class OutputProcessor:
         req.locked_node = None
         if req.session is not None:
             completed = (req.folding or reason is not FinishReason.ABORT) and not error
+            if completed and self.persist_turn is not None and not req.session.closing:
+                self.persist_turn(req)
             if self.sessions.end_turn(req.session, req.rid, req.prompt_ids + req.output_ids, completed,
                                       req.slot, req.in_state):
                 req.slot = None  # the session holds it until the next turn

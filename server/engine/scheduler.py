@@ -54,19 +54,27 @@ def session_slot_limit(fraction: float, capacity: int) -> int:
 
 class Scheduler:
     def __init__(self, cfg: ServerConfig, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int,
-                 context_length: int, track_interval: int = 0, compat: dict | None = None):
+                 context_length: int, track_interval: int = 0, compat: dict | None = None,
+                 storage_compat: dict | None = None):
         self.runner, self.metrics = runner, metrics
         self.slots = runner.pool.allocator
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         page_size = cfg.page_size or 1
         host = HostTier(runner.host_pool.capacity, page_size) if runner.host_pool is not None else None
         self.cache = (DisabledCache(self.slots) if cfg.disable_radix_cache
                       else PrefixCache(self.slots, page_size, host=host))
         # hybrid models: KV pages, reserved per request at admission and released at its end
         self.pages = runner.kv_pool.allocator if runner.kv_pool is not None else None
+        self.storage_compat = storage_compat or {}
+        self.storage = None
+        if cfg.storage_dir is not None and host is not None:
+            self.storage = self.cache.storage = self._storage_tier(cfg, host)
+        self.session_persist = cfg.session_persist and self.storage is not None
         self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout),
                                        session_slot_limit(cfg.session_slot_fraction, self.slots.capacity),
                                        self.cache.free, self._keep_or_free,
-                                       lambda reason: metrics.sessions_closed.labels(reason).inc())
+                                       lambda reason: metrics.sessions_closed.labels(reason).inc(),
+                                       self.storage.forget_session if self.session_persist else lambda sid: None)
         self.session_files = SessionFiles(self.sessions, self.cache, runner, metrics, Path(cfg.session_snapshot_dir),
                                           compat or {}, cfg.session_snapshot_max_bytes,
                                           cfg.session_snapshot_max_per_session)
@@ -74,6 +82,8 @@ class Scheduler:
         self.sampler = Sampler(runner.device, cfg.seed)
         self.output = OutputProcessor(self.queues, self.cache, self.sessions, self.sampler, metrics, context_length,
                                       pages=self.pages)
+        if self.session_persist:
+            self.output.persist_turn = self._persist_turn
         self.admission = Admission(self.queues, self.cache, self.sessions, self.output, metrics,
                                    max_running=max_running, chunk=cfg.chunked_prefill_size,
                                    track_interval=0 if cfg.disable_radix_cache else track_interval, pages=self.pages)
@@ -82,7 +92,6 @@ class Scheduler:
         self.overlap = not cfg.disable_overlap_schedule
         self.debug_invariants = cfg.debug_cache_invariants
         self.request_timeout = cfg.request_timeout
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.inflight: Launched | None = None
         self.steps = 0
         self.stalled_steps = 0  # consecutive steps that ran nothing while requests waited and none ran
@@ -92,7 +101,32 @@ class Scheduler:
         metrics.slots_total.set(self.slots.capacity)
         metrics.kv_pages_total.set(self.pages.capacity if self.pages else 0)
         metrics.host_slots_total.set(host.allocator.capacity if host is not None else 0)
+        per = runner.pool.bytes_per_slot
+        metrics.tier_capacity_bytes.labels("gpu").set(self.slots.capacity * per)
+        metrics.tier_capacity_bytes.labels("host").set(host.allocator.capacity * per if host is not None else 0)
 
+    def _storage_tier(self, cfg: ServerConfig, host: HostTier):
+        """The storage tier over ``--storage-dir``; a directory that cannot be created starts it degraded."""
+        from mambaserve.server.cache.storage_backend import FileSystemBackend
+        from mambaserve.server.cache.storage_tier import StorageTier
+        from mambaserve.server.cache.storage_worker import StorageWorker
+
+        try:
+            Path(cfg.storage_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.error("storage tier: cannot create %s: %s", cfg.storage_dir, e.strerror)
+        pool = self.runner.host_pool
+        worker = StorageWorker(FileSystemBackend(cfg.storage_dir), self.storage_compat, pool.conv, pool.ssm,
+                               lambda result: self.inbox.put(("storage", result)), page_size=host.tree.page_size)
+        tier = StorageTier(worker, host, self.metrics, page_size=host.tree.page_size, capacity=cfg.storage_size,
+                           entry_bytes=self.runner.pool.bytes_per_slot, write_policy=cfg.cache_write_policy,
+                           write_threshold=cfg.cache_write_threshold, prefetch_policy=cfg.cache_prefetch_policy,
+                           prefetch_timeout=cfg.cache_prefetch_timeout)
+        log.info("storage cache tier: %s, %d entries (%.2f GiB) found, capacity %.2f GiB%s; write %s, prefetch %s",
+                 cfg.storage_dir, len(tier.entries), tier.used / 2**30, tier.capacity / 2**30,
+                 "" if cfg.storage_size else " (free space less a margin)", cfg.cache_write_policy,
+                 cfg.cache_prefetch_policy)
+        return tier
     # ---- thread-safe API -------------------------------------------------------------------------
     def start(self) -> None:
         if self.alive:
@@ -126,7 +160,10 @@ class Scheduler:
     # ---- the loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain_inbox(block=not (self.queues.waiting or self.queues.running or self.inflight))
+            busy = self.queues.running or self.inflight
+            # requests held for their prefix from storage only: wait for the read (it posts to the inbox)
+            self._drain_inbox(block=not (busy or self.queues.waiting) or (not busy and self._all_held()),
+                              timeout=0.01 if self.queues.waiting else 0.5)
             try:
                 self.step()
             except Exception:  # a failed step must not take the server down
@@ -136,9 +173,15 @@ class Scheduler:
         if self.inflight is not None:  # stopping: read the last launched step's tokens
             self.output.read(self.inflight)
             self.inflight = None
+        if self.storage is not None:  # stopping: the writes recorded so far reach the disk
+            if self.cache.pending.on_done:
+                self.runner.apply_state_ops(self.cache.take_pending())
+            self.storage.drain()
 
     def step(self) -> None:
         self._reap()
+        if self.storage is not None:
+            self.cache.write_back()
         batch, plan = self.admission.schedule(self.inflight)
         launched = None
         if batch is not None:
@@ -150,8 +193,10 @@ class Scheduler:
             if rows:
                 launched = self.sampler.launch(out.logits, rows, [plan[i][0] for i in rows])
             self.steps += 1
+        elif self.cache.pending.on_done:  # storage writes wait for their offloads: issue them now
+            self.runner.apply_state_ops(self.cache.take_pending())
         idle = batch is None and self.inflight is None and not self.queues.running
-        self.stalled_steps = self.stalled_steps + 1 if idle and self.queues.waiting else 0
+        self.stalled_steps = self.stalled_steps + 1 if idle and self.queues.waiting and not self._all_held() else 0
         prev, self.inflight = self.inflight, launched
         if prev is not None:  # the device is busy with this step meanwhile
             self.output.read(prev)
@@ -162,9 +207,16 @@ class Scheduler:
         if self.debug_invariants:
             self.check_invariants()
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _all_held(self) -> bool:
+        """Every waiting request is held for a read from the storage tier (admission.held_by_prefetch)."""
+        if self.storage is None or not self.queues.waiting:
+            return False
+        now = time.monotonic()
+        return all(r.prefetch is not None and r.prefetch.holds(now) for r in self.queues.waiting)
+
+    def _drain_inbox(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=timeout) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -173,6 +225,8 @@ class Scheduler:
                 self._add(arg)
             elif kind == "abort":
                 self._abort(arg)
+            elif kind == "storage":
+                self.storage.apply(arg)
             elif kind == "call":
                 fn, fut = arg
                 try:
@@ -206,6 +260,11 @@ class Scheduler:
                                             f"session {req.session_id!r} history + this turn")
                 req.session = self.sessions.begin_turn(req.session_id, req.rid, tp, prompt)
             except (SessionError, BadRequest) as e:
+                if (isinstance(e, SessionError) and e.code == "session_not_found" and self.session_persist
+                        and not opened and not req.revived and req.session_id not in self.sessions.table.sessions):
+                    req.revived = True  # persisted by an earlier run or another pod? look it up, then retry
+                    self.storage.get_session(req.session_id, lambda record: self._revive(req, record))
+                    return
                 if opened:  # a refused first turn leaves no session behind
                     self.sessions.close(req.session_id, "error")
                 self.sampler.forget(req.rid)
@@ -216,7 +275,13 @@ class Scheduler:
             req.prompt_ids = prompt
         # its snapshot is needed soon: refreshed now, eviction takes older ones first while it waits (a
         # match never covers the last token: it must run to produce logits)
-        req.expected_cached = self.cache.touch(req.prompt_ids[:-1])
+        if self.storage is None:
+            req.expected_cached = self.cache.touch(req.prompt_ids[:-1])
+        else:  # a prefix found on storage only is read into the host tier while the request waits
+            where = self.cache.residency(req.prompt_ids[:-1])
+            req.expected_cached = max(where["gpu"], where["host"])
+            if where["storage"] > req.expected_cached:
+                req.prefetch = self.storage.prefetch(req.prompt_ids[:-1], req.expected_cached)
         if req.logits_from is not None:  # (admission's match stops there: see Admission._admit)
             req.expected_cached = min(req.expected_cached, req.logits_from)
         req.arrival_tick = self.cache.clock
@@ -231,6 +296,37 @@ class Scheduler:
             self.output.finish(req, req.finish_reason, emit=False)  # answered already; the fold is skipped
         elif req is not None and not req.finished:
             self.output.finish(req, FinishReason.ABORT)
+
+    def _revive(self, req: Req, record: dict | None) -> None:
+        """A turn for a session this server does not know: recreate it from its persisted record (its
+        state follows as an ordinary prefix hit from the storage tier), then take the turn again."""
+        if record is not None and record.get("compat") != self.storage_compat:
+            self.metrics.storage_rejected.labels("incompatible").inc()
+            log.warning("persisted session %s was written by another model or configuration: not restored",
+                        req.session_id)
+        elif record is not None and req.session_id not in self.sessions.table.sessions:
+            meta = {"id": req.session_id, "streaming": record["streaming"], "timeout": record["timeout"],
+                    "capacity": record["capacity"], "in_state": 0}
+            try:
+                self.sessions.restore(meta, record["history"], req.session_id, None)
+                self.metrics.session_restores.inc()
+                log.info("session %s continued from its persisted turn (%d tokens)", req.session_id,
+                         len(record["history"]))
+            except SessionError as e:
+                log.warning("persisted session %s not restored: %s", req.session_id, e)
+        self._add(req)
+
+    def _persist_turn(self, req: Req) -> None:
+        """--session-persist: a streaming turn ended with its state covering the whole history: the state
+        goes to the storage tier (through the host tier), then the session's record naming it."""
+        s = req.session
+        tokens = req.prompt_ids + req.output_ids
+        if not s.streaming or req.slot is None or req.in_state != len(tokens):
+            return
+        self.cache.write_to_storage(tokens, req.slot)
+        record = {"id": s.id, "streaming": True, "timeout": s.timeout, "capacity": s.capacity, "history": tokens,
+                  "compat": self.storage_compat}
+        self.storage.put_session(s.id, record, self.cache.pending)
 
     def _keep_or_free(self, tokens: list[int], slot: int) -> None:
         """A state nobody holds any more: a snapshot in the cache if it takes it, else a free slot."""
@@ -272,7 +368,12 @@ class Scheduler:
             self.cache.evictions = 0
         host = self.cache.host
         if host is not None:
+            per = self.runner.pool.bytes_per_slot
             m.host_slots_used.set(host.allocator.num_used)
+            m.tier_used_bytes.labels("host").set(host.allocator.num_used * per)
+            m.tier_used_bytes.labels("gpu").set(self.cache.tree_slots * per)
+        if self.storage is not None:
+            self.storage.update_gauges()
             if host.evictions:
                 m.evictions.labels("host").inc(host.evictions)
                 host.evictions = 0
@@ -301,8 +402,11 @@ class Scheduler:
     def accounting(self) -> dict:
         q = self.queues
         host = self.cache.host
+        st = self.storage
         return {"capacity": self.slots.capacity, "free": self.slots.num_free, "held_by_requests": len(q.running),
                 "host_capacity": host.allocator.capacity if host else 0, "held_by_host": host.allocator.num_used if host else 0,
+                "storage_entries": len(st.entries) if st else 0, "storage_bytes": st.used if st else 0,
+                "storage_capacity_bytes": st.capacity if st else 0, "storage_degraded": bool(st and st.degraded),
                 "held_by_tree": self.cache.tree_slots, "held_by_sessions": len(self.sessions.held_slots),
                 "evictable": self.cache.evictable_slots, "running": len(q.running), "waiting": len(q.waiting),
                 "sessions": len(self.sessions.table.sessions),

@@ -23,8 +23,10 @@ class SessionManager:
     the slots that waiting requests need, whatever their number."""
 
     def __init__(self, table: SessionTable, max_held_slots: int, free_slot: Callable[[int], None],
-                 give_up: Callable[[list[int], int], None], on_close: Callable[[str], None] = lambda reason: None):
+                 give_up: Callable[[list[int], int], None], on_close: Callable[[str], None] = lambda reason: None,
+                 on_release: Callable[[str], None] = lambda sid: None):
         self.table = table
+        self._on_release = on_release  # called with the session id once it is gone (its persisted record too)
         self.max_held_slots = max_held_slots
         self._free_slot = free_slot
         self._give_up = give_up
@@ -47,6 +49,7 @@ class SessionManager:
             s.slot = None
         self.table.remove(s.id)
         self._on_close(reason)
+        self._on_release(s.id)
 
     def reap(self, now: float | None = None) -> None:
         for s in self.table.expired(time.monotonic() if now is None else now):
@@ -106,9 +109,22 @@ class SessionManager:
         oldest = min(holders, key=lambda x: x.last_active)
         log.info("session %s gives up its live state: sessions hold %d of at most %d slots", oldest.id,
                  len(holders), self.max_held_slots)
-        self._give_up(oldest.history[:oldest.in_state], oldest.slot)
-        oldest.slot, oldest.in_state = None, 0
+        self._spill(oldest)
         return len(holders) - 1 < self.max_held_slots
+
+    def _spill(self, s: Session) -> None:
+        self._give_up(s.history[:s.in_state], s.slot)
+        s.slot, s.in_state = None, 0
+
+    def spill_idle(self) -> bool:
+        """Under memory pressure (a request finds no slot): the least recently active idle session gives
+        its live state to the cache, from where eviction moves it down to the host (and storage) tier;
+        its next turn finds it there by prefix. False when no session holds a slot."""
+        holders = [x for x in self.table.sessions.values() if x.slot is not None]
+        if not holders:
+            return False
+        self._spill(min(holders, key=lambda x: x.last_active))
+        return True
 
     # ---- export / import ----------------------------------------------------------------------------
     def export(self, sid: str) -> tuple[Session, list[int], dict]:

@@ -1,0 +1,319 @@
+"""The storage tier (L3): snapshots on a local disk or a volume shared by pods, found again by prefix.
+
+This half runs on the scheduler thread and only decides: an index of the entries (a radix tree of
+its own, entry ids for slots, LRU by use), the bytes they take against the capacity, what to write
+and when (the write policy), what to read on a request's arrival (the prefetch policy), and whether
+the tier works at all (``degraded``). Every byte moves on the ``storage_worker`` thread; its results
+come back through the scheduler's inbox (``apply``).
+
+The data path always goes through the host tier (``host_tier``), whose pinned slots are the staging
+area: device -> host is an ``offload`` state op, host -> disk a write job reading the locked host
+entry once that op has run (``StateOps.on_done``); disk -> host a read job into a reserved host slot,
+host -> device the ordinary host hit (a ``load`` op). So a loaded entry is always read by the forward
+through the same ordered op list as any other.
+
+Write policies (``--cache-write-policy``):
+  * ``write_through``: a request's final snapshot (and a session's turn) goes to storage as soon as
+    the device tree takes it, so a restart or another pod finds it at once;
+  * ``write_through_selective``: a snapshot goes once it has been matched ``--cache-write-threshold``
+    times (hot prefixes only: less disk traffic);
+  * ``write_back``: a host entry goes to storage when the host tier fills (above 3/4 of its slots, least
+    recently used first), so it is on disk before the host tier drops it; nothing is written while
+    the host tier has room.
+Prefetch policies (``--cache-prefetch-policy``): on arrival a request whose longest prefix is in
+storage and nowhere higher starts a read; ``best_effort`` admits it whenever admission gets to it
+(using what has landed by then), ``wait_complete`` holds its admission until the read has landed or
+failed, ``timeout`` holds it at most ``--cache-prefetch-timeout`` seconds.
+
+A directory that is full, read-only or gone *degrades* the tier: one log line, the degraded gauge at
+1, no more reads or writes, requests served from the tiers above; a later scan that finds the
+directory usable again ends it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from mambaserve.server.cache import storage_entry as fmt
+from mambaserve.server.cache.host_tier import HostLock, HostTier
+from mambaserve.server.cache.radix_tree import MambaRadixCache, TreeNode
+from mambaserve.server.cache.storage_worker import Job, Result, StorageWorker
+
+log = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+MAX_INFLIGHT_WRITES = 4  # write-back keeps at most this many writes queued: the host tier stays evictable
+WRITE_BACK_WATERMARK = 0.75
+MARGIN_FRACTION, MARGIN_FLOOR = 0.05, 2**30  # default capacity: free disk minus max(5 %, 1 GiB)
+
+
+def default_capacity(used: int, free: int, total: int) -> int:
+    """Without ``--storage-size``: what the entries hold now plus the free space, less a margin of 5 % of
+    the filesystem (at least 1 GiB) that the tier never fills (other files, other pods' writes racing)."""
+    return max(0, used + free - max(MARGIN_FLOOR, int(MARGIN_FRACTION * total)))
+
+
+@dataclass
+class Prefetch:
+    """A read from storage started for a waiting request."""
+
+    key: tuple[int, ...]
+    deadline: float  # time.monotonic(): admission holds the request until it is done or this passes
+    done: bool = False
+
+    def holds(self, now: float) -> bool:
+        return not self.done and now < self.deadline
+
+
+@dataclass
+class _Entry:
+    name: str
+    size: int
+
+
+class StorageTier:
+    def __init__(self, worker: StorageWorker, host: HostTier, metrics, *, page_size: int, capacity: int | None,
+                 entry_bytes: int, write_policy: str = "write_through", write_threshold: int = 2,
+                 prefetch_policy: str = "best_effort", prefetch_timeout: float = 1.0):
+        self.worker, self.host, self.metrics = worker, host, metrics
+        self.page_size, self.entry_bytes = page_size, entry_bytes
+        self.configured_capacity = capacity
+        self.capacity = capacity or 0
+        self.write_policy, self.write_threshold = write_policy, write_threshold
+        self.prefetch_policy, self.prefetch_timeout = prefetch_policy, prefetch_timeout
+        self.index = MambaRadixCache(page_size)
+        self.entries: dict[int, _Entry] = {}
+        self.by_name: dict[str, int] = {}
+        self.used = 0
+        self.writing: set[str] = set()
+        self.reads: dict[str, Prefetch] = {}
+        self.jobs: dict[int, tuple] = {}  # job id -> what its result completes
+        self.degraded = False
+        self.evictions = 0
+        self._ids = itertools.count(1)
+        self._maintained_at = -1
+        self.apply(worker.run_now(Job("scan")))  # entries of earlier runs and other pods, before serving
+        worker.start()
+
+    # ---- lookups --------------------------------------------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        return not self.degraded
+
+    def match_length(self, tokens: Sequence[int]) -> int:
+        return self.index.match_prefix(tokens).length if self.entries else 0
+
+    def has(self, key: Sequence[int]) -> bool:
+        return self.match_length(key) == len(key) > 0
+
+    def wants(self, key: Sequence[int]) -> bool:
+        """Whether a snapshot at ``key`` should be written now (not in storage, not being written)."""
+        return (self.usable and len(key) > 0 and len(key) % self.page_size == 0 and not self.has(key)
+                and fmt.entry_name(key, self.page_size) not in self.writing
+                and self.entry_bytes <= self.capacity)
+
+    # ---- writes ---------------------------------------------------------------------------------------
+    def write_from_host(self, lock: HostLock, key: Sequence[int], ops) -> None:
+        """Write the locked host entry ``lock`` (at ``key``) once ``ops`` have run (its offload among them);
+        the lock is released when the write is done."""
+        key = tuple(key)
+        name = fmt.entry_name(key, self.page_size)
+        self.writing.add(name)
+        ops.on_done.append(lambda event: self._submit_write(lock, key, name, event))
+
+    def _submit_write(self, lock: HostLock, key: tuple[int, ...], name: str, event) -> None:
+        if self.degraded or not self._make_room(self.entry_bytes + 64 + 8 * len(key)):
+            self.writing.discard(name)
+            self.host.unlock(lock)
+            return
+        jid = next(self._ids)
+        self.jobs[jid] = ("write", lock, key)
+        self.worker.submit(Job("write", jid, name, key, lock.slot, event))
+
+    def _make_room(self, size: int) -> bool:
+        while self.used + size > self.capacity:
+            freed: list = []
+            ids = self.index.evict(1, keys=freed)
+            if not ids:
+                return False
+            self.evictions += 1
+            self._forget(ids[0], delete=True)
+        return True
+
+    def maintain(self) -> None:
+        """``write_back``: queue writes of the least recently used host entries not in storage while the
+        host tier is above its watermark, so that what it drops next has a copy on disk."""
+        host = self.host
+        if (self.write_policy != "write_back" or not self.usable or len(self.writing) >= MAX_INFLIGHT_WRITES
+                or host.allocator.num_used < WRITE_BACK_WATERMARK * host.allocator.capacity
+                or host.tree.clock == self._maintained_at):
+            return
+        self._maintained_at = host.tree.clock
+        dirty = sorted((n for n in host.tree._owner.values() if not n.stored and not n.lock_ref),
+                       key=lambda n: (n.last_access, n.depth))
+        return dirty  # the caller records them on its op list (``PrefixCache.write_back``)
+
+    # ---- reads ----------------------------------------------------------------------------------------
+    def prefetch(self, tokens: Sequence[int], have: int, now: float | None = None) -> Prefetch | None:
+        """Start reading the longest stored prefix of ``tokens`` into the host tier if it is longer than
+        ``have`` (what the tiers above hold); None when there is nothing to read or no room."""
+        if not self.usable or not self.entries:
+            return None
+        m = self.index.match_prefix(tokens)
+        if m.length <= have:
+            return None
+        entry = self.entries[m.node.slot]
+        if entry.name in self.reads:
+            return self.reads[entry.name]
+        slot = self.host.reserve()
+        if slot is None:
+            return None
+        now = time.monotonic() if now is None else now
+        wait = {"best_effort": 0.0, "wait_complete": float("inf"), "timeout": self.prefetch_timeout}
+        key = tuple(tokens[:m.length])
+        ticket = Prefetch(key, now + wait[self.prefetch_policy])
+        jid = next(self._ids)
+        self.jobs[jid] = ("read", slot, ticket)
+        self.reads[entry.name] = ticket
+        self.worker.submit(Job("read", jid, entry.name, key, slot))
+        return ticket
+
+    # ---- sessions -------------------------------------------------------------------------------------
+    def put_session(self, sid: str, record: dict, ops) -> None:
+        """Write a session's record after the writes ``ops`` will queue (its state's among them)."""
+        data = json.dumps(record).encode()
+        ops.on_done.append(lambda event: self.usable and self.worker.submit(Job("put_record", 0, sid, data=data)))
+
+    def get_session(self, sid: str, then: Callable[[dict | None], None]) -> None:
+        """Look a session's record up; ``then(record or None)`` runs on the scheduler thread."""
+        if not self.usable:
+            then(None)
+            return
+        jid = next(self._ids)
+        self.jobs[jid] = ("get_record", then)
+        self.worker.submit(Job("get_record", jid, sid))
+
+    def forget_session(self, sid: str) -> None:
+        if self.usable:
+            self.worker.submit(Job("delete_record", 0, sid))
+
+    # ---- results (scheduler thread) -------------------------------------------------------------------
+    def apply(self, res: Result) -> None:
+        job = res.job
+        ctx = self.jobs.pop(job.id, None)
+        if res.fatal:
+            self._degrade(res.reason)
+        if job.kind == "scan":
+            self._apply_scan(res)
+        elif job.kind == "write":
+            _, lock, key = ctx
+            self.writing.discard(job.name)
+            if res.ok:
+                self._add(job.name, key, res.bytes)
+                lock.node.stored = True
+                self.metrics.tier_bytes.labels("host_to_storage").inc(res.bytes)
+                self.metrics.storage_write_seconds.observe(res.seconds)
+            self.host.unlock(lock)
+        elif job.kind == "read":
+            _, slot, ticket = ctx
+            self.reads.pop(job.name, None)
+            ticket.done = True
+            if res.ok:
+                node = self.host.commit(ticket.key, slot)
+                if node is not None:
+                    node.stored, node.from_storage = True, True
+                self.metrics.tier_bytes.labels("storage_to_host").inc(res.bytes)
+                self.metrics.storage_load_seconds.observe(res.seconds)
+            else:
+                self.host.release(slot)
+                if res.reason in ("corrupt", "incompatible"):
+                    self.metrics.storage_rejected.labels(res.reason).inc()
+                if res.reason in ("corrupt", "incompatible", "missing") and job.name in self.by_name:
+                    self._forget(self.by_name[job.name], delete=False)
+        elif job.kind == "get_record":
+            _, then = ctx
+            record = None
+            if res.ok and res.data:
+                try:
+                    record = json.loads(res.data)
+                except ValueError:
+                    self.metrics.storage_rejected.labels("corrupt").inc()
+            then(record)
+
+    def _apply_scan(self, res: Result) -> None:
+        if not res.ok:
+            return
+        free, total = res.space
+        if self.configured_capacity is None:
+            self.capacity = default_capacity(self.used, free, total)
+        if self.degraded and free > MARGIN_FLOOR // 4:
+            self.degraded = False
+            self.metrics.storage_degraded.set(0)
+            log.warning("storage tier usable again")
+        for name in [n for n in self.by_name if n not in res.names and n not in self.writing]:
+            self._forget(self.by_name[name], delete=False)  # another pod's LRU deleted it
+        for name, reason in res.rejected:
+            self.metrics.storage_rejected.labels(reason).inc()
+        for name, tokens, size, _ in res.entries:
+            if name not in self.by_name:
+                self._add(name, tokens, size)
+        self._make_room(0)
+
+    def _add(self, name: str, key: Sequence[int], size: int) -> None:
+        if name in self.by_name:
+            return
+        eid = next(self._ids)
+        if not self.index.insert(key, eid).stored:
+            return
+        self.entries[eid] = _Entry(name, size)
+        self.by_name[name] = eid
+        self.used += size
+
+    def _forget(self, eid: int, delete: bool) -> None:
+        """Drop entry ``eid`` from the index (already evicted from the tree when ``delete``)."""
+        e = self.entries.pop(eid)
+        del self.by_name[e.name]
+        self.used -= e.size
+        if not delete:
+            node = self.index._owner.get(eid)
+            if node is not None and not node.lock_ref:
+                self.index._drop(node)
+        elif self.usable:
+            self.worker.submit(Job("delete", 0, e.name))
+
+    def _degrade(self, reason: str) -> None:
+        if not self.degraded:
+            self.degraded = True
+            self.metrics.storage_degraded.set(1)
+            log.error("storage tier disabled: %s (requests are served from the device and host tiers; a later "
+                      "scan re-enables it when the directory is usable)", reason)
+
+    # ---- life -----------------------------------------------------------------------------------------
+    def drain(self, timeout: float = 60.0) -> None:
+        """Wait for the jobs queued so far (a stopping server's writes reach the disk)."""
+        if not self.worker.drain(timeout):
+            log.warning("storage writes still running after %.0f s at shutdown", timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.worker.close(timeout)
+
+    def update_gauges(self) -> None:
+        m = self.metrics
+        m.tier_used_bytes.labels("storage").set(self.used)
+        m.tier_capacity_bytes.labels("storage").set(self.capacity)
+        m.storage_entries.set(len(self.entries))
+        if self.evictions:
+            m.evictions.labels("storage").inc(self.evictions)
+            self.evictions = 0
+
+    def check_invariants(self) -> None:
+        self.index.check_invariants()
+        assert set(self.index.all_slots()) == set(self.entries), "storage index and entries disagree"
+        assert self.used == sum(e.size for e in self.entries.values()), "storage bytes miscounted"
+        assert {self.entries[i].name for i in self.entries} == set(self.by_name), "storage names miscounted"

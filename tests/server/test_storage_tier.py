@@ -1,0 +1,289 @@
+"""The storage cache tier (L3): snapshots written to a directory, found again by prefix after a restart
+or by another server on the same directory, bit for bit; entries of another model or damaged ones are
+never loaded; a directory that fails turns the tier off without failing a request."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from mambaserve.server.cache import storage_entry as fmt
+from mambaserve.server.cache.prefix_cache import StateOps
+from tests.server.conftest import accounting, make_engine, run, serving
+from tests.server.tiny_models import make_checkpoint
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _prompt(n, seed):
+    return [(seed * 31 + 7 * k * k + k) % 94 + 1 for k in range(n)]
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _entries(root: Path) -> list[Path]:
+    return sorted((root / "entries").glob("*/*.l3"))
+
+
+def _storage_engine(ckpt, root, **kw):
+    kw.setdefault("cache_prefetch_policy", "wait_complete")
+    return make_engine(ckpt, storage_dir=str(root), **kw)
+
+
+async def _generate(c, ids, n=4):
+    r = await c.post("/generate", json={"input_ids": ids, "return_logprob": True,
+                                        "sampling_params": {"max_new_tokens": n, **GREEDY}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["output_ids"], body["meta_info"]["cached_tokens"]
+
+
+def _serve_once(engine, prompts):
+    async def go():
+        async with serving(engine) as c:
+            outs = [await _generate(c, p) for p in prompts]
+            metrics = (await c.get("/metrics")).text
+            acc = await accounting(engine)
+        return outs, metrics, acc
+    return run(go())
+
+
+# ---- units: names, bytes ------------------------------------------------------------------------------
+
+def test_entry_names_chain_over_pages_and_depend_on_tokens_only():
+    assert fmt.entry_name([1, 2, 3]) == fmt.entry_name((1, 2, 3))
+    assert fmt.entry_name([1, 2, 3]) != fmt.entry_name([1, 2, 4])
+    assert fmt.entry_name([1, 2, 3, 4], 2) != fmt.entry_name([1, 2, 3, 4], 1)
+    head = fmt.header_bytes({"m": 1}, [5, 6], 1, {"conv": [1]}, 8)
+    header, offset = fmt.parse_header(head)
+    assert header["tokens"] == [5, 6] and offset == len(head)
+    for bad in (b"nope", head[:-3], b"X" + head[1:]):
+        with pytest.raises(fmt.EntryError) as e:
+            fmt.parse_header(bad)
+        assert e.value.reason == "corrupt"
+    with pytest.raises(fmt.EntryError) as e:
+        fmt.check_compatible(header, {"m": 2})
+    assert e.value.reason == "incompatible"
+
+
+# ---- the data path -------------------------------------------------------------------------------------
+
+def test_round_trip_gpu_host_storage_into_a_new_server_is_bit_exact(tiny_ckpt, tmp_path):
+    """A device slot goes device -> host -> disk in one engine; a second engine on the directory reads it
+    disk -> host and loads it host -> device: the same bytes."""
+    a = _storage_engine(tiny_ckpt, tmp_path)
+    sched, runner = a.scheduler, a.scheduler.runner
+    g = torch.Generator().manual_seed(0)
+    state = {"conv": torch.randn(runner.pool.conv[:, 0].shape, generator=g).to(runner.pool.conv.dtype),
+             "ssm": torch.randn(runner.pool.ssm[:, 0].shape, generator=g).to(runner.pool.ssm.dtype)}
+    runner.write_slot(2, state)
+    key = _prompt(13, 1)
+    assert sched.cache.write_to_storage(key, 2)
+    runner.apply_state_ops(sched.cache.take_pending())  # the offload, then the write is queued
+    sched.storage.drain()
+    sched._drain_inbox(block=False)
+    assert sched.storage.has(key) and len(_entries(tmp_path)) == 1
+    sched.check_invariants()
+
+    b = _storage_engine(tiny_ckpt, tmp_path)
+    sched, runner = b.scheduler, b.scheduler.runner
+    assert sched.cache.residency(key + [7]) == {"gpu": 0, "host": 0, "storage": 13}
+    ticket = sched.storage.prefetch(key + [7], 0)
+    sched.storage.drain()
+    sched._drain_inbox(block=False)
+    assert ticket.done
+    cached, lock, tier = sched.cache.match(key + [7])
+    assert (cached, tier) == (13, "storage")
+    runner.apply_state_ops(StateOps([("load", lock.slot, 5)]))
+    sched.cache.unlock(lock)
+    back = runner.read_slot(5)
+    assert torch.equal(back["conv"], state["conv"]) and torch.equal(back["ssm"], state["ssm"])
+    sched.check_invariants()
+
+
+def test_twenty_conversations_on_two_device_snapshots_keep_hitting_through_host_and_storage(tiny_ckpt, tmp_path):
+    """Twenty conversations, three turns each, one running at a time: a device pool of three slots (one
+    running, two snapshots), a host tier of four: later turns hit from host or storage, and every
+    greedy answer equals a cold engine's."""
+    per = make_engine(tiny_ckpt).pool.bytes_per_slot
+    warm = _storage_engine(tiny_ckpt, tmp_path, mamba_cache_size=3, max_running_requests=1,
+                           host_cache_size=4 * per)
+    cold = make_engine(tiny_ckpt, disable_radix_cache=True)
+
+    async def converse(engine):
+        convs = [_prompt(18, s) for s in range(20)]
+        outs, cached = [], []
+        async with serving(engine) as c:
+            for turn in range(3):
+                for i in range(20):
+                    out, hit = await _generate(c, convs[i], 3)
+                    outs.append(out)
+                    cached.append(hit)
+                    convs[i] = convs[i] + out + _prompt(4, 100 * turn + i)
+            metrics = (await c.get("/metrics")).text
+            acc = await accounting(engine)
+        return outs, cached, metrics, acc
+
+    w_outs, w_cached, metrics, acc = run(converse(warm))
+    c_outs, _, _, _ = run(converse(cold))
+    assert w_outs == c_outs
+    assert all(n > 0 for n in w_cached[20:]), w_cached
+    assert _metric(metrics, 'mambaserve_prefix_cache_hit_tokens_total{tier="storage"}') > 0
+    assert _metric(metrics, 'mambaserve_cache_tier_bytes_total{direction="host_to_storage"}') > 0
+    assert _metric(metrics, "mambaserve_cache_storage_load_seconds_count") > 0
+    assert acc["storage_entries"] > 0 and not acc["storage_degraded"]
+
+
+def test_restart_hits_from_storage_with_identical_output(tiny_ckpt, tmp_path):
+    prompt = _prompt(30, 3)
+    [(first, hit)], _, _ = _serve_once(_storage_engine(tiny_ckpt, tmp_path), [prompt])
+    assert hit == 0 and _entries(tmp_path)
+    [(again, hit)], metrics, acc = _serve_once(_storage_engine(tiny_ckpt, tmp_path), [prompt])
+    assert again == first and hit == len(prompt) - 1
+    assert _metric(metrics, 'mambaserve_prefix_cache_hit_tokens_total{tier="storage"}') == hit
+    assert _metric(metrics, 'mambaserve_cache_tier_bytes_total{direction="storage_to_host"}') > 0
+
+
+@pytest.mark.parametrize("change", ["weights", "state_dtype"])
+def test_another_model_or_dtype_loads_nothing(tiny_ckpt, tmp_path, change):
+    prompt = _prompt(30, 4)
+    root = tmp_path / "l3"
+    _serve_once(_storage_engine(tiny_ckpt, root), [prompt])
+    written = _entries(root)
+    if change == "weights":  # same architecture and shapes, other weights
+        other = make_checkpoint(tmp_path / "other", "h6_g1", seed=1)
+        engine, cold = _storage_engine(other, root), make_engine(other, disable_radix_cache=True)
+    else:
+        engine = _storage_engine(tiny_ckpt, root, state_dtype="bfloat16")
+        cold = make_engine(tiny_ckpt, state_dtype="bfloat16", disable_radix_cache=True)
+    [(out, hit)], metrics, _ = _serve_once(engine, [prompt])
+    assert hit == 0
+    assert _metric(metrics, 'mambaserve_cache_storage_rejected_entries_total{reason="incompatible"}') >= 1
+    assert _metric(metrics, 'mambaserve_prefix_cache_hit_tokens_total{tier="storage"}') == 0
+    assert set(written) <= set(_entries(root))  # another model's entries are left alone
+    [(cold_out, _)], _, _ = _serve_once(cold, [prompt])
+    assert out == cold_out
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "flip_header"])
+def test_a_damaged_entry_is_skipped_counted_deleted_and_the_request_served(tiny_ckpt, tmp_path, damage):
+    prompt = _prompt(30, 5)
+    [(first, _)], _, _ = _serve_once(_storage_engine(tiny_ckpt, tmp_path), [prompt])
+    files = [f for f in _entries(tmp_path) if f.stem == fmt.entry_name(prompt[:-1])]  # what a resend reads
+    assert len(files) == 1
+    original = files[0].read_bytes()
+    for f in files:
+        data = bytearray(f.read_bytes())
+        if damage == "flip_payload":
+            data[-100] ^= 0x40
+        elif damage == "flip_header":
+            data[3] ^= 0x01
+        else:
+            data = data[:len(data) // 2]
+        f.write_bytes(bytes(data))
+    [(again, hit)], metrics, acc = _serve_once(_storage_engine(tiny_ckpt, tmp_path), [prompt])
+    assert again == first and hit == 0
+    assert _metric(metrics, 'mambaserve_cache_storage_rejected_entries_total{reason="corrupt"}') == len(files)
+    # deleted, and written again whole by the request that missed it (the same state, the same bytes)
+    assert files[0].read_bytes() == original
+    assert not acc["storage_degraded"]
+
+
+@contextlib.contextmanager
+def _read_only(path: Path):
+    """A directory nobody may write to (as root: the immutable attribute, where the kernel allows it)."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+        return
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a directory read-only as root here (no chattr +i)")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_read_only_directory_degrades_and_requests_are_served(tiny_ckpt, tmp_path):
+    root = tmp_path / "ro"
+    root.mkdir()
+    prompt = _prompt(25, 6)
+    with _read_only(root):
+        [(out, _), (again, hit)], metrics, acc = _serve_once(_storage_engine(tiny_ckpt, root), [prompt, prompt])
+    assert again == out and hit > 0  # the tiers above still serve
+    assert acc["storage_degraded"] and _metric(metrics, "mambaserve_cache_storage_degraded") == 1
+    [(cold, _)], _, _ = _serve_once(make_engine(tiny_ckpt, disable_radix_cache=True), [prompt])
+    assert out == cold
+
+
+def test_vanished_directory_degrades_and_requests_are_served(tiny_ckpt, tmp_path):
+    root = tmp_path / "gone"
+    engine = _storage_engine(tiny_ckpt, root)
+    prompts = [_prompt(25, s) for s in range(4)]
+
+    async def go():
+        async with serving(engine) as c:
+            outs = [await _generate(c, prompts[0])]
+            await engine.run_in_scheduler(engine.scheduler.storage.drain)
+            subprocess.run(["rm", "-rf", str(root)], check=True)
+            outs += [await _generate(c, p) for p in prompts[1:]]
+            await engine.run_in_scheduler(engine.scheduler.storage.drain)
+            outs.append(await _generate(c, prompts[0]))
+            metrics = (await c.get("/metrics")).text
+            acc = await accounting(engine)
+        return outs, metrics, acc
+
+    outs, metrics, acc = run(go())
+    assert acc["storage_degraded"] and _metric(metrics, "mambaserve_cache_storage_degraded") == 1
+    assert not root.exists()  # not recreated on the local disk
+    cold = make_engine(tiny_ckpt, disable_radix_cache=True)
+    cold_outs, _, _ = _serve_once(cold, prompts + [prompts[0]])
+    assert [o for o, _ in outs] == [o for o, _ in cold_outs]
+
+
+def test_storage_size_keeps_the_most_recent_entries(tiny_ckpt, tmp_path):
+    per = make_engine(tiny_ckpt).pool.bytes_per_slot
+    engine = _storage_engine(tiny_ckpt, tmp_path, storage_size=3 * per + 3 * 1024)
+    prompts = [_prompt(20, s) for s in range(6)]
+    _, metrics, acc = _serve_once(engine, prompts)
+    assert acc["storage_entries"] <= 3 and acc["storage_bytes"] <= acc["storage_capacity_bytes"]
+    assert len(_entries(tmp_path)) == acc["storage_entries"]
+    assert _metric(metrics, 'mambaserve_cache_evictions_total{tier="storage"}') >= 3
+    engine = _storage_engine(tiny_ckpt, tmp_path)  # the newest is still there, the oldest gone
+    [(_, hit_new), (_, hit_old)], _, _ = _serve_once(engine, [prompts[-1], prompts[0]])
+    assert hit_new > 0 and hit_old == 0
+
+
+def test_write_through_selective_writes_only_after_n_hits(tiny_ckpt, tmp_path):
+    engine = _storage_engine(tiny_ckpt, tmp_path, cache_write_policy="write_through_selective",
+                             cache_write_threshold=2)
+    hot, cold_prompt = _prompt(20, 7), _prompt(20, 8)
+    _serve_once(engine, [hot, cold_prompt, hot])
+    assert not _entries(tmp_path)  # one hit each so far
+    _serve_once(engine, [hot])
+    names = {p.stem for p in _entries(tmp_path)}
+    assert names == {fmt.entry_name(hot[:-1])}
+
+
+def test_write_back_writes_what_the_host_tier_is_about_to_drop(tiny_ckpt, tmp_path):
+    per = make_engine(tiny_ckpt).pool.bytes_per_slot
+    engine = _storage_engine(tiny_ckpt, tmp_path, cache_write_policy="write_back", mamba_cache_size=3,
+                             max_running_requests=1, host_cache_size=4 * per)
+    _serve_once(engine, [_prompt(20, 20)])
+    assert not _entries(tmp_path)  # the host tier has room: nothing written yet
+    prompts = [_prompt(20, s) for s in range(21, 29)]
+    _, metrics, acc = _serve_once(engine, prompts)
+    assert _entries(tmp_path)
+    # everything that left the device is in the host tier or on disk: the first prompt too
+    [(_, hit)], _, _ = _serve_once(_storage_engine(tiny_ckpt, tmp_path), [_prompt(20, 20)])
+    assert hit > 0

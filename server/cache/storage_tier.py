@@ -295,6 +295,10 @@ class StorageTier:
                       "scan re-enables it when the directory is usable)", reason)
 
     # ---- life -----------------------------------------------------------------------------------------
+    def rescan(self) -> None:
+        """Look for entries other servers added or removed now, instead of at the next periodic scan."""
+        self.worker.submit(Job("scan"))
+
     def drain(self, timeout: float = 60.0) -> None:
         """Wait for the jobs queued so far (a stopping server's writes reach the disk)."""
         if not self.worker.drain(timeout):

@@ -4,6 +4,7 @@ never loaded; a directory that fails turns the tier off without failing a reques
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -287,3 +288,130 @@ def test_write_back_writes_what_the_host_tier_is_about_to_drop(tiny_ckpt, tmp_pa
     # everything that left the device is in the host tier or on disk: the first prompt too
     [(_, hit)], _, _ = _serve_once(_storage_engine(tiny_ckpt, tmp_path), [_prompt(20, 20)])
     assert hit > 0
+
+
+# ---- two servers, sessions ----------------------------------------------------------------------------
+
+def test_two_servers_on_one_directory_share_prefixes(tiny_ckpt, tmp_path):
+    """A prefix one server computed is a hit in another already running on the same directory, once that
+    one has rescanned (every few seconds; here at once)."""
+    a, b = _storage_engine(tiny_ckpt, tmp_path), _storage_engine(tiny_ckpt, tmp_path)
+    prompt = _prompt(30, 9)
+
+    async def go():
+        async with serving(a) as ca, serving(b) as cb:
+            first = await _generate(ca, prompt)
+            await a.run_in_scheduler(a.scheduler.storage.drain)
+            await b.run_in_scheduler(b.scheduler.storage.rescan)
+            await b.run_in_scheduler(b.scheduler.storage.drain)
+            second = await _generate(cb, prompt)
+            await accounting(a)
+            await accounting(b)
+        return first, second
+
+    (out_a, hit_a), (out_b, hit_b) = run(go())
+    assert hit_a == 0 and hit_b == len(prompt) - 1 and out_a == out_b
+
+
+def _session_turns():
+    return [_prompt(7 + 3 * i, 40 + i) for i in range(4)]
+
+
+async def _session_turn(c, sid, ids):
+    r = await c.post("/generate", json={"input_ids": ids, "return_logprob": True, "session_params": {"id": sid},
+                                        "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]
+
+
+def test_persisted_session_continues_after_a_restart_as_if_uninterrupted(tiny_ckpt, tmp_path):
+    turns = _session_turns()
+
+    async def first_half(engine):
+        async with serving(engine) as c:
+            sid = (await c.post("/open_session", json={"streaming": True, "session_id": "chat-1"})).json()
+            outs = [await _session_turn(c, sid, t) for t in turns[:2]]
+            await accounting(engine)
+        return sid, outs
+
+    async def second_half(engine, sid):
+        async with serving(engine) as c:
+            outs = [await _session_turn(c, sid, t) for t in turns[2:]]
+            metrics = (await c.get("/metrics")).text
+            closed = await c.post("/close_session", json={"session_id": sid})
+            assert closed.status_code == 200
+            await accounting(engine)
+        return outs, metrics
+
+    async def uninterrupted(engine):
+        async with serving(engine) as c:
+            history, outs = [], []
+            for t in turns:
+                history += t
+                out, _ = await _generate(c, history)
+                history += out
+                outs.append(out)
+        return outs
+
+    sid, before = run(first_half(_storage_engine(tiny_ckpt, tmp_path, session_persist=True)))
+    assert sid == "chat-1"
+    after, metrics = run(second_half(_storage_engine(tiny_ckpt, tmp_path, session_persist=True), sid))
+    ref = run(uninterrupted(make_engine(tiny_ckpt, disable_radix_cache=True)))
+    assert [o for o, _ in before + after] == ref
+    history = sum(len(t) for t in turns[:2]) + sum(len(o) for o, _ in before)
+    assert after[0][1] == history  # the whole history came back from storage, nothing was prefilled again
+    assert _metric(metrics, "mambaserve_session_restores_total") == 1
+    assert not list((tmp_path / "sessions").glob("*.json"))  # closed: its record is gone
+
+    # a session nobody persisted is still unknown
+    async def unknown(engine):
+        async with serving(engine) as c:
+            r = await c.post("/generate", json={"input_ids": [1, 2], "session_params": {"id": "nope"},
+                                                "sampling_params": {"max_new_tokens": 1}})
+            await accounting(engine)
+            return r.status_code
+    assert run(unknown(_storage_engine(tiny_ckpt, tmp_path, session_persist=True))) == 404
+
+
+def test_idle_sessions_spill_to_the_host_under_pressure_and_come_back(tiny_ckpt):
+    """Three idle streaming sessions hold three of four device slots; two requests at once need two:
+    the least recently active session's live state moves to the host tier, and its next turn comes
+    back from there whole (no token prefilled again), answers equal to a resent history's."""
+    per = make_engine(tiny_ckpt).pool.bytes_per_slot
+    engine = make_engine(tiny_ckpt, mamba_cache_size=4, max_running_requests=2, session_slot_fraction=0.75,
+                         host_cache_size=8 * per)
+    turns = _session_turns()
+
+    async def go():
+        async with serving(engine) as c:
+            sids = [(await c.post("/open_session", json={"streaming": True})).json() for _ in range(3)]
+            first = [await _session_turn(c, sid, turns[0]) for sid in sids]
+            acc = await accounting(engine)
+            assert acc["held_by_sessions"] == 3
+            await asyncio.gather(_generate(c, _prompt(20, 60)), _generate(c, _prompt(20, 61)))
+            acc = await accounting(engine)
+            second = [await _session_turn(c, sid, turns[1]) for sid in sids]
+            metrics = (await c.get("/metrics")).text
+            for sid in sids:
+                await c.post("/close_session", json={"session_id": sid})
+            await accounting(engine)
+        return first, second, acc, metrics
+
+    first, second, acc, metrics = run(go())
+    assert acc["held_by_sessions"] < 3  # someone spilled
+    history = len(turns[0]) + len(first[0][0])
+    assert all(hit == history for _, hit in second), second
+    assert _metric(metrics, 'mambaserve_prefix_cache_hit_tokens_total{tier="host"}') >= history
+    ref = run(_resent(make_engine(tiny_ckpt, disable_radix_cache=True), turns[:2]))
+    assert all([o1, o2] == ref for (o1, _), (o2, _) in zip(first, second))
+
+
+async def _resent(engine, turns):
+    async with serving(engine) as c:
+        history, outs = [], []
+        for t in turns:
+            history += t
+            out, _ = await _generate(c, history)
+            history += out
+            outs.append(out)
+    return outs

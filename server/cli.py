@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "fills and is about to drop them (write_back)")
     s.add_argument("--cache-write-threshold", type=int, default=2,
                    help="write_through_selective: hits of a snapshot before it is written to storage")
-    s.add_argument("--cache-prefetch-policy", default="best_effort", choices=["best_effort", "wait_complete", "timeout"],
+    s.add_argument("--cache-prefetch-policy", default="timeout", choices=["best_effort", "wait_complete", "timeout"],
                    help="a request whose prefix is on storage only: read it while the request waits its turn "
                         "(best_effort), hold its admission until the read has landed (wait_complete), or hold it "
                         "at most --cache-prefetch-timeout (timeout)")

@@ -31,7 +31,7 @@ class ServerConfig:
     storage_size: int | None = None  # bytes the storage tier may hold (None: free disk less a margin)
     cache_write_policy: str = "write_through"
     cache_write_threshold: int = 2  # write_through_selective: hits before a snapshot is written
-    cache_prefetch_policy: str = "best_effort"
+    cache_prefetch_policy: str = "timeout"  # best_effort admits before a read of a few ms lands: an idle server misses
     cache_prefetch_timeout: float = 0.5  # seconds, for the timeout prefetch policy
     session_persist: bool = False  # streaming sessions written to the storage tier at every turn's end
     max_sessions: int = 1024

@@ -80,7 +80,7 @@ class _Entry:
 class StorageTier:
     def __init__(self, worker: StorageWorker, host: HostTier, metrics, *, page_size: int, capacity: int | None,
                  entry_bytes: int, write_policy: str = "write_through", write_threshold: int = 2,
-                 prefetch_policy: str = "best_effort", prefetch_timeout: float = 1.0):
+                 prefetch_policy: str = "timeout", prefetch_timeout: float = 0.5):
         self.worker, self.host, self.metrics = worker, host, metrics
         self.page_size, self.entry_bytes = page_size, entry_bytes
         self.configured_capacity = capacity

@@ -183,8 +183,37 @@ CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
           [T(f"mambaserve_host_cache_slots_used{{{SEL}}} / mambaserve_host_cache_slots_total{{{SEL}}}", POD)],
           unit="percentunit", max=1),
     Panel("Bytes moved between tiers", "State bytes copied from the GPU to the host tier (evicted snapshots kept) "
-          "and back (host hits).", [T(rate("mambaserve_cache_tier_bytes_total", "direction"), "{{direction}}")],
+          "and back (host hits), and between the host and the storage tier (writes, and reads of prefixes found "
+          "on storage only).", [T(rate("mambaserve_cache_tier_bytes_total", "direction"), "{{direction}}")],
           unit="Bps"),
+    Panel("Tier occupancy", "Bytes of state snapshots each tier holds, and what it may hold (storage: "
+          "--storage-size, else the free disk less a margin), all selected pods.", [
+        T(f"sum by (tier) (mambaserve_cache_tier_used_bytes{{{SEL}}})", "used ({{tier}})"),
+        T(f"sum by (tier) (mambaserve_cache_tier_capacity_bytes{{{SEL}}})", "capacity ({{tier}})")], unit="bytes"),
+    Panel("Storage tier fill per pod", "Storage bytes / capacity as each pod sees them (pods sharing a volume see "
+          "the same directory). Near 100% least recently used entries are deleted for every write "
+          "(StorageTierNearCapacity alert).",
+          [T(f"mambaserve_cache_tier_used_bytes{{{SEL}, tier=\"storage\"}} "
+             f"/ mambaserve_cache_tier_capacity_bytes{{{SEL}, tier=\"storage\"}} > 0", POD)],
+          unit="percentunit", max=1),
+    Panel("Storage reads and writes", "Snapshots read from (prefetches) and written to the storage tier per "
+          "second, and the entries of this model it holds.", [
+        T(rate("mambaserve_cache_storage_load_seconds_count"), "reads / s"),
+        T(rate("mambaserve_cache_storage_write_seconds_count"), "writes / s"),
+        T(f"sum(mambaserve_cache_storage_entries{{{SEL}}})", "entries")]),
+    Panel("Storage latency", "p50 and p99 time to read one snapshot from storage into host memory, and to write "
+          "one (both on the storage thread, never on the decode path).", [
+        T(quantile(0.5, "mambaserve_cache_storage_load_seconds"), "read p50"),
+        T(quantile(0.99, "mambaserve_cache_storage_load_seconds"), "read p99"),
+        T(quantile(0.5, "mambaserve_cache_storage_write_seconds"), "write p50"),
+        T(quantile(0.99, "mambaserve_cache_storage_write_seconds"), "write p99")], unit="s"),
+    Panel("Storage entries rejected", "Entries refused per second: corrupt (checksum or size wrong: deleted) or "
+          "incompatible (another model, weights, dtype or layout on the same volume: never loaded).",
+          [T(rate("mambaserve_cache_storage_rejected_entries_total", "reason"), "{{reason}}")], unit="ops"),
+    Panel("Storage tier degraded", "Pods whose storage tier is off because its directory is full, read-only or "
+          "gone (they serve from the GPU and host tiers).",
+          [T(f"sum(mambaserve_cache_storage_degraded{{{SEL}}})")], kind="stat", width=6, height=4, decimals=0,
+          thresholds=[(None, "green"), (1, "red")]),
 ])
 
 SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",

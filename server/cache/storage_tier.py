@@ -39,9 +39,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from mambaserve.server.cache import storage_entry as fmt
 from mambaserve.server.cache.host_tier import HostLock, HostTier
-from mambaserve.server.cache.radix_tree import MambaRadixCache, TreeNode
+from mambaserve.server.cache.radix_tree import MambaRadixCache
 from mambaserve.server.cache.storage_worker import Job, Result, StorageWorker
 
 log = logging.getLogger(__name__)
@@ -91,7 +90,7 @@ class StorageTier:
         self.entries: dict[int, _Entry] = {}
         self.by_name: dict[str, int] = {}
         self.used = 0
-        self.writing: set[str] = set()
+        self.writing: set[tuple[int, ...]] = set()  # keys being written (names are the worker's to hash)
         self.reads: dict[str, Prefetch] = {}
         self.jobs: dict[int, tuple] = {}  # job id -> what its result completes
         self.degraded = False
@@ -115,26 +114,25 @@ class StorageTier:
     def wants(self, key: Sequence[int]) -> bool:
         """Whether a snapshot at ``key`` should be written now (not in storage, not being written)."""
         return (self.usable and len(key) > 0 and len(key) % self.page_size == 0 and not self.has(key)
-                and fmt.entry_name(key, self.page_size) not in self.writing
-                and self.entry_bytes <= self.capacity)
+                and tuple(key) not in self.writing and self.entry_bytes <= self.capacity)
 
     # ---- writes ---------------------------------------------------------------------------------------
     def write_from_host(self, lock: HostLock, key: Sequence[int], ops) -> None:
         """Write the locked host entry ``lock`` (at ``key``) once ``ops`` have run (its offload among them);
         the lock is released when the write is done."""
         key = tuple(key)
-        name = fmt.entry_name(key, self.page_size)
-        self.writing.add(name)
-        ops.on_done.append(lambda event: self._submit_write(lock, key, name, event))
+        self.writing.add(key)
+        ops.on_done.append(lambda event: self._submit_write(lock, key, event))
 
-    def _submit_write(self, lock: HostLock, key: tuple[int, ...], name: str, event) -> None:
+    def _submit_write(self, lock: HostLock, key: tuple[int, ...], event) -> None:
         if self.degraded or not self._make_room(self.entry_bytes + 64 + 8 * len(key)):
-            self.writing.discard(name)
+            self.writing.discard(key)
             self.host.unlock(lock)
             return
         jid = next(self._ids)
         self.jobs[jid] = ("write", lock, key)
-        self.worker.submit(Job("write", jid, name, key, lock.slot, event))
+        # the name (a hash per page: milliseconds for a long prompt) is computed on the storage thread
+        self.worker.submit(Job("write", jid, "", key, lock.slot, event))
 
     def _make_room(self, size: int) -> bool:
         while self.used + size > self.capacity:
@@ -213,7 +211,7 @@ class StorageTier:
             self._apply_scan(res)
         elif job.kind == "write":
             _, lock, key = ctx
-            self.writing.discard(job.name)
+            self.writing.discard(key)
             if res.ok:
                 self._add(job.name, key, res.bytes)
                 lock.node.stored = True
@@ -256,7 +254,7 @@ class StorageTier:
             self.degraded = False
             self.metrics.storage_degraded.set(0)
             log.warning("storage tier usable again")
-        for name in [n for n in self.by_name if n not in res.names and n not in self.writing]:
+        for name in [n for n in self.by_name if n not in res.names]:
             self._forget(self.by_name[name], delete=False)  # another pod's LRU deleted it
         for name, reason in res.rejected:
             self.metrics.storage_rejected.labels(reason).inc()
@@ -321,3 +319,6 @@ class StorageTier:
         assert set(self.index.all_slots()) == set(self.entries), "storage index and entries disagree"
         assert self.used == sum(e.size for e in self.entries.values()), "storage bytes miscounted"
         assert {self.entries[i].name for i in self.entries} == set(self.by_name), "storage names miscounted"
+        reading = {ctx[1] for ctx in self.jobs.values() if ctx[0] == "read"}
+        assert reading == self.host.reserved, f"host slots reserved without a read: {self.host.reserved - reading}"
+        assert {ctx[2] for ctx in self.jobs.values() if ctx[0] == "write"} <= self.writing, "a write not tracked"

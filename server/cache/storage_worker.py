@@ -115,6 +115,7 @@ class StorageWorker:
     # ---- jobs ---------------------------------------------------------------------------------------
     def _write(self, job: Job) -> Result:
         t = time.monotonic()
+        job.name = job.name or fmt.entry_name(job.tokens, self.page_size)
         if job.event is not None:
             job.event.synchronize()  # the device-to-host copy of this slot has landed
         conv, ssm = fmt.as_bytes(self.conv[job.host_slot]), fmt.as_bytes(self.ssm[job.host_slot])

@@ -226,7 +226,10 @@ class Scheduler:
             elif kind == "abort":
                 self._abort(arg)
             elif kind == "storage":
-                self.storage.apply(arg)
+                try:
+                    self.storage.apply(arg)
+                except Exception:  # a bad entry or record must not stop the scheduler thread
+                    log.exception("applying a storage result failed")
             elif kind == "call":
                 fn, fut = arg
                 try:
@@ -300,7 +303,10 @@ class Scheduler:
     def _revive(self, req: Req, record: dict | None) -> None:
         """A turn for a session this server does not know: recreate it from its persisted record (its
         state follows as an ordinary prefix hit from the storage tier), then take the turn again."""
-        if record is not None and record.get("compat") != self.storage_compat:
+        if record is not None and not _valid_record(record, req.session_id, self.runner.model.dims.vocab_size):
+            self.metrics.storage_rejected.labels("corrupt").inc()
+            log.warning("persisted session %s has an unreadable record: not restored", req.session_id)
+        elif record is not None and record.get("compat") != self.storage_compat:
             self.metrics.storage_rejected.labels("incompatible").inc()
             log.warning("persisted session %s was written by another model or configuration: not restored",
                         req.session_id)
@@ -425,3 +431,12 @@ class Scheduler:
             raise CacheBusyError(f"cannot flush the cache while {len(self.queues.running)} requests run and "
                                  f"{len(self.queues.waiting)} wait")
         return self.cache.flush()
+
+
+def _valid_record(record: object, sid: str, vocab: int) -> bool:
+    """A session record as ``_persist_turn`` writes it (a damaged or foreign file is not trusted)."""
+    return (isinstance(record, dict) and record.get("id") == sid and record.get("streaming") is True
+            and isinstance(record.get("history"), list)
+            and all(isinstance(t, int) and 0 <= t < vocab for t in record["history"])
+            and isinstance(record.get("timeout"), (int, float)) and (record.get("capacity") is None
+                                                                     or isinstance(record.get("capacity"), int)))

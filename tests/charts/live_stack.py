@@ -309,9 +309,23 @@ class Load:
             with self._lock:
                 self.errors.append(f"{r.request.url.path}: {r.status_code} {r.text[:200]}")
 
+    def _storage_round_trip(self, c: httpx.Client) -> None:
+        """A prompt computed, the GPU and host tiers flushed, the same prompt again: its state comes back
+        from the storage tier however few requests a slow machine gets through (the storage panels' reads)."""
+        body = {"model": self.model, "prompt": self.PREFIXES[0] + "storage = 1\n", "max_tokens": 1, "temperature": 0}
+        self._check(c.post("/v1/completions", json=body))
+        deadline = time.monotonic() + 30
+        while c.post("/flush_cache").status_code != 200:  # busy while the state is still being written
+            if time.monotonic() > deadline:
+                self.errors.append("/flush_cache: busy for 30 s")
+                break
+            time.sleep(0.1)
+        self._check(c.post("/v1/completions", json=body))
+
     def run(self) -> None:
         stop = time.monotonic() + self.seconds
         with httpx.Client(base_url=self.url, timeout=60.0) as c:
+            self._storage_round_trip(c)
             threads = [threading.Thread(target=self._completions, args=(c, i, stop)) for i in range(self.workers)]
             threads.append(threading.Thread(target=self._sessions, args=(c, stop)))
             for t in threads:
@@ -434,7 +448,10 @@ class LiveStack:
         self.server = subprocess.Popen(
             [str(BIN / "mambaserve"), "serve", "--model", str(model), "--port", str(self.server_port),
              "--mamba-cache-size", "12", "--max-running-requests", "2", "--context-length", "2048",
-             "--host-cache-size", "64MiB",  # evictions go to the host tier and come back: its metrics move
+             # Two snapshots of the bundled model (0.8 MiB each) in the host tier: evicted states go there and
+             # come back, and churn on to the storage tier (every request's state is written there too),
+             # from where a hot prefix evicted from both is read back: every tier's metrics move.
+             "--host-cache-size", "2MiB", "--storage-dir", str(self.workdir / "l3"),
              "--session-snapshot-dir", str(self.workdir / "snapshots"), "--log-level", "warning"],
             stdout=self.server_log.open("wb"), stderr=subprocess.STDOUT)
         self.closers.append(lambda: _stop(self.server))

@@ -405,10 +405,13 @@ def test_notes_give_the_next_commands(rendered: dict[str, Rendered]) -> None:
     assert "serverPodMonitor.enabled=true" not in on and "mambaserve_cache_capacity_miss_ratio" in on
 
 
-def test_readme_documents_the_crd_upgrade_path_and_missing_metrics() -> None:
+def test_readme_documents_the_crd_upgrade_path_and_every_alert() -> None:
     readme = (CHART / "README.md").read_text()
     assert "kubectl apply --server-side --force-conflicts -f" in readme
-    assert "mambaserve_tier_" in readme  # says which panels/alerts wait for tier metrics
+    rules = render({"monitoring": {"prometheusRule": {"enabled": True}, "operatorServiceMonitor": {"enabled": True}}})
+    alerts = [r["alert"] for g in rules.one("PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    assert "MambaserveStorageEntriesRejected" in alerts
+    assert [a for a in alerts if f"| {a} |" not in readme] == []
 
 
 def test_monitor_labels_reach_the_chart_monitors_and_the_operator() -> None:

@@ -128,7 +128,7 @@ def test_promtool_checks_the_alert_rules_and_dashboard_queries(promtool: str, tm
     rules = _rules_file(tmp_path)
     out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 7 rules found" in out.stdout
+    assert "SUCCESS: 10 rules found" in out.stdout
     # Dashboard queries through Prometheus' own parser, as recording rules.
     records = [{"record": f"dashboard:query_{i}", "expr": q} for i, (_, _, q) in enumerate(panel_queries())]
     (tmp_path / "panels.yaml").write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": records}]}))
@@ -187,7 +187,8 @@ def test_alert_rules_evaluate_cleanly_on_live_data(live: LiveStack) -> None:
 
 @pytest.mark.parametrize("metric", ["mambaserve_cache_evictions_total", "mambaserve_sessions_closed_total",
                                     "mambaserve_session_restores_total", "mambaserve_requests_rejected_total",
-                                    "mambaserve_operator_reconcile_errors_total"])
+                                    "mambaserve_operator_reconcile_errors_total",
+                                    "mambaserve_cache_storage_load_seconds_count"])
 def test_the_load_moved_every_counter_the_panels_plot(live: LiveStack, metric: str) -> None:
     """Guards the test above against passing on flat zeros: the load really produced these events."""
     assert live.load.errors == []

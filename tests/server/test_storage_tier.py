@@ -258,9 +258,10 @@ def test_storage_size_keeps_the_most_recent_entries(tiny_ckpt, tmp_path):
     prompts = [_prompt(20, s) for s in range(6)]
     _, metrics, acc = _serve_once(engine, prompts)
     assert acc["storage_entries"] <= 3 and acc["storage_bytes"] <= acc["storage_capacity_bytes"]
-    assert len(_entries(tmp_path)) == acc["storage_entries"]
     assert _metric(metrics, 'mambaserve_cache_evictions_total{tier="storage"}') >= 3
+    assert len(_entries(tmp_path)) <= 3  # (the last writes and deletes land as the server stops)
     engine = _storage_engine(tiny_ckpt, tmp_path)  # the newest is still there, the oldest gone
+    assert len(engine.scheduler.storage.entries) == len(_entries(tmp_path))
     [(_, hit_new), (_, hit_old)], _, _ = _serve_once(engine, [prompts[-1], prompts[0]])
     assert hit_new > 0 and hit_old == 0
 

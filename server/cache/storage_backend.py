@@ -126,7 +126,8 @@ class FileSystemBackend:
         probe.unlink()
 
     def _record_path(self, key: str) -> Path:
-        return self.root / "sessions" / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.json"
+        # not "sessions": the operator points --session-snapshot-dir at STORAGE_PATH/sessions
+        return self.root / "session-records" / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.json"
 
     def put_record(self, key: str, data: bytes) -> None:
         path = self._record_path(key)

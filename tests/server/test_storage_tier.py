@@ -109,6 +109,22 @@ def test_round_trip_gpu_host_storage_into_a_new_server_is_bit_exact(tiny_ckpt, t
     sched.check_invariants()
 
 
+@pytest.mark.parametrize("policy, wait", [("best_effort", 0.0), ("timeout", 0.25), ("wait_complete", float("inf"))])
+def test_prefetch_policy_decides_how_long_admission_holds_a_request(tiny_ckpt, tmp_path, policy, wait):
+    prompt = _prompt(30, 11)
+    _serve_once(_storage_engine(tiny_ckpt, tmp_path), [prompt])
+    sched = _storage_engine(tiny_ckpt, tmp_path, cache_prefetch_policy=policy,
+                            cache_prefetch_timeout=0.25).scheduler
+    ticket = sched.storage.prefetch(prompt[:-1], 0, now=100.0)
+    assert ticket.deadline == 100.0 + wait
+    assert ticket.holds(100.2) == (wait > 0.2) and ticket.holds(100.3) == (wait > 0.3)
+    sched.storage.drain()
+    sched._drain_inbox(block=False)
+    assert ticket.done and not ticket.holds(100.0)  # landed: nobody waits any more
+    assert sched.cache.residency(prompt[:-1])["host"] == len(prompt) - 1
+    sched.check_invariants()
+
+
 def test_twenty_conversations_on_two_device_snapshots_keep_hitting_through_host_and_storage(tiny_ckpt, tmp_path):
     """Twenty conversations, three turns each, one running at a time: a device pool of three slots (one
     running, two snapshots), a host tier of four: later turns hit from host or storage, and every
@@ -355,14 +371,14 @@ def test_persisted_session_continues_after_a_restart_as_if_uninterrupted(tiny_ck
         return outs
 
     sid, before = run(first_half(_storage_engine(tiny_ckpt, tmp_path, session_persist=True)))
-    assert sid == "chat-1"
+    assert sid == "chat-1" and len(list((tmp_path / "session-records").glob("*.json"))) == 1
     after, metrics = run(second_half(_storage_engine(tiny_ckpt, tmp_path, session_persist=True), sid))
     ref = run(uninterrupted(make_engine(tiny_ckpt, disable_radix_cache=True)))
     assert [o for o, _ in before + after] == ref
     history = sum(len(t) for t in turns[:2]) + sum(len(o) for o, _ in before)
     assert after[0][1] == history  # the whole history came back from storage, nothing was prefilled again
     assert _metric(metrics, "mambaserve_session_restores_total") == 1
-    assert not list((tmp_path / "sessions").glob("*.json"))  # closed: its record is gone
+    assert not list((tmp_path / "session-records").glob("*.json"))  # closed: its record is gone
 
     # a session nobody persisted is still unknown
     async def unknown(engine):

@@ -192,8 +192,8 @@ class PrefixCache(DisabledCache):
             for s, key in zip(freed, keys):
                 if self.host is not None and (h := self.host.store(key)) is not None:
                     self.pending.offload(s, h)  # runs before anything recorded later writes to s
-                    if self.storage is not None and self.storage.has(key):
-                        self.host.tree._owner[h].stored = True  # the host tier may drop it first
+                    if self.storage is not None:
+                        self._on_host(self.host.tree._owner[h], key)
                 self.free(s)
                 self._remember_evicted(key)
             slot = self.allocator.alloc()
@@ -260,6 +260,17 @@ class PrefixCache(DisabledCache):
             self.pending.offload(slot, lock.slot)
         st.write_from_host(lock, tokens, self.pending)
         return True
+
+    def _on_host(self, node: TreeNode, key: tuple[int, ...]) -> None:
+        """An evicted device snapshot just got host entry ``node``: marked as having a storage copy (the
+        host tier drops those first), or, under ``write_through``, written now if its write at insert
+        was skipped (every staging slot was busy) or it was speculative."""
+        if self.storage.has(key):
+            node.stored = True
+        elif self.storage.write_policy == "write_through" and self.storage.wants(key):
+            self.host.tree.lock(node)
+            self.storage.write_from_host(HostLock(node), key, self.pending)
+            node.stored = True
 
     def write_back(self) -> None:
         """``write_back``: host entries about to be dropped are written to storage first."""

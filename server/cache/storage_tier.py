@@ -65,6 +65,10 @@ class Prefetch:
     key: tuple[int, ...]
     deadline: float  # time.monotonic(): admission holds the request until it is done or this passes
     done: bool = False
+    # the landed entry stays locked in the host tier until its request is admitted (``release``): with
+    # more waiting requests than host slots, later reads must not evict what earlier ones brought in
+    lock: HostLock | None = None
+    released: bool = False
 
     def holds(self, now: float) -> bool:
         return not self.done and now < self.deadline
@@ -90,6 +94,7 @@ class StorageTier:
         self.entries: dict[int, _Entry] = {}
         self.by_name: dict[str, int] = {}
         self.used = 0
+        self.pending_bytes = 0  # room taken by writes in flight (their entries are not in ``used`` yet)
         self.writing: set[tuple[int, ...]] = set()  # keys being written (names are the worker's to hash)
         self.reads: dict[str, Prefetch] = {}
         self.jobs: dict[int, tuple] = {}  # job id -> what its result completes
@@ -125,17 +130,23 @@ class StorageTier:
         ops.on_done.append(lambda event: self._submit_write(lock, key, event))
 
     def _submit_write(self, lock: HostLock, key: tuple[int, ...], event) -> None:
-        if self.degraded or not self._make_room(self.entry_bytes + 64 + 8 * len(key)):
+        size = self._estimate(key)
+        if self.degraded or not self._make_room(size):
             self.writing.discard(key)
             self.host.unlock(lock)
             return
         jid = next(self._ids)
         self.jobs[jid] = ("write", lock, key)
+        self.pending_bytes += size
         # the name (a hash per page: milliseconds for a long prompt) is computed on the storage thread
         self.worker.submit(Job("write", jid, "", key, lock.slot, event))
 
+    def _estimate(self, key: Sequence[int]) -> int:
+        """An entry's size: the state, the JSON header (tokens as text, up to 8 bytes each) and the trailer."""
+        return self.entry_bytes + 1024 + 8 * len(key)
+
     def _make_room(self, size: int) -> bool:
-        while self.used + size > self.capacity:
+        while self.used + self.pending_bytes + size > self.capacity:
             freed: list = []
             ids = self.index.evict(1, keys=freed)
             if not ids:
@@ -167,8 +178,8 @@ class StorageTier:
         if m.length <= have:
             return None
         entry = self.entries[m.node.slot]
-        if entry.name in self.reads:
-            return self.reads[entry.name]
+        if entry.name in self.reads:  # another request's read brings it: the first one admitted uses it
+            return None
         slot = self.host.reserve()
         if slot is None:
             return None
@@ -181,6 +192,14 @@ class StorageTier:
         self.reads[entry.name] = ticket
         self.worker.submit(Job("read", jid, entry.name, key, slot))
         return ticket
+
+    def release(self, ticket: Prefetch) -> None:
+        """The request that started ``ticket`` was admitted or ended: the entry it read is an ordinary
+        host entry from now on (a read still running is not locked when it lands)."""
+        ticket.released = True
+        if ticket.lock is not None:
+            self.host.unlock(ticket.lock)
+            ticket.lock = None
 
     # ---- sessions -------------------------------------------------------------------------------------
     def put_session(self, sid: str, record: dict, ops) -> None:
@@ -212,6 +231,7 @@ class StorageTier:
         elif job.kind == "write":
             _, lock, key = ctx
             self.writing.discard(key)
+            self.pending_bytes -= self._estimate(key)
             if res.ok:
                 self._add(job.name, key, res.bytes)
                 lock.node.stored = True
@@ -226,6 +246,9 @@ class StorageTier:
                 node = self.host.commit(ticket.key, slot)
                 if node is not None:
                     node.stored, node.from_storage = True, True
+                    if not ticket.released:
+                        self.host.tree.lock(node)
+                        ticket.lock = HostLock(node)
                 self.metrics.tier_bytes.labels("storage_to_host").inc(res.bytes)
                 self.metrics.storage_load_seconds.observe(res.seconds)
             else:
@@ -321,4 +344,6 @@ class StorageTier:
         assert {self.entries[i].name for i in self.entries} == set(self.by_name), "storage names miscounted"
         reading = {ctx[1] for ctx in self.jobs.values() if ctx[0] == "read"}
         assert reading == self.host.reserved, f"host slots reserved without a read: {self.host.reserved - reading}"
-        assert {ctx[2] for ctx in self.jobs.values() if ctx[0] == "write"} <= self.writing, "a write not tracked"
+        writes = [ctx[2] for ctx in self.jobs.values() if ctx[0] == "write"]
+        assert set(writes) <= self.writing, "a write not tracked"
+        assert self.pending_bytes == sum(self._estimate(k) for k in writes), "room of writes in flight miscounted"

@@ -152,7 +152,7 @@ class Admission:
             req.slot, req.in_state = live
             req.cached_tokens = req.in_state
             self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier="session")
-            self.queues.start(req)
+            self._started(req)
             return True
         # the last token must run to produce logits: never match the whole prompt; and with prompt logprobs
         # the positions they need must run too (a cached state has no logits): the match stops before them
@@ -178,7 +178,7 @@ class Admission:
             if slot is None:
                 return False
         req.slot = slot
-        self.queues.start(req)
+        self._started(req)
         if moved:
             req.in_state = req.cached_tokens = cached
         elif cached:
@@ -192,6 +192,12 @@ class Admission:
         if req.prefill_done and req.params.max_new_tokens == 0:
             self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
         return True
+
+    def _started(self, req: Req) -> None:
+        self.queues.start(req)
+        if req.prefetch is not None:  # its match (locked while its copy runs) took over from the read's hold
+            self.cache.storage.release(req.prefetch)
+            req.prefetch = None
 
     # ---- commit -------------------------------------------------------------------------------------
     def commit(self, batch: ForwardBatch, plan: Plan) -> list[int]:
@@ -207,6 +213,8 @@ class Admission:
         for i, slot in batch.snap:
             if not self.cache.keep(plan[i][0].prompt_ids[:-1], slot, speculative=True):
                 self.cache.free(slot)
+            elif self.cache.storage is not None:  # what the same prompt sent again (or after a restart) matches
+                self.cache.write_through(plan[i][0].prompt_ids[:-1], slot)
         rows = []
         for i, (req, n) in enumerate(plan):
             req.in_state += n

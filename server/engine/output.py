@@ -94,6 +94,9 @@ class OutputProcessor:
         """End ``req``: its slot goes to its session, the tree (at what its state covers) or the free list.
         ``error``/``error_code``: why it ended early (the client sees both)."""
         req.finish_reason = reason
+        if req.prefetch is not None:  # ended while waiting for its prefix from storage
+            self.cache.storage.release(req.prefetch)
+            req.prefetch = None
         self.queues.remove(req)
         self.cache.unlock(req.locked_node)
         req.locked_node = None

@@ -100,6 +100,7 @@ class StorageTier:
         self.jobs: dict[int, tuple] = {}  # job id -> what its result completes
         self.degraded = False
         self.evictions = 0
+        self.fence: Callable[[], object] = lambda: None  # ModelRunner.fence: a CUDA event after launched work
         self._ids = itertools.count(1)
         self._maintained_at = -1
         self.apply(worker.run_now(Job("scan")))  # entries of earlier runs and other pods, before serving
@@ -190,7 +191,8 @@ class StorageTier:
         jid = next(self._ids)
         self.jobs[jid] = ("read", slot, ticket)
         self.reads[entry.name] = ticket
-        self.worker.submit(Job("read", jid, entry.name, key, slot))
+        # the slot may have held an entry whose load to the device is launched but not run yet
+        self.worker.submit(Job("read", jid, entry.name, key, slot, self.fence()))
         return ticket
 
     def release(self, ticket: Prefetch) -> None:

@@ -147,6 +147,8 @@ class StorageWorker:
         return Result(job, bytes=size, seconds=time.monotonic() - t)
 
     def _read_into(self, job: Job) -> int:
+        if job.event is not None:
+            job.event.synchronize()  # no launched load still reads the reserved slot's old contents
         with self.backend.open(job.name) as f:
             first = f.read(12)
             span = fmt.header_span(first)

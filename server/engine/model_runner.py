@@ -109,12 +109,19 @@ class ModelRunner:
                     self.pool.conv[:, slot].copy_(self.host_pool.conv[h], non_blocking=True)
                     self.pool.ssm[:, slot].copy_(self.host_pool.ssm[h], non_blocking=True)
         if ops.on_done:  # storage writes of host slots filled above: they wait for this event, not the host
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
+            event = self.fence()
             for done in ops.on_done:
                 done(event)
+
+    def fence(self):
+        """A CUDA event after everything launched so far (None on the CPU, where copies are synchronous):
+        the storage thread waits on it before it reads a host slot an offload fills, or overwrites one a
+        launched load may still read."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
         """A copy of one slot's state, every layer: ``{"conv": [L, conv_dim, K-1], "ssm": [L, H, P, N]}``."""

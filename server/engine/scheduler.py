@@ -22,6 +22,7 @@ takes that snapshot's slot over instead of waiting. ``check_invariants`` asserts
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -70,6 +71,7 @@ class Scheduler:
         if cfg.storage_dir is not None and host is not None:
             self.storage = self.cache.storage = self._storage_tier(cfg, host)
         self.session_persist = cfg.session_persist and self.storage is not None
+        self._want_prefetch: collections.deque[Req] = collections.deque()  # waiting for a host slot to read into
         self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout),
                                        session_slot_limit(cfg.session_slot_fraction, self.slots.capacity),
                                        self.cache.free, self._keep_or_free,
@@ -122,6 +124,7 @@ class Scheduler:
                            entry_bytes=self.runner.pool.bytes_per_slot, write_policy=cfg.cache_write_policy,
                            write_threshold=cfg.cache_write_threshold, prefetch_policy=cfg.cache_prefetch_policy,
                            prefetch_timeout=cfg.cache_prefetch_timeout)
+        tier.fence = self.runner.fence
         log.info("storage cache tier: %s, %d entries (%.2f GiB) found, capacity %.2f GiB%s; write %s, prefetch %s",
                  cfg.storage_dir, len(tier.entries), tier.used / 2**30, tier.capacity / 2**30,
                  "" if cfg.storage_size else " (free space less a margin)", cfg.cache_write_policy,
@@ -182,6 +185,8 @@ class Scheduler:
         self._reap()
         if self.storage is not None:
             self.cache.write_back()
+            if self._want_prefetch:
+                self._retry_prefetch()
         batch, plan = self.admission.schedule(self.inflight)
         launched = None
         if batch is not None:
@@ -206,6 +211,22 @@ class Scheduler:
         self._update_gauges()
         if self.debug_invariants:
             self.check_invariants()
+
+    def _retry_prefetch(self) -> None:
+        """Start the reads that found no host slot at arrival, oldest first, while slots can be had (a
+        burst of arrivals larger than the host tier: the admitted ones' slots come free)."""
+        while self._want_prefetch:
+            req = self._want_prefetch[0]
+            if req.slot is not None or req.finished or req.rid not in self.queues.by_rid:
+                self._want_prefetch.popleft()  # admitted or gone meanwhile
+                continue
+            where = self.cache.residency(req.prompt_ids[:-1])
+            have = max(where["gpu"], where["host"])
+            if where["storage"] > have:
+                req.prefetch = self.storage.prefetch(req.prompt_ids[:-1], have)
+                if req.prefetch is None:
+                    return
+            self._want_prefetch.popleft()
 
     def _all_held(self) -> bool:
         """Every waiting request is held for a read from the storage tier (admission.held_by_prefetch)."""
@@ -285,6 +306,8 @@ class Scheduler:
             req.expected_cached = max(where["gpu"], where["host"])
             if where["storage"] > req.expected_cached:
                 req.prefetch = self.storage.prefetch(req.prompt_ids[:-1], req.expected_cached)
+                if req.prefetch is None:  # no host slot to read into now: retried as slots free up
+                    self._want_prefetch.append(req)
         if req.logits_from is not None:  # (admission's match stops there: see Admission._admit)
             req.expected_cached = min(req.expected_cached, req.logits_from)
         req.arrival_tick = self.cache.clock

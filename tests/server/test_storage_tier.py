@@ -75,6 +75,25 @@ def test_entry_names_chain_over_pages_and_depend_on_tokens_only():
     assert e.value.reason == "incompatible"
 
 
+def test_host_tier_drops_what_storage_has_a_copy_of_first():
+    from mambaserve.server.cache.host_tier import HostTier
+
+    host = HostTier(2)
+    host.store([1, 1])
+    host.store([2, 2])  # more recent than [1, 1], but on storage too
+    lock = host.lock_exact([2, 2])
+    lock.node.stored = True
+    host.unlock(lock)
+    assert host.store([3, 3]) is not None
+    assert host.tree.match_prefix([1, 1, 9]).length == 2 and host.tree.match_prefix([2, 2, 9]).length == 0
+    slot = host.reserve()  # a read's slot: in no tree until it lands
+    assert slot is not None and slot in host.reserved
+    host.check_invariants()
+    host.commit([4, 4], slot)
+    assert not host.reserved and host.tree.match_prefix([4, 4, 9]).length == 2
+    host.check_invariants()
+
+
 # ---- the data path -------------------------------------------------------------------------------------
 
 def test_round_trip_gpu_host_storage_into_a_new_server_is_bit_exact(tiny_ckpt, tmp_path):

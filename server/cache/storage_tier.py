@@ -204,10 +204,15 @@ class StorageTier:
             ticket.lock = None
 
     # ---- sessions -------------------------------------------------------------------------------------
-    def put_session(self, sid: str, record: dict, ops) -> None:
-        """Write a session's record after the writes ``ops`` will queue (its state's among them)."""
+    def put_session(self, sid: str, record: dict, ops, still_open: Callable[[], bool]) -> None:
+        """Write a session's record after the writes ``ops`` will queue (its state's among them), unless the
+        session was closed meanwhile (its record's deletion is queued already: nothing may recreate it)."""
         data = json.dumps(record).encode()
-        ops.on_done.append(lambda event: self.usable and self.worker.submit(Job("put_record", 0, sid, data=data)))
+
+        def submit(event) -> None:
+            if self.usable and still_open():
+                self.worker.submit(Job("put_record", 0, sid, data=data))
+        ops.on_done.append(submit)
 
     def get_session(self, sid: str, then: Callable[[dict | None], None]) -> None:
         """Look a session's record up; ``then(record or None)`` runs on the scheduler thread."""

@@ -355,7 +355,8 @@ class Scheduler:
         self.cache.write_to_storage(tokens, req.slot)
         record = {"id": s.id, "streaming": True, "timeout": s.timeout, "capacity": s.capacity, "history": tokens,
                   "compat": self.storage_compat}
-        self.storage.put_session(s.id, record, self.cache.pending)
+        self.storage.put_session(s.id, record, self.cache.pending,
+                                 still_open=lambda: self.sessions.table.sessions.get(s.id) is s and not s.closing)
 
     def _keep_or_free(self, tokens: list[int], slot: int) -> None:
         """A state nobody holds any more: a snapshot in the cache if it takes it, else a free slot."""

@@ -453,3 +453,21 @@ async def _resent(engine, turns):
             history += out
             outs.append(out)
     return outs
+
+
+def test_a_closed_session_leaves_no_record_behind(tiny_ckpt, tmp_path):
+    """A turn's record is queued at its end; a close right after it must win, whatever the order."""
+    engine = _storage_engine(tiny_ckpt, tmp_path, session_persist=True)
+
+    async def go():
+        async with serving(engine) as c:
+            for i in range(3):
+                sid = (await c.post("/open_session", json={"streaming": True, "session_id": f"s{i}"})).json()
+                await _session_turn(c, sid, _prompt(9, i))
+                assert (await c.post("/close_session", json={"session_id": sid})).status_code == 200
+            await accounting(engine)
+            await engine.run_in_scheduler(engine.scheduler.storage.drain)
+
+    run(go())
+    assert not list((tmp_path / "session-records").glob("*.json"))
+    assert _entries(tmp_path)  # the states themselves stay: ordinary prefixes

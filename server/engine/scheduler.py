@@ -22,7 +22,6 @@ takes that snapshot's slot over instead of waiting. ``check_invariants`` asserts
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import queue
@@ -42,6 +41,7 @@ from mambaserve.server.engine.output import OutputProcessor
 from mambaserve.server.engine.request import BadRequest, FinishReason, Req, RequestQueues, fit_to_context
 from mambaserve.server.engine.sampling import Launched, Sampler
 from mambaserve.server.engine.session_files import SessionFiles
+from mambaserve.server.engine.tiering import Prefetcher, SessionPersistence, build_storage_tier
 from mambaserve.server.sessions.manager import SessionManager
 from mambaserve.server.sessions.table import SessionError, SessionTable
 
@@ -66,17 +66,16 @@ class Scheduler:
                       else PrefixCache(self.slots, page_size, host=host))
         # hybrid models: KV pages, reserved per request at admission and released at its end
         self.pages = runner.kv_pool.allocator if runner.kv_pool is not None else None
-        self.storage_compat = storage_compat or {}
-        self.storage = None
+        self.storage = None  # the storage tier (engine/tiering.py), with --storage-dir
         if cfg.storage_dir is not None and host is not None:
-            self.storage = self.cache.storage = self._storage_tier(cfg, host)
-        self.session_persist = cfg.session_persist and self.storage is not None
-        self._want_prefetch: collections.deque[Req] = collections.deque()  # waiting for a host slot to read into
+            self.storage = self.cache.storage = build_storage_tier(
+                cfg, runner, host, metrics, storage_compat or {}, lambda result: self.inbox.put(("storage", result)))
+        persist = cfg.session_persist and self.storage is not None
         self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout),
                                        session_slot_limit(cfg.session_slot_fraction, self.slots.capacity),
                                        self.cache.free, self._keep_or_free,
                                        lambda reason: metrics.sessions_closed.labels(reason).inc(),
-                                       self.storage.forget_session if self.session_persist else lambda sid: None)
+                                       self.storage.forget_session if persist else lambda sid: None)
         self.session_files = SessionFiles(self.sessions, self.cache, runner, metrics, Path(cfg.session_snapshot_dir),
                                           compat or {}, cfg.session_snapshot_max_bytes,
                                           cfg.session_snapshot_max_per_session)
@@ -84,8 +83,12 @@ class Scheduler:
         self.sampler = Sampler(runner.device, cfg.seed)
         self.output = OutputProcessor(self.queues, self.cache, self.sessions, self.sampler, metrics, context_length,
                                       pages=self.pages)
-        if self.session_persist:
-            self.output.persist_turn = self._persist_turn
+        self.prefetcher = Prefetcher(self.storage, self.cache, self.queues) if self.storage is not None else None
+        self.persistence = None
+        if persist:
+            self.persistence = SessionPersistence(self.storage, self.cache, self.sessions, metrics, storage_compat or {},
+                                                  runner.model.dims.vocab_size)
+            self.output.persist_turn = self.persistence.persist_turn
         self.admission = Admission(self.queues, self.cache, self.sessions, self.output, metrics,
                                    max_running=max_running, chunk=cfg.chunked_prefill_size,
                                    track_interval=0 if cfg.disable_radix_cache else track_interval, pages=self.pages)
@@ -107,29 +110,6 @@ class Scheduler:
         metrics.tier_capacity_bytes.labels("gpu").set(self.slots.capacity * per)
         metrics.tier_capacity_bytes.labels("host").set(host.allocator.capacity * per if host is not None else 0)
 
-    def _storage_tier(self, cfg: ServerConfig, host: HostTier):
-        """The storage tier over ``--storage-dir``; a directory that cannot be created starts it degraded."""
-        from mambaserve.server.cache.storage_backend import FileSystemBackend
-        from mambaserve.server.cache.storage_tier import StorageTier
-        from mambaserve.server.cache.storage_worker import StorageWorker
-
-        try:
-            Path(cfg.storage_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            log.error("storage tier: cannot create %s: %s", cfg.storage_dir, e.strerror)
-        pool = self.runner.host_pool
-        worker = StorageWorker(FileSystemBackend(cfg.storage_dir), self.storage_compat, pool.conv, pool.ssm,
-                               lambda result: self.inbox.put(("storage", result)), page_size=host.tree.page_size)
-        tier = StorageTier(worker, host, self.metrics, page_size=host.tree.page_size, capacity=cfg.storage_size,
-                           entry_bytes=self.runner.pool.bytes_per_slot, write_policy=cfg.cache_write_policy,
-                           write_threshold=cfg.cache_write_threshold, prefetch_policy=cfg.cache_prefetch_policy,
-                           prefetch_timeout=cfg.cache_prefetch_timeout)
-        tier.fence = self.runner.fence
-        log.info("storage cache tier: %s, %d entries (%.2f GiB) found, capacity %.2f GiB%s; write %s, prefetch %s",
-                 cfg.storage_dir, len(tier.entries), tier.used / 2**30, tier.capacity / 2**30,
-                 "" if cfg.storage_size else " (free space less a margin)", cfg.cache_write_policy,
-                 cfg.cache_prefetch_policy)
-        return tier
     # ---- thread-safe API -------------------------------------------------------------------------
     def start(self) -> None:
         if self.alive:
@@ -185,8 +165,8 @@ class Scheduler:
         self._reap()
         if self.storage is not None:
             self.cache.write_back()
-            if self._want_prefetch:
-                self._retry_prefetch()
+            if self.prefetcher.wanting:
+                self.prefetcher.retry()
         batch, plan = self.admission.schedule(self.inflight)
         launched = None
         if batch is not None:
@@ -212,28 +192,8 @@ class Scheduler:
         if self.debug_invariants:
             self.check_invariants()
 
-    def _retry_prefetch(self) -> None:
-        """Start the reads that found no host slot at arrival, oldest first, while slots can be had (a
-        burst of arrivals larger than the host tier: the admitted ones' slots come free)."""
-        while self._want_prefetch:
-            req = self._want_prefetch[0]
-            if req.slot is not None or req.finished or req.rid not in self.queues.by_rid:
-                self._want_prefetch.popleft()  # admitted or gone meanwhile
-                continue
-            where = self.cache.residency(req.prompt_ids[:-1])
-            have = max(where["gpu"], where["host"])
-            if where["storage"] > have:
-                req.prefetch = self.storage.prefetch(req.prompt_ids[:-1], have)
-                if req.prefetch is None:
-                    return
-            self._want_prefetch.popleft()
-
     def _all_held(self) -> bool:
-        """Every waiting request is held for a read from the storage tier (admission.held_by_prefetch)."""
-        if self.storage is None or not self.queues.waiting:
-            return False
-        now = time.monotonic()
-        return all(r.prefetch is not None and r.prefetch.holds(now) for r in self.queues.waiting)
+        return self.prefetcher is not None and self.prefetcher.all_held()
 
     def _drain_inbox(self, block: bool, timeout: float = 0.5) -> None:
         try:
@@ -284,11 +244,9 @@ class Scheduler:
                                             f"session {req.session_id!r} history + this turn")
                 req.session = self.sessions.begin_turn(req.session_id, req.rid, tp, prompt)
             except (SessionError, BadRequest) as e:
-                if (isinstance(e, SessionError) and e.code == "session_not_found" and self.session_persist
-                        and not opened and not req.revived and req.session_id not in self.sessions.table.sessions):
-                    req.revived = True  # persisted by an earlier run or another pod? look it up, then retry
-                    self.storage.get_session(req.session_id, lambda record: self._revive(req, record))
-                    return
+                if (isinstance(e, SessionError) and e.code == "session_not_found" and self.persistence is not None
+                        and not opened and self.persistence.look_up(req, self._add)):
+                    return  # persisted by an earlier run or another pod? taken again once looked up
                 if opened:  # a refused first turn leaves no session behind
                     self.sessions.close(req.session_id, "error")
                 self.sampler.forget(req.rid)
@@ -299,15 +257,10 @@ class Scheduler:
             req.prompt_ids = prompt
         # its snapshot is needed soon: refreshed now, eviction takes older ones first while it waits (a
         # match never covers the last token: it must run to produce logits)
-        if self.storage is None:
+        if self.prefetcher is None:
             req.expected_cached = self.cache.touch(req.prompt_ids[:-1])
         else:  # a prefix found on storage only is read into the host tier while the request waits
-            where = self.cache.residency(req.prompt_ids[:-1])
-            req.expected_cached = max(where["gpu"], where["host"])
-            if where["storage"] > req.expected_cached:
-                req.prefetch = self.storage.prefetch(req.prompt_ids[:-1], req.expected_cached)
-                if req.prefetch is None:  # no host slot to read into now: retried as slots free up
-                    self._want_prefetch.append(req)
+            req.expected_cached = self.prefetcher.on_arrival(req)
         if req.logits_from is not None:  # (admission's match stops there: see Admission._admit)
             req.expected_cached = min(req.expected_cached, req.logits_from)
         req.arrival_tick = self.cache.clock
@@ -322,41 +275,6 @@ class Scheduler:
             self.output.finish(req, req.finish_reason, emit=False)  # answered already; the fold is skipped
         elif req is not None and not req.finished:
             self.output.finish(req, FinishReason.ABORT)
-
-    def _revive(self, req: Req, record: dict | None) -> None:
-        """A turn for a session this server does not know: recreate it from its persisted record (its
-        state follows as an ordinary prefix hit from the storage tier), then take the turn again."""
-        if record is not None and not _valid_record(record, req.session_id, self.runner.model.dims.vocab_size):
-            self.metrics.storage_rejected.labels("corrupt").inc()
-            log.warning("persisted session %s has an unreadable record: not restored", req.session_id)
-        elif record is not None and record.get("compat") != self.storage_compat:
-            self.metrics.storage_rejected.labels("incompatible").inc()
-            log.warning("persisted session %s was written by another model or configuration: not restored",
-                        req.session_id)
-        elif record is not None and req.session_id not in self.sessions.table.sessions:
-            meta = {"id": req.session_id, "streaming": record["streaming"], "timeout": record["timeout"],
-                    "capacity": record["capacity"], "in_state": 0}
-            try:
-                self.sessions.restore(meta, record["history"], req.session_id, None)
-                self.metrics.session_restores.inc()
-                log.info("session %s continued from its persisted turn (%d tokens)", req.session_id,
-                         len(record["history"]))
-            except SessionError as e:
-                log.warning("persisted session %s not restored: %s", req.session_id, e)
-        self._add(req)
-
-    def _persist_turn(self, req: Req) -> None:
-        """--session-persist: a streaming turn ended with its state covering the whole history: the state
-        goes to the storage tier (through the host tier), then the session's record naming it."""
-        s = req.session
-        tokens = req.prompt_ids + req.output_ids
-        if not s.streaming or req.slot is None or req.in_state != len(tokens):
-            return
-        self.cache.write_to_storage(tokens, req.slot)
-        record = {"id": s.id, "streaming": True, "timeout": s.timeout, "capacity": s.capacity, "history": tokens,
-                  "compat": self.storage_compat}
-        self.storage.put_session(s.id, record, self.cache.pending,
-                                 still_open=lambda: self.sessions.table.sessions.get(s.id) is s and not s.closing)
 
     def _keep_or_free(self, tokens: list[int], slot: int) -> None:
         """A state nobody holds any more: a snapshot in the cache if it takes it, else a free slot."""
@@ -455,12 +373,3 @@ class Scheduler:
             raise CacheBusyError(f"cannot flush the cache while {len(self.queues.running)} requests run and "
                                  f"{len(self.queues.waiting)} wait")
         return self.cache.flush()
-
-
-def _valid_record(record: object, sid: str, vocab: int) -> bool:
-    """A session record as ``_persist_turn`` writes it (a damaged or foreign file is not trusted)."""
-    return (isinstance(record, dict) and record.get("id") == sid and record.get("streaming") is True
-            and isinstance(record.get("history"), list)
-            and all(isinstance(t, int) and 0 <= t < vocab for t in record["history"])
-            and isinstance(record.get("timeout"), (int, float)) and (record.get("capacity") is None
-                                                                     or isinstance(record.get("capacity"), int)))

@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install serve test clean tools
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-server.txt requirements-operator.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .

@@ -47,7 +47,11 @@ def build_registry(settings: OperatorSettings, kube: Kube, metrics: OperatorMetr
         if operator_settings.api_server:
             info = kopf.ConnectionInfo(server=operator_settings.api_server, insecure=True, default_namespace="default")
         else:
-            info = kopf.login_via_client(logger=logger, **kwargs)
+            # The official client library reads every kubeconfig (exec plugins included) where it is
+            # installed; the operator image leaves it out (128 MB) and Kopf reads the pod's service account.
+            info = (kopf.login_via_client(logger=logger, **kwargs)
+                    or kopf.login_with_service_account(logger=logger, **kwargs)
+                    or kopf.login_with_kubeconfig(logger=logger, **kwargs))
         if info is not None:
             kube.login(info)
         return info

@@ -25,8 +25,10 @@ from mambaserve.operator.settings import API_VERSION, OperatorSettings, add_argu
 from mambaserve.operator.spec import CacheTier, incompatibilities, parse_cache_tier, parse_session, session_problems
 
 KINDS = {"InferenceSession": "inferencesessions", "CacheTier": "cachetiers"}
-# A source checkout (or editable install) has the CRDs next to the operator's folder.
-SOURCE_CRDS = pathlib.Path(__file__).resolve().parents[1] / "crds"
+# An installed package carries the CRDs as mambaserve/operator/crds/ (pyproject.toml maps crds/ there);
+# a source checkout (or editable install) has them in crds/ beside the operator's folder.
+_HERE = pathlib.Path(__file__).resolve().parent
+SOURCE_CRDS = next((d for d in (_HERE / "crds", _HERE.parent / "crds") if d.is_dir()), _HERE.parent / "crds")
 
 
 class RenderError(Exception):
@@ -178,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--default-namespace", default="default", metavar="NS",
                    help="namespace of objects that name none (default: default)")
     p.add_argument("--crds", type=pathlib.Path, default=SOURCE_CRDS, metavar="DIR",
-                   help="folder with the mambaserve CRDs (default: the source checkout's crds/)")
+                   help="folder with the mambaserve CRDs (default: those the package ships)")
     add_arguments(p)
     return p
 

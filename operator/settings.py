@@ -30,7 +30,7 @@ ROUTER_METRICS_PORT = 29000
 @dataclasses.dataclass(frozen=True)
 class OperatorSettings:
     namespaces: tuple[str, ...] = ()  # empty: all namespaces
-    server_image: str = "mambaserve:0.1.0"
+    server_image: str = "mambaserve-server:0.1.0"  # images/server.Dockerfile, this release
     # The SGLang Model Gateway, pinned: a moving tag would change the router under running sessions.
     router_image: str = "lmsysorg/sgl-model-gateway:v0.3.2"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"

@@ -30,8 +30,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                             "serviceAccount": {"create": False, "name": "platform-operator"}},
     "everything-customised": {
         "commonLabels": {"team": "ml-platform"},
-        "operator": {"image": {"repository": "registry.example/mambaserve", "tag": "0.1.1"},
-                     "imagePullSecrets": ["regcred"], "serverImage": "registry.example/mambaserve-cuda:0.1.1",
+        "server": {"image": {"repository": "registry.example/mambaserve-server", "tag": "0.1.1"}},
+        "operator": {"image": {"repository": "registry.example/mambaserve-operator", "tag": "0.1.1"},
+                     "imagePullSecrets": ["regcred"],
                      "routerImage": "lmsysorg/sglang:v0.5", "prometheusUrl": "http://prom.monitoring:9090",
                      "logLevel": "debug", "extraArgs": ["--request-timeout=30"],
                      "extraEnv": [{"name": "TZ", "value": "UTC"}], "priorityClassName": "system-cluster-critical",
@@ -208,6 +209,32 @@ def test_golden_rbac(rendered: dict[str, Rendered]) -> None:
         == _golden("rbac.yaml")
 
 
+def test_images_are_two_pinned_to_the_release_and_the_server_one_reaches_the_pods(
+        rendered: dict[str, Rendered]) -> None:
+    """The operator runs the operator image and gives server pods the server image (until 0.2.0
+    it gave them its own image, which has no engine); both default to this release's tags."""
+    import tomllib
+
+    from mambaserve.operator import builders
+    from mambaserve.operator.settings import OperatorSettings, parse_settings
+    from mambaserve.operator.spec import parse_session
+    from tests.operator.conftest import sample
+
+    release = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"] == release
+    assert values["operator"]["image"]["tag"] == values["server"]["image"]["tag"] == release
+    assert OperatorSettings().server_image == f"{values['server']['image']['repository']}:{release}"
+
+    container = rendered["default"].one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == f"mambaserve-operator:{release}"
+    settings = parse_settings(container["args"], environ={})
+    assert settings.server_image == f"mambaserve-server:{release}" != container["image"]
+    children = builders.build_session_children(parse_session(sample("inferencesession-minimal")), None, settings)
+    (server,) = [o for o in children if o["kind"] == "Deployment"]
+    assert server["spec"]["template"]["spec"]["containers"][0]["image"] == f"mambaserve-server:{release}"
+
+
 def test_rendered_args_are_accepted_by_the_operator_cli(rendered: dict[str, Rendered]) -> None:
     from mambaserve.operator.settings import parse_settings
 
@@ -215,9 +242,11 @@ def test_rendered_args_are_accepted_by_the_operator_cli(rendered: dict[str, Rend
     settings = parse_settings(args, environ={})
     assert settings.namespaces == ("llm", "batch") and not settings.clusterwide
     assert (settings.metrics_port, settings.health_port, settings.service_monitors) == (8080, 8081, False)
-    assert settings.server_image == "mambaserve:0.1.0"
+    assert settings.server_image == "mambaserve-server:0.1.0"
     custom = rendered["everything-customised"].one("Deployment")["spec"]["template"]["spec"]["containers"][0]
     settings = parse_settings(custom["args"], environ={})
+    assert custom["image"] == "registry.example/mambaserve-operator:0.1.1"
+    assert settings.server_image == "registry.example/mambaserve-server:0.1.1"
     assert settings.clusterwide and settings.request_timeout == 30.0 and settings.log_level == "debug"
     assert settings.router_image == "lmsysorg/sglang:v0.5"
     assert settings.prometheus_url == "http://prom.monitoring:9090"
@@ -230,6 +259,11 @@ BAD_VALUES = [
     ({"operator": {"metricsPort": 70000}}, "/operator/metricsPort"),
     ({"operator": {"statusInterval": 0}}, "/operator/statusInterval"),
     ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
+    ({"operator": {"image": {"tag": "latest"}}}, "/operator/image/tag"),
+    ({"server": {"image": {"tag": ""}}}, "/server/image/tag"),
+    ({"server": {"image": {"tag": "latest"}}}, "/server/image/tag"),
+    ({"server": {"image": {"repository": ""}}}, "/server/image/repository"),
+    ({"operator": {"serverImage": "mambaserve:0.1.0"}}, "serverImage"),  # before 0.2.0: now server.image
     ({"operator": {"securityContext": {"allowPrivilegeEscalation": True, "readOnlyRootFilesystem": True}}},
      "/operator/securityContext/allowPrivilegeEscalation"),
     ({"operator": {"podSecurityContext": {"runAsNonRoot": False}}}, "/operator/podSecurityContext/runAsNonRoot"),

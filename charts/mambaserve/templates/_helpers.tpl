@@ -69,8 +69,13 @@ app.kubernetes.io/instance: {{ $root.Release.Name | trunc 63 | trimSuffix "-" }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
+{{/* Images, each "repository:tag" (values.schema.json refuses an empty or `latest` tag). */}}
 {{- define "mambaserve.operator.image" -}}
-{{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) -}}
+{{- printf "%s:%s" .Values.operator.image.repository .Values.operator.image.tag -}}
+{{- end -}}
+
+{{- define "mambaserve.server.image" -}}
+{{- printf "%s:%s" .Values.server.image.repository .Values.server.image.tag -}}
 {{- end -}}
 
 {{/* Labels of monitoring objects: the chart's plus those a Prometheus selects on. */}}

@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 30000
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test clean tools
+.PHONY: install serve test clean tools image-tools test-images
 
 $(STAMP): requirements.txt requirements-server.txt requirements-operator.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ tools:
 
 test: $(STAMP) tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Both images built from this checkout and run here (tests/images: buildah and debootstrap, as root;
+# about 10 minutes the first time, 5 once the local bases are cached). Not part of `make test`.
+image-tools:
+	@command -v buildah >/dev/null && command -v debootstrap >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq buildah debootstrap; }
+
+test-images: $(STAMP) image-tools
+	MAMBASERVE_IMAGE_TESTS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/images
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,10 +10,13 @@
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
+# USER: Kopf names itself after getpass.getuser(), which fails for a UID without a passwd entry
+# unless the environment names the user (OpenShift runs pods under arbitrary UIDs).
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PATH=/opt/mambaserve/bin:$PATH
+    PATH=/opt/mambaserve/bin:$PATH \
+    USER=mambaserve
 
 WORKDIR /opt/mambaserve/src
 COPY pyproject.toml README.md requirements-operator.txt ./
@@ -29,9 +32,12 @@ RUN set -eu; \
     pip install --no-deps .; \
     rm -rf build ./*.egg-info; \
     if python -c 'import torch' 2>/dev/null; then echo 'torch is in the operator image' >&2; exit 1; fi; \
-    mambaserve-operator --help >/dev/null
+    mambaserve-operator --help >/dev/null; \
+    getent group 65532 >/dev/null || groupadd --gid 65532 mambaserve; \
+    getent passwd 65532 >/dev/null || useradd --uid 65532 --gid 65532 --no-create-home \
+        --home-dir /nonexistent --shell /usr/sbin/nologin mambaserve
 
-# The chart's operator pod runs as 65532 too (runAsUser); no passwd entry is needed by Kopf.
+# The chart's operator pod runs as 65532 too (runAsUser); runAsNonRoot needs it numeric.
 USER 65532:65532
 WORKDIR /
 EXPOSE 8080 8081

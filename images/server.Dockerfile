@@ -10,10 +10,13 @@
 ARG BASE_IMAGE=docker.io/pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
+# USER: getpass.getuser() (torch's and Triton's cache paths) fails for a UID without a passwd
+# entry unless the environment names the user (OpenShift runs pods under arbitrary UIDs).
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HOME=/var/lib/mambaserve/home
+    HOME=/var/lib/mambaserve/home \
+    USER=mambaserve
 
 WORKDIR /opt/mambaserve/src
 COPY pyproject.toml README.md requirements-server.txt ./

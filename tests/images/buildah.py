@@ -146,9 +146,11 @@ class Buildah:
         pip_dir.mkdir(exist_ok=True)
         (pip_dir / "pip.conf").write_text("[global]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
         volumes = [f"{pip_dir / 'pip.conf'}:/etc/pip.conf:ro"]
-        for value in settings.values():
+        for key, value in settings.items():
             for word in value.split():
                 path = Path(word.removeprefix("file://"))
+                # a local index's pages link to files beside it (simple/NAME/ -> ../../files/...)
+                path = path.parent if key.endswith("index-url") and path.name == "simple" else path
                 if path.is_absolute() and path.exists() and not any(v.startswith(f"{path}:") for v in volumes):
                     volumes.append(f"{path}:{path}:ro")
         return [arg for v in volumes for arg in ("--volume", v)]

@@ -11,7 +11,7 @@ import kopf
 
 from mambaserve.operator import reconciler
 from mambaserve.operator.conditions import Event
-from mambaserve.operator.kube import Kube
+from mambaserve.operator.kube import Kube, credentials
 from mambaserve.operator.metrics import OperatorMetrics
 from mambaserve.operator.settings import GROUP, VERSION, OperatorSettings, configure_kopf
 
@@ -47,11 +47,7 @@ def build_registry(settings: OperatorSettings, kube: Kube, metrics: OperatorMetr
         if operator_settings.api_server:
             info = kopf.ConnectionInfo(server=operator_settings.api_server, insecure=True, default_namespace="default")
         else:
-            # The official client library reads every kubeconfig (exec plugins included) where it is
-            # installed; the operator image leaves it out (128 MB) and Kopf reads the pod's service account.
-            info = (kopf.login_via_client(logger=logger, **kwargs)
-                    or kopf.login_with_service_account(logger=logger, **kwargs)
-                    or kopf.login_with_kubeconfig(logger=logger, **kwargs))
+            info = credentials(logger, **kwargs)
         if info is not None:
             kube.login(info)
         return info

@@ -96,6 +96,17 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in refs)
 
 
+def credentials(logger: Any, settings: kopf.OperatorSettings | None = None,
+                **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Kubernetes credentials as Kopf finds them: the official client library where it is installed
+    (every kubeconfig, exec plugins included), else the pod's ServiceAccount, else a plain kubeconfig.
+    The operator image leaves the client library out (128 MB; images/operator.Dockerfile)."""
+    settings = settings if settings is not None else kopf.OperatorSettings()
+    return (kopf.login_via_client(logger=logger, settings=settings, **kwargs)
+            or kopf.login_with_service_account(logger=logger, settings=settings, **kwargs)
+            or kopf.login_with_kubeconfig(logger=logger, settings=settings, **kwargs))
+
+
 class Kube:
     """Async client over one connection (from Kopf's login), renewed when credentials change."""
 

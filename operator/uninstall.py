@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import kopf
 
-from mambaserve.operator.kube import ApiError, Kube
+from mambaserve.operator.kube import ApiError, Kube, credentials
 from mambaserve.operator.settings import GROUP
 
 FINALIZER = f"{GROUP}/finalizer"
@@ -83,7 +83,9 @@ def main(argv: Sequence[str]) -> int:
         if args.api_server:
             info = kopf.ConnectionInfo(server=args.api_server, insecure=True)
         else:
-            info = kopf.login_via_client(logger=log)
+            info = credentials(log)
+            if info is None:
+                raise SystemExit("no Kubernetes credentials: no ServiceAccount token, no kubeconfig")
         kube = Kube(info)
         try:
             stopped = await stop_operator(kube, args.operator_namespace, args.operator_deployment, args.timeout)

@@ -30,7 +30,7 @@ test: $(STAMP) tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # Both images built from this checkout and run here (tests/images: buildah and debootstrap, as root;
-# about 14 minutes the first time, 7 once the local bases are cached). Not part of `make test`.
+# about 14 minutes the first time, 2.5 to 7 once the local bases are cached). Not part of `make test`.
 image-tools:
 	@command -v buildah >/dev/null && command -v debootstrap >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq buildah debootstrap; }

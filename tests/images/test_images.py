@@ -6,8 +6,8 @@
   the command and args the Helm chart renders, serves its health endpoint and metrics while it
   reconciles a session against kmock's API emulator, giving the server pods the server image.
 
-Slow (measured on this project's 2-core machine, shared): about 14 minutes the first time
-(debootstrap, the torch base, both builds), 7 once the bases are cached.
+Slow (measured on this project's 2-core machine, shared with other work): about 14 minutes the first
+time (debootstrap, the torch base, both builds), 2.5 to 7 once the bases are cached.
 """
 
 from __future__ import annotations

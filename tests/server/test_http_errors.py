@@ -106,8 +106,11 @@ def test_one_requests_bad_values_or_duplicate_id_hurt_no_other(engine):
         async with serving(engine) as c:
             good = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 20, "temperature": 0.7,
                                                                 "ignore_eos": True}}
-            first = asyncio.ensure_future(c.post("/generate", json={**good, "rid": "dup"}))
-            await asyncio.sleep(0.05)
+            # long enough to still run when the duplicate arrives, which is sent once it holds a slot
+            first = asyncio.ensure_future(c.post("/generate", json={**good, "rid": "dup", "sampling_params": {
+                **good["sampling_params"], "max_new_tokens": 55}}))
+            while not first.done() and (await engine.accounting())["held_by_requests"] == 0:
+                await asyncio.sleep(0.005)
             bad = [c.post("/generate", content=b'{"input_ids": [3], "sampling_params": {"temperature": NaN}}',
                           headers={"content-type": "application/json"}),
                    c.post("/generate", json={**good, "rid": "dup"})]

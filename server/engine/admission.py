@@ -110,12 +110,14 @@ class Admission:
             starts.append(s)
             slots.append(req.slot)
             last = len(req.prompt_ids) - 1
-            # The prompt's last chunk samples its first token, and the state before its last token is
-            # kept (the same prompt sent again has that token left to run); a chunk that starts there
-            # resumes from a state the tree already holds.
-            snaps = self.cache.enabled and s + n == last + 1 and s < last
-            if snaps and (slot := self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)) is not None:
-                snap.append((i, slot))
+            # The prompt's last chunk samples its first token, and the state before its last token is kept
+            # (the same prompt sent again has that token left to run). Such a chunk never starts at `last`:
+            # a request with only that token left decodes it (Req.prefill_len).
+            snaps = self.cache.enabled and s + n == last + 1
+            if snaps:
+                slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
+                if slot is not None:
+                    snap.append((i, slot))
             if self.track_interval:
                 # strictly inside the chunk (its end is donated whole after the step), not the snapshot's position
                 for pos in range((s // self.track_interval + 1) * self.track_interval, s + n, self.track_interval):

@@ -42,18 +42,21 @@ async def http_burst(url: str, batch: list[list[int]], out: int) -> float:
     return len(batch) * out / wall
 
 
-async def engine_burst(engine, batch: list[list[int]], out: int) -> float:
+async def engine_burst(engine, batch: list[list[int]], out: int, spread_ms: float = 0.0) -> float:
+    """``spread_ms``: the requests arrive evenly over that long instead of at once (as HTTP spreads them)."""
     from mambaserve.server.engine.request import SamplingParams
 
     params = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
 
-    async def one(ids):
+    async def one(k, ids):
+        if spread_ms:
+            await asyncio.sleep(spread_ms / 1e3 * k / len(batch))
         async for o in engine.generate(ids, params, stream=False):
             last = o
         assert last.completion_tokens == out, last
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(ids) for ids in batch))
+    await asyncio.gather(*(one(k, ids) for k, ids in enumerate(batch)))
     return len(batch) * out / (time.perf_counter() - t0)
 
 
@@ -80,15 +83,20 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--in-process-only", action="store_true", help="skip the HTTP side")
+    p.add_argument("--arrival-spread-ms", type=float, default=0.0,
+                   help="in process, also run each burst with its arrivals spread evenly over this long")
     a = p.parse_args()
     bursts = [tuple(int(x) for x in b.split("x")) for b in a.bursts.split(",")]
     flags = a.flags.split()
     longest = a.prompt_length + max(length for _, length in bursts) + 8
     flags += ["--context-length", str(longest)]
 
-    print(f"through HTTP ({a.model}, flags {flags})", flush=True)
-    with launched(a.model, flags) as url:
-        http = asyncio.run(run_bursts(lambda batch, length: http_burst(url, batch, length), bursts, a))
+    http = {}
+    if not a.in_process_only:
+        print(f"through HTTP ({a.model}, flags {flags})", flush=True)
+        with launched(a.model, flags) as url:
+            http = asyncio.run(run_bursts(lambda batch, length: http_burst(url, batch, length), bursts, a))
 
     print("in process (Engine.generate, same flags)", flush=True)
     from mambaserve.server.cli import build_parser, config_from_args
@@ -97,13 +105,19 @@ def main() -> None:
     engine = Engine(config_from_args(build_parser().parse_args(["serve", "--model", a.model, *flags])))
     engine.start()
     inproc = asyncio.run(run_bursts(lambda batch, length: engine_burst(engine, batch, length), bursts, a))
+    spread = {}
+    if a.arrival_spread_ms:
+        print(f"in process, arrivals spread over {a.arrival_spread_ms:g} ms", flush=True)
+        spread = asyncio.run(run_bursts(lambda batch, length: engine_burst(engine, batch, length, a.arrival_spread_ms),
+                                        bursts, a))
     engine.stop()
     print("burst            HTTP first  HTTP best  in-process best  HTTP/in-process")
     for key in http:
         h, e = http[key], inproc[key]
         print(f"  {key:14s} {h[0]:10.0f} {max(h):10.0f} {max(e):16.0f} {max(h) / max(e):16.2f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"http": http, "in_process": inproc, "argv": sys.argv}, indent=1))
+        Path(a.json).write_text(json.dumps({"http": http, "in_process": inproc, "in_process_spread": spread,
+                                            "argv": sys.argv}, indent=1))
 
 
 if __name__ == "__main__":

@@ -145,3 +145,25 @@ def test_host_tier_round_trip_on_pinned_memory_is_bit_exact(ckpt):
     back = runner.read_slot(5)
     assert torch.equal(back["conv"].cpu(), state["conv"]) and torch.equal(back["ssm"].cpu(), state["ssm"])
     assert not runner.read_slot(2)["ssm"].any()
+
+
+def test_offloads_on_the_copy_stream_finish_before_their_slot_is_written(ckpt):
+    """An offload runs on the copy stream beside the forwards; a forward that writes the offloaded slot
+    right after (its slot handed to another request) waits for the copy: the host gets the state as it was;
+    the storage thread's fence covers a copy no forward waited for."""
+    from mambaserve.server.cache.prefix_cache import StateOps
+    from mambaserve.server.engine.state_pool import HostStatePool
+
+    runner = _runner(ckpt, False)
+    runner.host_pool = HostStatePool(runner.pool, 3, pin=True)
+    g = torch.Generator().manual_seed(1)
+    states = [{"conv": torch.randn(runner.pool.conv[:, 0].shape, generator=g),
+               "ssm": torch.randn(runner.pool.ssm[:, 0].shape, generator=g)} for _ in range(2)]
+    for slot, state in zip((2, 3), states):
+        runner.write_slot(slot, state)
+    ids = [1 + i % 90 for i in range(2048)]  # a long prefill queued behind the offload: the copy would lose a race
+    runner.forward(ForwardBatch(ForwardMode.EXTEND, ids, [2048], [0], [2], StateOps([("offload", 2, 0)])))
+    runner.forward(ForwardBatch(ForwardMode.EXTEND, ids, [2048], [0], [4], StateOps([("offload", 3, 1)])))
+    runner.fence().synchronize()
+    for h, state in enumerate(states):
+        assert torch.equal(runner.host_pool.conv[h], state["conv"]) and torch.equal(runner.host_pool.ssm[h], state["ssm"])

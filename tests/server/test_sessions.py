@@ -294,6 +294,7 @@ def test_snapshot_restore_in_a_second_server_process(tiny_ckpt, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "mambaserve.server", "serve", "--model", str(tiny_ckpt),
                              "--served-model-name", "tiny", "--port", str(port), "--context-length", "4096",
+                             "--device", "cpu",  # as the first engine: a GPU machine's default is cuda, bf16
                              "--session-snapshot-dir", str(snap_dir), "--chunked-prefill-size", "16",
                              "--mamba-cache-size", "8", "--max-running-requests", "6", "--log-level", "warning"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

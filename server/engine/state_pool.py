@@ -29,7 +29,7 @@ class MambaStatePool:
 class HostStatePool:
     """The host tier's states (``cache.host_tier``): ``conv[S, L, conv_dim, K-1]`` and ``ssm[S, L, H, P, N]``,
     slot-major so one slot is one contiguous block for its device copies; pinned on CUDA hosts so the
-    copies run asynchronously on the forward's stream."""
+    copies run asynchronously (offloads on the model runner's copy stream, loads on the forward's)."""
 
     def __init__(self, device_pool: MambaStatePool, capacity: int, pin: bool):
         conv, ssm = device_pool.conv, device_pool.ssm

@@ -16,10 +16,10 @@ from torch import nn
 
 from mambaserve import kernels
 from mambaserve.server.model.attention import rope_cos_sin
-from mambaserve.server.model.config import ModelLoadError
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.inputs import BatchTensors, ForwardMode
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+from mambaserve.server.model.weights import copy_into_parameters
 
 
 @dataclass
@@ -117,18 +117,7 @@ class HybridForCausalLM(nn.Module):
         tied = self.dims.tie_word_embeddings
         if tied:
             state.pop("lm_head.weight", None)
-        own = dict(self.named_parameters())  # a tied lm_head is listed once, under the embedding's name
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ModelLoadError(f"checkpoint does not match the config: missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
-        with torch.no_grad():
-            for name, tensor in state.items():
-                p = own[name]
-                if p.shape != tensor.shape:
-                    raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
-                p.copy_(tensor.to(p.dtype))
+        copy_into_parameters(self, state)  # a tied lm_head is listed once, under the embedding's name
         self.refresh_derived()
 
     @torch.inference_mode()

@@ -204,12 +204,7 @@ def granite_hybrid(cfg: dict) -> HybridDims:
     mixers = _layer_kinds(cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n, "layer_types")
     if len(mixers) != n or set(mixers) - {"mamba", "attention"}:
         raise ModelLoadError(f"layer_types must name {n} layers, each mamba or attention: {list(mixers)}")
-    d = {"mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4,
-         "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False, "mamba_expand": 2}
-    mamba = _mamba(cfg, hidden, mixers.count("mamba"), heads="mamba_n_heads", head_dim="mamba_d_head",
-                   groups="mamba_n_groups", state="mamba_d_state", conv="mamba_d_conv", chunk="mamba_chunk_size",
-                   conv_bias="mamba_conv_bias", proj_bias="mamba_proj_bias", eps=eps,
-                   dt_limit=cfg.get("time_step_limit") or (0.0, float("inf")), defaults=d)
+    mamba = _mamba_prefixed(cfg, hidden, mixers.count("mamba"), eps)
     heads = int(cfg.get("num_attention_heads", 32))
     head_dim = hidden // heads
     pos = cfg.get("position_embedding_type")
@@ -236,6 +231,17 @@ def granite_hybrid(cfg: dict) -> HybridDims:
         logits_scaling=float(cfg.get("logits_scaling", 1.0)))
 
 
+def _mamba_prefixed(cfg: dict, hidden: int, layers: int, eps: float):
+    """The Mamba dims of configs that name them ``mamba_*`` (Granite 4.0-H and Bamba), with transformers'
+    defaults."""
+    d = {"mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4,
+         "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False, "mamba_expand": 2}
+    return _mamba(cfg, hidden, layers, heads="mamba_n_heads", head_dim="mamba_d_head", groups="mamba_n_groups",
+                  state="mamba_d_state", conv="mamba_d_conv", chunk="mamba_chunk_size", conv_bias="mamba_conv_bias",
+                  proj_bias="mamba_proj_bias", eps=eps, dt_limit=cfg.get("time_step_limit") or (0.0, float("inf")),
+                  defaults=d)
+
+
 def bamba(cfg: dict) -> HybridDims:
     """``BambaForCausalLM``: Mamba layers with attention at ``attn_layer_indices`` (RoPE on half of each
     head), each followed by a SwiGLU MLP."""
@@ -243,12 +249,7 @@ def bamba(cfg: dict) -> HybridDims:
     eps = float(cfg.get("rms_norm_eps", 1e-5))
     attn = set(cfg.get("attn_layer_indices") or [])
     mixers = tuple("attention" if i in attn else "mamba" for i in range(n))
-    d = {"mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4,
-         "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False, "mamba_expand": 2}
-    mamba = _mamba(cfg, hidden, mixers.count("mamba"), heads="mamba_n_heads", head_dim="mamba_d_head",
-                   groups="mamba_n_groups", state="mamba_d_state", conv="mamba_d_conv", chunk="mamba_chunk_size",
-                   conv_bias="mamba_conv_bias", proj_bias="mamba_proj_bias", eps=eps,
-                   dt_limit=cfg.get("time_step_limit") or (0.0, float("inf")), defaults=d)
+    mamba = _mamba_prefixed(cfg, hidden, mixers.count("mamba"), eps)
     heads = int(cfg.get("num_attention_heads", 32))
     head_dim = hidden // heads
     theta, rot = _rope(cfg, head_dim, partial=0.5)  # transformers hard-codes Bamba's factor 0.5

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from mambaserve import kernels
-from mambaserve.server.model.config import Mamba2Dims, ModelLoadError
+from mambaserve.server.model.config import Mamba2Dims
 from mambaserve.server.model.inputs import BatchTensors, ForwardMode
+from mambaserve.server.model.weights import copy_into_parameters
 
 
 class RMSNorm(nn.Module):
@@ -176,18 +177,8 @@ class Mamba2ForCausalLM(nn.Module):
             state.pop("lm_head.weight", None)
         elif "lm_head.weight" not in state:
             state["lm_head.weight"] = state["backbone.embeddings.weight"]
-        own = dict(self.named_parameters())
-        missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if self.dims.tie_word_embeddings else set()))
-        unexpected = sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ModelLoadError(f"checkpoint does not match the config: missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
-        with torch.no_grad():
-            for name, tensor in state.items():
-                p = own[name]
-                if p.shape != tensor.shape:
-                    raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
-                p.copy_(tensor.to(p.dtype))
+        copy_into_parameters(self, state, frozenset({"lm_head.weight"}) if self.dims.tie_word_embeddings
+                             else frozenset())
         self.refresh_derived()
 
     def prefill_capturable(self) -> bool:

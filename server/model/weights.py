@@ -62,3 +62,21 @@ def _load_bin(model_dir: Path) -> dict[str, torch.Tensor]:
             raise ModelLoadError(f"{f} is not a state dict of tensors")
         state.update(part)
     return state
+
+
+def copy_into_parameters(module: torch.nn.Module, state: dict[str, torch.Tensor],
+                         may_miss: frozenset[str] = frozenset()) -> None:
+    """Copy a checkpoint's tensors into ``module``'s parameters (cast to their dtype): every parameter but
+    ``may_miss`` must be there, nothing else may be, and every shape must match, or ModelLoadError."""
+    own = dict(module.named_parameters())  # a tied parameter is listed once, under its first name
+    missing = sorted(set(own) - set(state) - may_miss)
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ModelLoadError(f"checkpoint does not match the config: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            p = own[name]
+            if p.shape != tensor.shape:
+                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
+            p.copy_(tensor.to(p.dtype))

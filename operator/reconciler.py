@@ -298,8 +298,12 @@ async def sync_tier_bindings(kube: Kube, namespace: str, tier_name: str, leaving
     if await kube.get("CacheTier", namespace, tier_name) is None:
         return
     bound = await sessions_using(kube, namespace, tier_name, leaving)
-    await kube.patch_status("CacheTier", namespace, tier_name,
-                            {"boundSessions": bound, "boundSessionCount": len(bound)})
+    try:
+        await kube.patch_status("CacheTier", namespace, tier_name,
+                                {"boundSessions": bound, "boundSessionCount": len(bound)})
+    except ApiError as e:
+        if e.status != 404:  # deleted since the read above: nothing left to refresh
+            raise
 
 
 async def reconcile_tier(kube: Kube, body: Mapping[str, Any], metrics_timeout: float = 2.0) -> Outcome:

@@ -10,6 +10,7 @@ import kopf
 import pytest
 
 from mambaserve.operator.kube import Kube
+from mambaserve.operator.reconciler import sync_tier_bindings
 from mambaserve.operator.uninstall import FINALIZER, release_finalizers, stop_operator
 from tests.operator.conftest import Cluster, eventually, sample
 
@@ -41,6 +42,25 @@ async def test_without_finalizers_deletion_never_waits_for_the_operator(cluster:
     assert cond["status"] == "False"
     await cluster.delete("InferenceSession", "tiny")
     assert cluster.get("InferenceSession", "tiny") is None
+
+
+async def test_a_tier_deleted_between_read_and_status_write_is_not_an_error(cluster: Cluster) -> None:
+    """The race CI once hit: a session's tick read the tier, then the tier went before the status
+    write (404). An error there stalls the session's timer for its retry backoff."""
+    body = sample("inferencesession-minimal")
+    body["spec"]["cacheTierRef"] = {"name": "shared-tier"}
+    await cluster.create(body)
+
+    class StaleRead(Kube):
+        async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+            return {"metadata": {"name": name}} if kind == "CacheTier" else await super().get(kind, namespace, name)
+
+    kube = StaleRead(kopf.ConnectionInfo(server=cluster.url, insecure=True))
+    try:
+        await sync_tier_bindings(kube, "llm", "shared-tier")
+    finally:
+        await kube.close()
+    assert cluster.get("CacheTier", "shared-tier") is None
 
 
 async def _controller(kube: Kube, name: str, namespace: str) -> None:

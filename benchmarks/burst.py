@@ -15,11 +15,14 @@ import argparse
 import asyncio
 import json
 import random
+import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from _server import launched  # noqa: E402 (the script's folder is on sys.path)
 
@@ -28,17 +31,46 @@ def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[in
     return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
 
 
+STAGE = re.compile(r'^mambaserve_request_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
+
+
+async def stage_totals(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    return {(stage, kind): float(v) for kind, stage, v in STAGE.findall(text)}
+
+
+def print_stages(means: dict[str, float]) -> None:
+    """Mean seconds from the stage before to each stage (engine/timeline.py), over the burst's requests."""
+    print("    stages (mean ms): " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in means.items()), flush=True)
+
+
 async def http_burst(url: str, batch: list[list[int]], out: int) -> float:
-    """One client per burst: a pooled connection idle past the server's keep-alive (5 s) is closed by the
-    server, and a POST reusing it fails (httpx does not retry POSTs)."""
+    """aiohttp, as SGLang's bench_serving: httpx's pool takes seconds to take 256 concurrent answers in (a
+    server holding them 2 s answered all 256 after 6.4-7.7 s through httpx, 2.3-2.5 s through aiohttp), which
+    measured the client, not the server. One session per burst (pooled connections idle past the server's
+    keep-alive get closed)."""
     bodies = [json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": out, "temperature": 0,
                                                                  "ignore_eos": True}}) for ids in batch]
-    async with httpx.AsyncClient(base_url=url, timeout=1200, limits=httpx.Limits(max_connections=len(batch))) as c:
+
+    async def post(s: aiohttp.ClientSession, body: str) -> tuple[int, dict, float]:
+        async with s.post(url + "/generate", data=body, headers={"content-type": "application/json"}) as r:
+            answer = await r.json(content_type=None)
+            return r.status, answer, time.perf_counter()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1200),
+                                     connector=aiohttp.TCPConnector(limit=len(batch))) as s:
+        before = await stage_totals(s, url)
         t0 = time.perf_counter()
-        rs = await asyncio.gather(*(c.post("/generate", content=b, headers={"content-type": "application/json"})
-                                    for b in bodies))
+        rs = await asyncio.gather(*(post(s, b) for b in bodies))
         wall = time.perf_counter() - t0
-    assert all(r.status_code == 200 and len(r.json()["output_ids"]) == out for r in rs), rs[0].text[:300]
+        after = await stage_totals(s, url)
+    assert all(status == 200 and len(a["output_ids"]) == out for status, a, _ in rs), rs[0][1]
+    done = sorted(t for _, _, t in rs)
+    print_stages({stage: (after[stage, "sum"] - before.get((stage, "sum"), 0.0))
+                  / max(1.0, after[stage, "count"] - before.get((stage, "count"), 0.0))
+                  for stage, kind in after if kind == "sum"})
+    print(f"    answers {1e3 * (done[0] - t0):.0f}-{1e3 * (done[-1] - t0):.0f} ms after the burst began", flush=True)
     return len(batch) * out / wall
 
 
@@ -46,18 +78,31 @@ async def engine_burst(engine, batch: list[list[int]], out: int, spread_ms: floa
     """``spread_ms``: the requests arrive evenly over that long instead of at once (as HTTP spreads them)."""
     from mambaserve.server.engine.request import SamplingParams
 
+    from mambaserve.server.engine import timeline
+
     params = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
+    lines: list[timeline.Timeline] = []
 
     async def one(k, ids):
         if spread_ms:
             await asyncio.sleep(spread_ms / 1e3 * k / len(batch))
+        tl = timeline.Timeline()
+        timeline.current.set(tl)  # (each gathered task runs in its own context)
+        lines.append(tl)
         async for o in engine.generate(ids, params, stream=False):
             last = o
+        tl.mark("first_byte")
         assert last.completion_tokens == out, last
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(k, ids) for k, ids in enumerate(batch)))
-    return len(batch) * out / (time.perf_counter() - t0)
+    rate = len(batch) * out / (time.perf_counter() - t0)
+    sums: dict[str, float] = {}
+    for tl in lines:
+        for stage, seconds in tl.shares():
+            sums[stage] = sums.get(stage, 0.0) + seconds
+    print_stages({stage: total / len(lines) for stage, total in sums.items()})
+    return rate
 
 
 async def run_bursts(burst, bursts: list[tuple[int, int]], a: argparse.Namespace) -> dict[str, list[float]]:
@@ -84,6 +129,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--in-process-only", action="store_true", help="skip the HTTP side")
+    p.add_argument("--profile-server", metavar="PATH", help="record the server process with py-spy (collapsed "
+                                                             "stacks per thread) during the HTTP bursts")
     p.add_argument("--arrival-spread-ms", type=float, default=0.0,
                    help="in process, also run each burst with its arrivals spread evenly over this long")
     a = p.parse_args()
@@ -95,8 +142,15 @@ def main() -> None:
     http = {}
     if not a.in_process_only:
         print(f"through HTTP ({a.model}, flags {flags})", flush=True)
-        with launched(a.model, flags) as url:
+        with launched(a.model, flags, process=True) as (url, proc):
+            spy = None
+            if a.profile_server:  # py-spy's samples of every server thread, idle ones too, over the HTTP bursts
+                spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--idle", "--threads", "-r", "100",
+                                        "-f", "raw", "--nonblocking", "-o", a.profile_server])
             http = asyncio.run(run_bursts(lambda batch, length: http_burst(url, batch, length), bursts, a))
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
+                spy.wait(timeout=60)
 
     print("in process (Engine.generate, same flags)", flush=True)
     from mambaserve.server.cli import build_parser, config_from_args

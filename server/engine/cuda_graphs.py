@@ -3,7 +3,9 @@
 Decode is launch-bound at small batch (dozens of kernels per layer, each a few µs of work), so the
 whole decode forward is captured once per bucket and replayed. Padded rows carry slot ``-1``: the
 state kernels skip them, so no slot is touched. Inputs are copied into static buffers before replay, the
-slots only when they changed since the last replay (between most decode steps they do not).
+slots only when they changed since the last replay (between most decode steps they do not). Hybrid
+models' decode graphs also hold the paged KV view (``decode_buffers``: positions, KV lengths and a block
+table as wide as the context); models with MoE layers are not captured (``capture_blocker``).
 
 Prefill is launch-bound too until thousands of tokens: at mamba2-2.7b shape on an H100 the ~500
 launches of an eager prefill cost ~45 ms of host time against 4.7 ms of kernels for 16 tokens
@@ -21,9 +23,11 @@ import logging
 
 import torch
 
+from mambaserve.server.engine.decode_buffers import DecodeBuffers
+from mambaserve.server.engine.kv_pool import KVPool
+from mambaserve.server.engine.state_pool import MambaStatePool
 from mambaserve.server.model.inputs import BatchTensors, ForwardMode
 from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
-from mambaserve.server.engine.state_pool import MambaStatePool
 
 log = logging.getLogger(__name__)
 
@@ -61,39 +65,33 @@ def buckets_up_to(n: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Mamba2ForCausalLM, pool: MambaStatePool, max_batch: int, device: torch.device):
-        self.model, self.pool, self.device = model, pool, device
+    """A decode graph per batch-size bucket over one set of static inputs (``DecodeBuffers``: for hybrids,
+    the paged KV view with a block table as wide as the context)."""
+
+    def __init__(self, model, pool: MambaStatePool, max_batch: int, device: torch.device,
+                 kv_pool: KVPool | None = None, context_length: int = 0):
         self.buckets = buckets_up_to(max_batch)
-        bmax = self.buckets[-1]
-        self.ids = torch.zeros(bmax, dtype=torch.long, device=device)
-        self.slots = torch.full((bmax,), -1, dtype=torch.long, device=device)
-        self._uploaded: tuple[int, list[int]] | None = None  # (bucket, slots) now in self.slots
+        self.inputs = DecodeBuffers(model, pool, self.buckets[-1], device, kv_pool, context_length)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def _bt(self, b: int) -> BatchTensors:
-        z = torch.zeros(b, dtype=torch.long, device=self.device)
-        return BatchTensors(mode=ForwardMode.DECODE, cu_seqlens=torch.arange(b + 1, dtype=torch.int32, device=self.device),
-                            slots=self.slots[:b], has_initial_state=z.bool(), start_pos=z)
-
     def capture(self) -> None:
-        def forward(b: int):
-            return self.model(self.ids[:b], self._bt(b), self.pool.conv, self.pool.ssm, None)[0]
+        # warm-ups: Triton compiles and autotunes outside the capture; the buffers hold padding rows only
+        capture_all(reversed(self.buckets), self.inputs.forward, self.graphs, self.outputs, warmups=2)
+        kv = (f", block tables of {self.inputs.max_pages} pages (rows up to {self.inputs.max_kv_tokens} tokens)"
+              if self.inputs.kv_pool is not None else "")
+        log.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets, kv)
 
-        # warm-ups: Triton compiles and autotunes outside the capture
-        capture_all(reversed(self.buckets), forward, self.graphs, self.outputs, warmups=2)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+    def fits(self, batch_size: int, start_pos: list[int]) -> bool:
+        """A graph can run this step (else it runs eagerly): a bucket holds its rows, the block table its pages."""
+        return batch_size <= self.buckets[-1] and self.inputs.fits(start_pos)
 
-    def run(self, token_ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    def run(self, token_ids: torch.Tensor, slots: list[int], start_pos: list[int] = (),
+            pages: list[list[int]] | None = None) -> torch.Tensor:
         """``token_ids`` on the device (some are the previous step's samples, never seen by the host)."""
         n = len(slots)
         b = next(x for x in self.buckets if x >= n)
-        self.ids[:n].copy_(token_ids)
-        if self._uploaded != (b, slots):  # unchanged between most decode steps: skip the upload
-            self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long).pin_memory(), non_blocking=True)
-            if b > n:
-                self.slots[n:b].fill_(-1)
-            self._uploaded = (b, list(slots))
+        self.inputs.load(b, token_ids, slots, start_pos, pages)
         self.graphs[b].replay()
         return self.outputs[b][:n].clone()  # the static buffer is overwritten by the next replay
 

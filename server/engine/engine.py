@@ -17,16 +17,18 @@ from pathlib import Path
 
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine import timeline
+from mambaserve.server.engine.cuda_graphs import buckets_up_to
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.engine.kv_pool import KVPool, page_bytes
-from mambaserve.server.engine.memory import (HybridPlan, PoolPlan, device_memory, plan_hybrid, plan_pool, reserve_bytes,
-                                             slot_bytes)
+from mambaserve.server.engine.memory import (HybridPlan, PoolPlan, decode_graph_bytes, device_memory, plan_hybrid,
+                                             plan_pool, reserve_bytes, slot_bytes)
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.request import BadRequest, Overloaded, Req, SamplingParams, StepOutput, fit_to_context
 from mambaserve.server.engine.scheduler import Scheduler
 from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
 from mambaserve.server.model.config import read_config
+from mambaserve.server.model.inputs import ForwardMode
 from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 from mambaserve.server.model.registry import resolve
 from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
@@ -100,19 +102,17 @@ class Engine:
         self.track_interval = self._track_interval()
         runner = ModelRunner(self.model, self.pool, self.device, self.kv_pool)
         runner.host_pool = host_pool
-        if self.hybrid and is_cuda:
-            log.warning("%s: prefill warm-up and CUDA graphs are not built for hybrid models; running eagerly",
-                        self.architecture.name)
-        elif is_cuda:  # eager prefill variants first: the graphs capture what is compiled by then
+        if is_cuda:  # eager prefill variants first: the graphs capture what is compiled by then
             t = time.monotonic()
             runner.warm_up(d.chunk_size, self.track_interval,
                            min(self.max_running, cfg.chunked_prefill_size))
             log.info("prefill kernels compiled in %.1f s", time.monotonic() - t)
-        if is_cuda and not cfg.disable_cuda_graph and not self.hybrid:
+        if is_cuda and not cfg.disable_cuda_graph:
             t = time.monotonic()
             runner.enable_cuda_graphs(min(self.max_running, cfg.cuda_graph_max_bs),
-                                      cfg.chunked_prefill_size, self.max_running)
-            log.info("CUDA graphs captured in %.1f s", time.monotonic() - t)
+                                      cfg.chunked_prefill_size, self.max_running, self.context_length)
+            if runner.graphs is not None or runner.prefill_graphs is not None:
+                log.info("CUDA graphs captured in %.1f s", time.monotonic() - t)
         self.scheduler = Scheduler(
             cfg, runner, self.metrics, max_running=self.max_running, context_length=self.context_length,
             track_interval=self.track_interval,
@@ -153,8 +153,11 @@ class Engine:
                     if a else 1)
         widest = max(s.d_inner + s.conv_dim + s.num_heads, 2 * d.mlp.intermediate_size if d.mlp else 0,
                      2 * d.moe.intermediate_size * d.moe.top_k if d.moe else 0)
+        running = cfg.max_running_requests or default_running
         reserve = reserve_bytes(widest, s.num_heads, s.head_dim, s.state_size, d.vocab_size, cfg.chunked_prefill_size,
-                                cfg.max_running_requests or default_running, self.dtype, graphs=False)
+                                running, self.dtype, graphs=False)
+        if is_cuda and not cfg.disable_cuda_graph and self.model.capture_blocker(ForwardMode.DECODE) is None:
+            reserve += decode_graph_bytes(buckets_up_to(min(running, cfg.cuda_graph_max_bs)), d.vocab_size)
         total, in_use = device_memory(self.device)
         return plan_hybrid(total=total, in_use=in_use, fraction=cfg.mem_fraction_static, per_slot=per_slot,
                            per_page=per_page, reserve=reserve, page_size=cfg.page_size,

@@ -52,6 +52,13 @@ def reserve_bytes(in_proj_width: int, num_heads: int, head_dim: int, state_size:
     return RESERVE_FLOOR + step * (2 if graphs else 1) + logits
 
 
+def decode_graph_bytes(buckets: list[int], vocab_size: int) -> int:
+    """What decode CUDA graphs keep after capture beyond the reserve's activations: every bucket's fp32 logits,
+    its static output (the activations between share one pool). 1447 rows for buckets up to 256: at a
+    131072-token vocabulary 0.7 GiB."""
+    return sum(buckets) * vocab_size * 4
+
+
 def plan_pool(*, total: int, in_use: int, fraction: float, per_slot: int, reserve: int, slots: int | None,
               running: int | None, default_running: int) -> PoolPlan:
     """The pool's slots and the running limit (``slots``/``running``: explicit flags, else None). Raises

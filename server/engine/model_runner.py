@@ -45,16 +45,20 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._copies: tuple[torch.cuda.Event, set[int]] | None = None  # (done, source slots) not yet joined
 
-    def enable_cuda_graphs(self, max_batch: int, max_prefill_tokens: int = 0, max_prefill_seqs: int = 0) -> None:
-        """Capture decode graphs up to ``max_batch`` rows and, with ``max_prefill_tokens``, prefill graphs
-        up to that many tokens and ``max_prefill_seqs`` sequences."""
+    def enable_cuda_graphs(self, max_batch: int, max_prefill_tokens: int = 0, max_prefill_seqs: int = 0,
+                           context_length: int = 0) -> None:
+        """Capture decode graphs up to ``max_batch`` rows (with a KV pool: rows up to ``context_length``
+        tokens) and, with ``max_prefill_tokens``, prefill graphs up to that many tokens and ``max_prefill_seqs``
+        sequences, where the model's forward can be captured (else it runs eagerly, as logged)."""
         from mambaserve.server.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.device)
-        self.graphs.capture()
-        if max_prefill_tokens and not self.model.prefill_capturable():
-            log.info("prefill CUDA graphs off: this model's prefill runs reference kernels (chunk size %d, conv "
-                     "width %d), which synchronise with the host", self.model.dims.chunk_size, self.model.dims.conv_kernel)
+        if blocker := self.model.capture_blocker(ForwardMode.DECODE):
+            log.info("decode CUDA graphs off: %s; decode runs eagerly", blocker)
+        else:
+            self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.device, self.kv_pool, context_length)
+            self.graphs.capture()
+        if max_prefill_tokens and (blocker := self.model.capture_blocker(ForwardMode.EXTEND)):
+            log.info("prefill CUDA graphs off: %s", blocker)
         elif max_prefill_tokens:
             self.prefill_graphs = PrefillGraphs(self.model, self.pool, max_prefill_tokens, max_prefill_seqs,
                                                 self.device)
@@ -64,17 +68,24 @@ class ModelRunner:
         """Run a prefill of each class of shape the Triton kernels compile a variant for (1, 2 and up to
         ``max_seqs`` sequences per batch in ``seq_block`` steps, token counts a multiple of 16 or not,
         from zero and resumed mid-chunk, tracked snapshots), a slot copy and a clear, on borrowed
-        slots, so that no request waits seconds for a compile (the first requests of
+        slots (and, for hybrids, KV pages), so that no request waits seconds for a compile (the first requests of
         benchmarks/multiturn.py did). Results are discarded."""
         widths = [1, 2] + [w for w in (64, 128, 256, 512, 1024, 2048, 4096) if w // 2 < max_seqs]
+        n = chunk_size + 3  # ends mid-chunk: the resumed prefills below start there
+        kv = self.kv_pool.allocator if self.kv_pool is not None else None
         slots: list[int] = []
+        pages: list[list[int]] = []  # hybrids: each borrowed slot's KV pages, for the most tokens it runs below
         while len(slots) < max(3, min(widths[-1], max_seqs)) and (slot := self.pool.allocator.alloc()) is not None:
+            if kv is not None:
+                if not kv.ensure(("warm-up", slot), max(n + 19, track_interval + 3) if not slots else 19):
+                    self.pool.allocator.free(slot)
+                    break
+                pages.append(kv.pages(("warm-up", slot)))
             slots.append(slot)
         try:
             if len(slots) < 3:
                 return
             a, c = slots[0], slots[-1]
-            n = chunk_size + 3  # ends mid-chunk: the resumed prefills below start there
             # Triton compiles a variant per int argument == 1, divisible by 16, or neither: one and two
             # sequences, token counts a multiple of 16 or not, fresh and resumed mid-chunk, with and
             # without the snapshot before the last token
@@ -87,10 +98,13 @@ class ModelRunner:
             for lens, starts, track, snap in cases:
                 ids = [1 + i % 7 for i in range(sum(lens))]
                 self.forward(ForwardBatch(ForwardMode.EXTEND, ids, list(lens), list(starts), slots[:len(lens)],
-                                          StateOps([("copy", a, c), ("clear", c, c)]), track=track, snap=snap))
+                                          StateOps([("copy", a, c), ("clear", c, c)]), track=track, snap=snap,
+                                          pages=pages[:len(lens)] if kv is not None else None))
         finally:
             for slot in slots:
                 self.pool.allocator.free(slot)
+                if kv is not None:
+                    kv.release(("warm-up", slot))
 
     def apply_state_ops(self, ops: StateOps) -> None:
         """In the order recorded, before the forward and in order with the steps before it: copies and
@@ -187,8 +201,9 @@ class ModelRunner:
         # a slot an offload still reads is not written before the copy is done
         self._join_copies([*batch.slots, *batch.snap_slots(), *(slot for _, _, slot in batch.track)])
         ids = self._token_ids(batch)
-        if self.graphs is not None and batch.mode is ForwardMode.DECODE and batch.batch_size <= self.graphs.buckets[-1]:
-            return ForwardOutput(logits=self.graphs.run(ids, batch.slots))
+        if (self.graphs is not None and batch.mode is ForwardMode.DECODE
+                and self.graphs.fits(batch.batch_size, batch.start_pos)):
+            return ForwardOutput(logits=self.graphs.run(ids, batch.slots, batch.start_pos, batch.pages))
         if (self.prefill_graphs is not None and batch.mode is ForwardMode.EXTEND and not batch.track
                 and not batch.all_logits and not batch.logprob_at):
             bucket = self.prefill_graphs.bucket(batch.batch_size, batch.num_tokens)

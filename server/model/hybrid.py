@@ -105,8 +105,16 @@ class HybridForCausalLM(nn.Module):
         if self.dims.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def prefill_capturable(self) -> bool:
-        return False  # CUDA graphs are not built for hybrids (MoE syncs with the host; attention metadata)
+    def capture_blocker(self, mode: ForwardMode) -> str | None:
+        """Why a forward of ``mode`` cannot be captured in a CUDA graph, or None. Decode can, given its KV view
+        in static buffers (``engine/decode_buffers.py``), unless a MoE layer runs: the torch expert loop
+        copies each expert's row count to the host (``feed_forward.run_experts``)."""
+        if mode is ForwardMode.EXTEND:
+            return "prefill graphs are not built for hybrid models (their packed KV view is built per step)"
+        if self.dims.moe is not None:
+            return ("its MoE layers run the torch expert loop, which copies each expert's row count to the host "
+                    "every step (feed_forward.run_experts)")
+        return None
 
     def refresh_derived(self) -> None:
         for m in self.mixers():

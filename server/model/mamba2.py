@@ -181,12 +181,15 @@ class Mamba2ForCausalLM(nn.Module):
                              else frozenset())
         self.refresh_derived()
 
-    def prefill_capturable(self) -> bool:
-        """An EXTEND forward synchronises with no host (so a CUDA graph can capture it): the Triton scan
-        and conv run, not their references."""
+    def capture_blocker(self, mode: ForwardMode) -> str | None:
+        """Why a forward of ``mode`` cannot be captured in a CUDA graph (it would synchronise with the host),
+        or None. Decode always can; prefill when the Triton scan and conv run, not their references."""
         w = self.lm_head.weight
-        return kernels.scan_runs_triton(self.dims.chunk_size, w) and kernels.conv_varlen_runs_triton(
-            self.dims.conv_kernel, w)
+        if mode is ForwardMode.EXTEND and not (kernels.scan_runs_triton(self.dims.chunk_size, w)
+                                               and kernels.conv_varlen_runs_triton(self.dims.conv_kernel, w)):
+            return (f"this model's prefill runs reference kernels (chunk size {self.dims.chunk_size}, conv width "
+                    f"{self.dims.conv_kernel}), which synchronise with the host")
+        return None
 
     def refresh_derived(self) -> None:
         """Recompute what is derived from parameters (each mixer's ``A``). ``load_weights`` calls it;

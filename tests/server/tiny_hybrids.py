@@ -25,6 +25,13 @@ FAMILIES = {
     "bamba": lambda: _bamba(),
 }
 
+# Beside the families (not in every family-parametrized test): Nemotron-H-8B's kinds of layer, no MoE, so
+# its decode is captured in CUDA graphs (attention without RoPE)
+VARIANTS = {
+    "nemotron_h_dense": lambda: _nemotron(["linear_attention", "full_attention", "mlp", "linear_attention", "mlp",
+                                           "full_attention"]),
+}
+
 
 def _nemotron(layers):
     from transformers import NemotronHConfig, NemotronHForCausalLM
@@ -61,9 +68,9 @@ def _bamba():
 
 def make_hybrid_checkpoint(path: Path, family: str, seed: int = 0, chunk_size: int | None = None) -> Path:
     """``chunk_size``: the Mamba layers' scan chunk (default 8; the GPU tests take 16 so the Triton scan runs)."""
-    cls, cfg = FAMILIES[family]()
+    cls, cfg = {**FAMILIES, **VARIANTS}[family]()
     if chunk_size is not None:
-        setattr(cfg, "chunk_size" if family == "nemotron_h" else "mamba_chunk_size", chunk_size)
+        setattr(cfg, "chunk_size" if family.startswith("nemotron_h") else "mamba_chunk_size", chunk_size)
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():

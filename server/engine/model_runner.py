@@ -53,7 +53,7 @@ class ModelRunner:
         from mambaserve.server.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 
         if blocker := self.model.capture_blocker(ForwardMode.DECODE):
-            log.info("decode CUDA graphs off: %s; decode runs eagerly", blocker)
+            log.warning("decode CUDA graphs off: %s; decode runs eagerly", blocker)
         else:
             self.graphs = DecodeGraphs(self.model, self.pool, max_batch, self.device, self.kv_pool, context_length)
             self.graphs.capture()

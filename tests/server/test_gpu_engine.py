@@ -167,3 +167,114 @@ def test_offloads_on_the_copy_stream_finish_before_their_slot_is_written(ckpt):
     runner.fence().synchronize()
     for h, state in enumerate(states):
         assert torch.equal(runner.host_pool.conv[h], state["conv"]) and torch.equal(runner.host_pool.ssm[h], state["ssm"])
+
+
+# ---------------------------------------------------------------------------------------------- hybrid models
+
+CAPTURED_HYBRIDS = ["nemotron_h_dense", "granite_dense_rope", "bamba"]  # no MoE: decode is captured
+
+
+def _hybrid_runner(path, graphs: bool, page_size: int = 4, context: int = 64):
+    """A hybrid's runner on pools whose state slots are noise and whose KV pages are NaN until written: a
+    padding row that wrote a page or read one past its length would show."""
+    from mambaserve.server.engine.kv_pool import KVPool
+
+    dev = torch.device("cuda")
+    model, _ = load_model(path, torch.float32, dev)
+    s, a = model.state_dims, model.dims.attention
+    pool = MambaStatePool(s.num_layers, 8, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
+                          torch.float32, torch.float32, dev)
+    kv = KVPool(len(model.dims.attention_layers), 96, page_size, a.num_kv_heads, a.head_dim, torch.float32, dev)
+    g = torch.Generator().manual_seed(5)
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=g))
+    pool.ssm.copy_(torch.randn(pool.ssm.shape, generator=g))
+    kv.k.fill_(float("nan"))
+    kv.v.fill_(float("nan"))
+    runner = ModelRunner(model, pool, dev, kv)
+    if graphs:
+        runner.enable_cuda_graphs(8, max_prefill_tokens=128, max_prefill_seqs=8, context_length=context)
+    return runner
+
+
+@pytest.mark.parametrize("family", CAPTURED_HYBRIDS)
+def test_hybrid_decode_graphs_match_eager(tmp_path, family):
+    """Four sequences prefilled eagerly, then decode replayed from the graphs with rows leaving, coming back
+    and changing places (padded buckets, block table rows re-uploaded) until one row outgrows the graphs'
+    block table (context 64: eager from there): logits within rounding of the eager runner's, the same greedy
+    tokens, and the same KV pages and states (NaN pages stay NaN: padding rows wrote nothing)."""
+    from tests.server.tiny_hybrids import make_hybrid_checkpoint
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_hybrid_checkpoint(tmp_path / family, family, chunk_size=16)
+    eager, graphed = _hybrid_runner(path, False), _hybrid_runner(path, True)
+    assert graphed.graphs is not None and graphed.prefill_graphs is None
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 37, 16, 50)]
+    alloc = eager.kv_pool.allocator
+    for i, p in enumerate(seqs):
+        assert alloc.ensure(i, 80)  # past the graphs' 64 tokens: the last steps of sequence 3 run eagerly
+    pages = [alloc.pages(i) for i in range(4)]
+    slots = [1, 2, 3, 4]
+    prefill = ForwardBatch(ForwardMode.EXTEND, sum(seqs, []), [len(p) for p in seqs], [0] * 4, slots, pages=pages)
+    last = eager.forward(prefill).logits.argmax(-1).tolist()
+    graphed.forward(prefill)
+    schedule = [[0, 1, 2, 3]] * 3 + [[3, 1], [2, 0, 3], [0], [1, 2, 3, 0]] + [[3, 0, 1, 2]] * 12
+    replays = 0
+    for rows in schedule:
+        for i in rows:
+            seqs[i].append(last[i])
+        batch = ForwardBatch(ForwardMode.DECODE, [seqs[i][-1] for i in rows], [1] * len(rows),
+                             [len(seqs[i]) - 1 for i in rows], [slots[i] for i in rows], pages=[pages[i] for i in rows])
+        replays += graphed.graphs.fits(batch.batch_size, batch.start_pos)
+        want, got = eager.forward(batch).logits, graphed.forward(batch).logits
+        assert (want - got).abs().max().item() < 1e-3, rows
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        for i, t in zip(rows, want.argmax(-1).tolist()):
+            last[i] = t
+    assert 0 < replays < len(schedule)  # both paths ran
+    for a, b in ((eager.kv_pool.k, graphed.kv_pool.k), (eager.kv_pool.v, graphed.kv_pool.v),
+                 (eager.pool.conv, graphed.pool.conv), (eager.pool.ssm, graphed.pool.ssm)):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3, equal_nan=True)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h_dense", "granite_moe"])
+def test_hybrid_engine_greedy_outputs_with_cuda_graphs_equal_disable_cuda_graph(tmp_path, family):
+    """The engine on CUDA: a dense hybrid's decode is captured (a MoE one's is not, and says so), and greedy
+    outputs of concurrent requests (batched decode in padded buckets, requests ending at different steps)
+    equal those of --disable-cuda-graph; every slot and page comes back."""
+    import asyncio
+
+    from mambaserve.server.config import ServerConfig
+    from mambaserve.server.engine.engine import Engine
+    from mambaserve.server.engine.request import SamplingParams
+    from tests.server.tiny_hybrids import make_hybrid_checkpoint
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_hybrid_checkpoint(tmp_path / family, family, chunk_size=16)
+    prompts = [list(range(5, 16)), [20, 21, 22], [30] * 40, [40, 41, 42, 43, 44], list(range(50, 90))]
+    lengths = [12, 20, 7, 16, 25]
+
+    async def generate(engine):
+        async def one(p, n):
+            ids = []
+            async for o in engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)):
+                ids += o.token_ids
+            return ids
+        return await asyncio.gather(*[one(p, n) for p, n in zip(prompts, lengths)])
+
+    outs = {}
+    for disable in (False, True):
+        engine = Engine(ServerConfig(model=str(path), device="cuda", dtype="float32", disable_radix_cache=True,
+                                     context_length=256, max_running_requests=4, cuda_graph_max_bs=4,
+                                     chunked_prefill_size=32, disable_cuda_graph=disable, debug_cache_invariants=True))
+        runner = engine.scheduler.runner
+        assert (runner.graphs is not None) == (not disable and family != "granite_moe")
+        engine.start()
+        try:
+            outs[disable] = asyncio.run(generate(engine))
+            acct = asyncio.run(engine.accounting())
+        finally:
+            engine.stop()
+        assert acct["kv_pages_free"] == acct["kv_pages"] and acct["free"] == acct["capacity"]
+    assert outs[False] == outs[True]
+    assert [len(o) for o in outs[False]] == lengths

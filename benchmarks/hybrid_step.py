@@ -4,13 +4,16 @@ and decode step time per batch size, beside the memory-bandwidth bound of each d
 The model is built in place from its dims (no checkpoint written: an 8B random checkpoint takes minutes
 to save and load), its KV pool and state pool sized for the largest batch. Decode rows sit at
 ``--context`` tokens each (their pages allocated; the KV values are whatever the pool holds, which does
-not change the work). Runs eagerly: CUDA graphs are not built for hybrids, and the MoE fallback syncs
-once per MoE layer per step (design §11). The bound counts every non-expert weight once, the experts a
-step can touch (min(E, batch x top_k) per MoE layer), each row's state read and written, and each row's
-KV read, over the measured device copy bandwidth.
+not change the work). Decode is timed eagerly, then (on CUDA, unless ``--no-graphs``) replayed from the
+decode CUDA graphs the server captures (``step_ms_graph``; block tables as wide as the rows' pages); shapes
+with MoE layers are not captured (the torch expert loop syncs once per MoE layer per step, design §11) and
+say so under ``graphs``. The bound counts every non-expert weight once, the experts a step can touch
+(min(E, batch x top_k) per MoE layer), each row's state read and written, and each row's KV read, over the
+measured device copy bandwidth.
 
   python benchmarks/hybrid_step.py --shape granite-4.0-h-tiny --batches 1,64,256
   python benchmarks/hybrid_step.py --shape nemotron-h-8b --batches 1,64 --context 2048
+  python benchmarks/hybrid_step.py --shape nemotron-h-8b --batches 1,8,64,256 --reps 50   # graphs on vs off
   python benchmarks/hybrid_step.py --shape tiny --device cpu          # a smoke run
 """
 
@@ -53,6 +56,11 @@ SHAPES = {
         mamba_chunk_size=256, num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
         shared_intermediate_size=1024, embedding_multiplier=12.0, residual_multiplier=0.22,
         attention_multiplier=0.0078125, logits_scaling=6.0)),
+    # launch-bound: where decode graphs matter most (a GPU smoke run of graphs on vs off)
+    "nemotron-h-tiny": ("NemotronHForCausalLM", dict(
+        vocab_size=512, hidden_size=64, hybrid_override_pattern="M*-M-M-", mamba_num_heads=4, mamba_head_dim=16,
+        n_groups=1, ssm_state_size=16, chunk_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128)),
     "tiny": ("GraniteMoeHybridForCausalLM", dict(
         vocab_size=512, hidden_size=64, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
         num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=64,
@@ -137,6 +145,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-graphs", action="store_true", help="time decode eagerly only")
     a = ap.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -158,13 +167,25 @@ def main() -> None:
            "dtype": str(dtype), "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
            "prefill_tokens": a.prefill, "prefill_tok_s": a.prefill / t_prefill, "context": a.context,
            "copy_bandwidth_GBs": bw / 1e9, "decode": []}
+    steps = {}
     for b in batches:
-        batch = ForwardBatch(ForwardMode.DECODE, ids[:b] if b <= len(ids) else [1] * b, [1] * b, [a.context] * b,
-                             list(range(1, b + 1)), pages=pages[1:b + 1])
+        steps[b] = batch = ForwardBatch(ForwardMode.DECODE, ids[:b] if b <= len(ids) else [1] * b, [1] * b,
+                                        [a.context] * b, list(range(1, b + 1)), pages=pages[1:b + 1])
         t = timed(lambda: runner.forward(batch), device, a.reps)
         bound = decode_bytes(model, dims, b, a.context, pool, kv) / bw
         out["decode"].append({"batch": b, "step_ms": t * 1e3, "tok_s": b / t, "bound_ms": bound * 1e3,
                               "x_bound": t / bound if bound == bound else None})
+    blocker = model.capture_blocker(ForwardMode.DECODE)
+    if blocker or a.no_graphs or device.type != "cuda":
+        out["graphs"] = "off: " + (blocker or ("--no-graphs" if a.no_graphs else "CUDA graphs need a CUDA device"))
+    else:
+        t0 = time.perf_counter()
+        runner.enable_cuda_graphs(max(batches), context_length=per_row * a.page_size)
+        out["graphs"] = f"decode captured for batch sizes {runner.graphs.buckets} in {time.perf_counter() - t0:.1f} s"
+        for row in out["decode"]:
+            t = timed(lambda: runner.forward(steps[row["batch"]]), device, a.reps)
+            row |= {"step_ms_graph": t * 1e3, "tok_s_graph": row["batch"] / t,
+                    "graph_speedup": row["step_ms"] / (t * 1e3)}
     print(json.dumps(out, indent=1))
 
 

@@ -44,7 +44,7 @@ class DecodeBuffers:
                 raise ValueError("decode buffers for a KV pool need the context length (the block table's width)")
             self.page_size = kv_pool.page_size
             self.max_pages = pages_for(context_length, self.page_size)
-            self.view = torch.zeros(2, rows, dtype=torch.long, device=device)
+            self.view = torch.zeros(2, rows, dtype=torch.long, device=device)  # [0]: positions, [1]: KV lengths
             self.block_table = torch.zeros(rows, self.max_pages, dtype=torch.int32, device=device)
             self._table_rows: list[list[int] | None] = [None] * rows  # what each row of block_table holds
 
@@ -86,21 +86,23 @@ class DecodeBuffers:
             positions.append(pos)
             lens.append(pos + 1)
             if self._table_rows[r] != own:
-                changed.append(r)
-                self._table_rows[r] = list(own)
+                changed.append((r, list(own)))
         pad = b - len(slots)
         _upload(self.view[:, :b], [positions + [0] * pad, lens + [0] * pad])
         if changed:  # pages past the width are past every length that runs here: never read
-            rows = [own[:width] + [0] * (width - len(own)) for own in (self._table_rows[r] for r in changed)]
-            self.block_table.index_copy_(0, to_device(changed, torch.long, self.device),
+            rows = [own[:width] + [0] * (width - len(own)) for _, own in changed]
+            self.block_table.index_copy_(0, to_device([r for r, _ in changed], torch.long, self.device),
                                          to_device(rows, torch.int32, self.device))
+            for r, own in changed:  # only now: a refused batch above leaves the record as the table is
+                self._table_rows[r] = own
 
     def forward(self, b: int) -> torch.Tensor:
         """The model on the first ``b`` rows of the buffers: fp32 logits ``[b, V]``. What a decode graph captures:
         every shape depends on ``b`` (and the buffers' sizes) alone, nothing reads a value back to the host."""
         z = torch.zeros(b, dtype=torch.long, device=self.device)
-        bt = BatchTensors(mode=ForwardMode.DECODE, cu_seqlens=torch.arange(b + 1, dtype=torch.int32, device=self.device),
-                          slots=self.slots[:b], has_initial_state=z.bool(), start_pos=z)
+        cu = torch.arange(b + 1, dtype=torch.int32, device=self.device)
+        bt = BatchTensors(mode=ForwardMode.DECODE, cu_seqlens=cu, slots=self.slots[:b], has_initial_state=z.bool(),
+                          start_pos=z)
         if self.kv_pool is None:
             return self.model(self.ids[:b], bt, self.pool.conv, self.pool.ssm, None)[0]
         ps = self.page_size

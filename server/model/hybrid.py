@@ -112,8 +112,8 @@ class HybridForCausalLM(nn.Module):
         if mode is ForwardMode.EXTEND:
             return "prefill graphs are not built for hybrid models (their packed KV view is built per step)"
         if self.dims.moe is not None:
-            return ("the model's MoE layers run the torch expert loop, which copies each expert's row count to the host "
-                    "every step (feed_forward.run_experts)")
+            return ("the model's MoE layers run the torch expert loop, which copies each expert's row count to the "
+                    "host every step (feed_forward.run_experts)")
         return None
 
     def refresh_derived(self) -> None:

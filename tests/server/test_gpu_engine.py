@@ -196,17 +196,21 @@ def _hybrid_runner(path, graphs: bool, page_size: int = 4, context: int = 64):
     return runner
 
 
+@pytest.mark.parametrize("context", [64, 4096])
 @pytest.mark.parametrize("family", CAPTURED_HYBRIDS)
-def test_hybrid_decode_graphs_match_eager(tmp_path, family):
+def test_hybrid_decode_graphs_match_eager(tmp_path, family, context):
     """Four sequences prefilled eagerly, then decode replayed from the graphs with rows leaving, coming back
-    and changing places (padded buckets, block table rows re-uploaded) until one row outgrows the graphs'
-    block table (context 64: eager from there): logits within rounding of the eager runner's, the same greedy
-    tokens, and the same KV pages and states (NaN pages stay NaN: padding rows wrote nothing)."""
+    and changing places (padded buckets, block table rows re-uploaded): logits within rounding of the eager
+    runner's, the same greedy tokens, and the same KV pages and states (NaN pages stay NaN: padding rows wrote
+    nothing). Context 64: one row outgrows the graphs' block table and runs eagerly from there; 4096: the
+    decode kernel splits each row's keys 16 ways, most splits empty (eager, sized by the batch, does not split)."""
+    from mambaserve.kernels.paged_attention import DECODE_TILES, decode_splits
+    from mambaserve.kernels._dispatch import sm_count
     from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path = make_hybrid_checkpoint(tmp_path / family, family, chunk_size=16)
-    eager, graphed = _hybrid_runner(path, False), _hybrid_runner(path, True)
+    eager, graphed = _hybrid_runner(path, False), _hybrid_runner(path, True, context=context)
     assert graphed.graphs is not None and graphed.prefill_graphs is None
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 37, 16, 50)]
@@ -231,7 +235,12 @@ def test_hybrid_decode_graphs_match_eager(tmp_path, family):
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         for i, t in zip(rows, want.argmax(-1).tolist()):
             last[i] = t
-    assert 0 < replays < len(schedule)  # both paths ran
+    if context == 64:
+        assert 0 < replays < len(schedule)  # both paths ran
+    else:
+        a = graphed.model.dims.attention
+        assert replays == len(schedule)
+        assert decode_splits(1, a.num_kv_heads, context, sm_count(torch.device("cuda")), DECODE_TILES["block_n"]) > 1
     for a, b in ((eager.kv_pool.k, graphed.kv_pool.k), (eager.kv_pool.v, graphed.kv_pool.v),
                  (eager.pool.conv, graphed.pool.conv), (eager.pool.ssm, graphed.pool.ssm)):
         torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3, equal_nan=True)

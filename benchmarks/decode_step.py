@@ -69,9 +69,9 @@ def prepare(runner, batch: int, vocab: int) -> torch.cuda.CUDAGraph:
     return the graph that serves it."""
     g = runner.graphs
     bucket = next(b for b in g.buckets if b >= batch)
-    g.ids[:batch].copy_(torch.randint(1, vocab, (batch,), device="cuda"))
-    g.slots[:batch].copy_(torch.arange(batch, device="cuda"))
-    g.slots[batch:bucket].fill_(-1)
+    g.inputs.ids[:batch].copy_(torch.randint(1, vocab, (batch,), device="cuda"))
+    g.inputs.slots[:batch].copy_(torch.arange(batch, device="cuda"))
+    g.inputs.slots[batch:bucket].fill_(-1)
     return g.graphs[bucket]
 
 

@@ -4,7 +4,7 @@ A captured graph replays fixed addresses with fixed shapes, so every input of a 
 buffer sized for the largest bucket: a step of ``n`` rows runs in the first ``b >= n`` rows, and the
 ``b - n`` padding rows carry slot ``-1`` (the Mamba kernels skip them). Hybrid models' attention layers
 also need the paged KV view of the step; it is derived on the device, inside the captured forward, from
-three buffers:
+two buffers:
 
 - ``view[0]``: each row's position (the new token's; RoPE), ``view[1]``: its KV length after the step
   (position + 1; 0 for a padding row: ``write_kv`` stores nothing at slot ``-1`` and the decode kernel reads

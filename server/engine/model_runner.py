@@ -68,8 +68,8 @@ class ModelRunner:
         """Run a prefill of each class of shape the Triton kernels compile a variant for (1, 2 and up to
         ``max_seqs`` sequences per batch in ``seq_block`` steps, token counts a multiple of 16 or not,
         from zero and resumed mid-chunk, tracked snapshots), a slot copy and a clear, on borrowed
-        slots (and, for hybrids, KV pages), so that no request waits seconds for a compile (the first requests of
-        benchmarks/multiturn.py did). Results are discarded."""
+        slots (and, for hybrids, KV pages), so that no request waits seconds for a compile (the first
+        requests of benchmarks/multiturn.py did). Results are discarded."""
         widths = [1, 2] + [w for w in (64, 128, 256, 512, 1024, 2048, 4096) if w // 2 < max_seqs]
         n = chunk_size + 3  # ends mid-chunk: the resumed prefills below start there
         kv = self.kv_pool.allocator if self.kv_pool is not None else None

@@ -20,8 +20,8 @@ SLOTS, PAGES = 8, 64
 
 
 def _runner(model, page_size: int) -> ModelRunner:
-    """A runner on fresh pools: state slots and KV pages start as NaN-free noise (the same in every runner),
-    pages nobody owns as NaN, so a stray write or an unmasked read shows."""
+    """A runner on fresh pools whose state slots and KV pages hold the same noise in every runner: a slot or
+    page that a padding row wrote would differ from the eager runner's."""
     s, a = model.state_dims, model.dims.attention
     pool = MambaStatePool(s.num_layers, SLOTS, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
                           torch.float32, torch.float32, CPU)
@@ -47,8 +47,9 @@ def granite(tmp_path_factory):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_static_decode_with_padding_rows_equals_eager(model, page_size):
     """Three sequences prefilled, then decode steps whose rows come and go and change places (a block table
-    row re-uploaded each time), each in a bucket larger than the step: logits, KV pages and states of the
-    static-buffer forward equal the eager path's; padding rows write no page and no slot."""
+    row re-uploaded each time), most in a bucket larger than the step: logits, KV pages and states of the
+    static-buffer forward equal the eager path's; padding rows write no page and no slot, and pages nobody
+    owns (NaN) are neither written nor read."""
     eager, static = _runner(model, page_size), _runner(model, page_size)
     alloc = eager.kv_pool.allocator
     prompts = [[3, 9, 4, 1, 7], list(range(10, 33)), [5, 6]]

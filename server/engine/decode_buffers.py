@@ -9,10 +9,11 @@ two buffers:
 - ``view[0]``: each row's position (the new token's; RoPE), ``view[1]``: its KV length after the step
   (position + 1; 0 for a padding row: ``write_kv`` stores nothing at slot ``-1`` and the decode kernel reads
   nothing and returns zeros for it);
-- ``block_table`` ``[rows, max_pages]``: each row's pages, padded with page 0 to a width fixed at
-  construction (``pages_for(context_length, page_size)``), so the decode kernel's grid and split count
-  depend on the shapes only (``paged_attention.decode_splits``). Rows are uploaded only when their pages
-  change (between most decode steps none do);
+- ``block_table`` ``[rows, max_pages]``: each row's pages, in a table as wide as a context
+  (``pages_for(context_length, page_size)``), so the decode kernel's grid and split count depend on the
+  shapes only (``paged_attention.decode_splits``); entries past a row's pages hold whatever was there (the
+  kernels never read past a row's length). A row is uploaded only when its pages change (between most
+  decode steps none do);
 
 and the new token's cache slot is ``block_table[r, pos // page_size] * page_size + pos % page_size``, a
 gather: no host value and no data-dependent shape enters the graph. ``forward(b)`` runs on CPU as well,
@@ -89,10 +90,13 @@ class DecodeBuffers:
                 changed.append((r, list(own)))
         pad = b - len(slots)
         _upload(self.view[:, :b], [positions + [0] * pad, lens + [0] * pad])
-        if changed:  # pages past the width are past every length that runs here: never read
-            rows = [own[:width] + [0] * (width - len(own)) for _, own in changed]
-            self.block_table.index_copy_(0, to_device([r for r, _ in changed], torch.long, self.device),
-                                         to_device(rows, torch.int32, self.device))
+        if changed:
+            # entries past a row's pages are never read (the kernels stop at its length; pages past the width
+            # are past every length that runs here): the changed rows go up padded to the longest of them only
+            w = min(width, max(len(own) for _, own in changed))
+            rows = [own[:w] + [0] * (w - len(own)) for _, own in changed]
+            self.block_table[:, :w].index_copy_(0, to_device([r for r, _ in changed], torch.long, self.device),
+                                                to_device(rows, torch.int32, self.device))
             for r, own in changed:  # only now: a refused batch above leaves the record as the table is
                 self._table_rows[r] = own
 

@@ -135,6 +135,8 @@ def test_a_row_the_buffers_cannot_hold_is_refused_before_anything_runs(granite):
     buffers.load(2, ids, [0, 1], [2, 4], [[5], [6, 7, 8, 9]])  # what the refused loads did not upload, this does
     assert buffers.block_table[:2].tolist() == [[5, 0, 0], [6, 7, 8]]
     assert buffers.view[:, :2].tolist() == [[2, 4], [3, 5]]
+    buffers.load(2, ids, [1, 0], [1, 2], [[9], [5]])  # new rows: their pages go up, what follows is never read
+    assert buffers.block_table[:2, :1].tolist() == [[9], [5]] and buffers.view[:, :2].tolist() == [[1, 2], [2, 3]]
 
 
 def test_moe_models_say_why_their_decode_is_not_captured(model):

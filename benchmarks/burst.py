@@ -106,11 +106,13 @@ async def engine_burst(engine, batch: list[list[int]], out: int, spread_ms: floa
 
 
 async def run_bursts(burst, bursts: list[tuple[int, int]], a: argparse.Namespace) -> dict[str, list[float]]:
-    """``a.repeats`` bursts of each size through ``burst(prompts, output length)``, the same prompts on both sides."""
+    """``a.repeats`` bursts (or the size's own count) of each size through ``burst(prompts, output length)``, the
+    same prompts on both sides."""
     rng = random.Random(a.seed)
     res = {}
-    for n, length in bursts:
-        rates = [await burst(prompts(rng, n, a.prompt_length, a.vocab), length) for _ in range(a.repeats)]
+    for n, length, *repeats in bursts:
+        rates = [await burst(prompts(rng, n, a.prompt_length, a.vocab), length)
+                 for _ in range(repeats[0] if repeats else a.repeats)]
         res[f"{n}x{length}"] = rates
         print(f"  {n:4d} requests x {length:5d} tokens: " + ", ".join(f"{r:8.0f}" for r in rates) + " tok/s",
               flush=True)
@@ -121,7 +123,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--flags", default="", help="server flags, one string (used for both sides)")
-    p.add_argument("--bursts", default="8x256,64x256,256x256,256x1024", help="requests x output tokens, ...")
+    p.add_argument("--bursts", default="8x256,64x256,256x256,256x1024",
+                   help="requests x output tokens[x repeats], ...")
     p.add_argument("--repeats", type=int, default=2, help="bursts per size (the first of the first size is the "
                                                           "first burst after start)")
     p.add_argument("--prompt-length", type=int, default=128)
@@ -134,9 +137,12 @@ def main() -> None:
     p.add_argument("--arrival-spread-ms", type=float, default=0.0,
                    help="in process, also run each burst with its arrivals spread evenly over this long")
     a = p.parse_args()
+    from mambaserve.server.cli import openmp_defaults
+
+    openmp_defaults()  # the in-process side as the server runs (before torch loads)
     bursts = [tuple(int(x) for x in b.split("x")) for b in a.bursts.split(",")]
     flags = a.flags.split()
-    longest = a.prompt_length + max(length for _, length in bursts) + 8
+    longest = a.prompt_length + max(b[1] for b in bursts) + 8
     flags += ["--context-length", str(longest)]
 
     http = {}

@@ -159,6 +159,10 @@ class DisabledCache:
     def evictable_slots(self) -> int:
         return 0
 
+    def evictable_pages(self) -> int:
+        """KV pages the cache holds that eviction could free (hybrids; none without a tree)."""
+        return 0
+
     def flush(self) -> int:
         return 0
 

@@ -45,7 +45,19 @@ class ServerMetrics:
         # hybrid models' paged KV cache (0 pages for pure Mamba2)
         self.kv_pages_total = Gauge("mambaserve_kv_pages_total", "KV pages of the attention layers (hybrid models)",
                                     registry=r)
-        self.kv_pages_used = Gauge("mambaserve_kv_pages_used", "KV pages held by running requests", registry=r)
+        self.kv_pages_used = Gauge("mambaserve_kv_pages_used",
+                                   "KV pages in use: held by running requests, or cached by the radix cache", registry=r)
+        self.kv_pages_evictable = Gauge("mambaserve_kv_pages_evictable",
+                                        "Used KV pages that eviction could free (cached prefixes not in use)",
+                                        registry=r)
+        # What an inference gateway scores a pod by (docs/server-interface.md, "Inference gateways").
+        self.cache_usage = Gauge("mambaserve_cache_usage_ratio",
+                                 "Pinned share of the cache memory, 0-1: state slots and (hybrids) KV pages in use "
+                                 "less those eviction could free, the fuller pool of the two", registry=r)
+        self.cache_config = Gauge("mambaserve_cache_config_info",
+                                  "Cache configuration (value 1): tokens per KV page, KV pages (0 for pure Mamba2), "
+                                  "state slots, tracked-snapshot interval (0: none)",
+                                  ["page_size", "num_pages", "num_state_slots", "mamba_track_interval"], registry=r)
         self.cache_queried = Counter("mambaserve_prefix_cache_queried_tokens",
                                      "Prompt tokens looked up in the prefix cache", registry=r)
         self.cache_hit = Counter("mambaserve_prefix_cache_hit_tokens", "Prompt tokens served from a cache",
@@ -108,6 +120,22 @@ class ServerMetrics:
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
 
+    def observe_cache_config(self, *, page_size: int, num_pages: int, num_state_slots: int,
+                             track_interval: int) -> None:
+        """Once, when the pools are built."""
+        self.cache_config.labels(str(page_size), str(num_pages), str(num_state_slots), str(track_interval)).set(1)
+        self.slots_total.set(num_state_slots)
+        self.kv_pages_total.set(num_pages)
+
+    def observe_pools(self, *, slots_used: int, slots_evictable: int, slots_total: int, pages_used: int = 0,
+                      pages_evictable: int = 0, pages_total: int = 0) -> None:
+        self.slots_used.set(slots_used)
+        self.slots_evictable.set(slots_evictable)
+        self.kv_pages_used.set(pages_used)
+        self.kv_pages_evictable.set(pages_evictable)
+        self.cache_usage.set(max(pinned_share(slots_used, slots_evictable, slots_total),
+                                 pinned_share(pages_used, pages_evictable, pages_total)))
+
     def observe_lookup(self, queried: int, hit: int, tier: str = "gpu", capacity_miss: int = 0) -> None:
         self.cache_queried.inc(queried)
         if hit:
@@ -120,3 +148,9 @@ class ServerMetrics:
             self._window.popleft()
         q = sum(w[1] for w in self._window)
         self.hit_rate.set(sum(w[2] for w in self._window) / q if q else 0.0)
+
+
+def pinned_share(used: int, evictable: int, total: int) -> float:
+    """Share of a pool that eviction cannot free (0 for an empty pool): what admission waits on. Cached
+    entries nobody uses count as free, as in vLLM's and SGLang's KV usage gauges."""
+    return (used - evictable) / total if total else 0.0

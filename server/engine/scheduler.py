@@ -103,8 +103,9 @@ class Scheduler:
         self._next_reap = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        metrics.slots_total.set(self.slots.capacity)
-        metrics.kv_pages_total.set(self.pages.capacity if self.pages else 0)
+        metrics.observe_cache_config(page_size=page_size, num_pages=self.pages.capacity if self.pages else 0,
+                                     num_state_slots=self.slots.capacity,
+                                     track_interval=0 if cfg.disable_radix_cache else track_interval)
         metrics.host_slots_total.set(host.allocator.capacity if host is not None else 0)
         per = runner.pool.bytes_per_slot
         metrics.tier_capacity_bytes.labels("gpu").set(self.slots.capacity * per)
@@ -305,10 +306,11 @@ class Scheduler:
         m = self.metrics
         m.running.set(len(self.queues.running))
         m.waiting.set(len(self.queues.waiting))
-        m.slots_used.set(self.slots.num_used)
-        m.slots_evictable.set(self.cache.evictable_slots)
-        if self.pages is not None:
-            m.kv_pages_used.set(self.pages.num_used)
+        pages = self.pages
+        m.observe_pools(slots_used=self.slots.num_used, slots_evictable=self.cache.evictable_slots,
+                        slots_total=self.slots.capacity, pages_used=pages.num_used if pages else 0,
+                        pages_evictable=self.cache.evictable_pages() if pages else 0,
+                        pages_total=pages.capacity if pages else 0)
         m.sessions_open.set(len(self.sessions.table.sessions))
         m.session_held_slots.set(len(self.sessions.held_slots))
         if self.cache.evictions:

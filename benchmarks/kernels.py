@@ -19,21 +19,14 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import types
 from pathlib import Path
 
 import torch
 
-try:
-    import mambaserve.kernels  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`: map kernels/ to mambaserve.kernels
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _shim = tempfile.mkdtemp()
-    os.makedirs(os.path.join(_shim, "mambaserve"))
-    open(os.path.join(_shim, "mambaserve", "__init__.py"), "w").close()
-    os.symlink(os.path.join(_root, "kernels"), os.path.join(_shim, "mambaserve", "kernels"))
-    sys.path.insert(0, _shim)
+from _cuda_bench import graph_time, import_kernels_from_checkout  # noqa: E402 (the script's folder is on sys.path)
+
+import_kernels_from_checkout()
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -52,21 +45,6 @@ COPY_BW = None  # bytes/s, measured first
 
 def bench(fn, rep_ms=200):
     return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e-3  # seconds
-
-
-def graph_time(fn, n=20):
-    """Median seconds per call of ``fn`` replayed from a CUDA graph of ``n`` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    return bench(g.replay) / n
 
 
 def device_time(fn, n=10, key_len=48):

@@ -16,21 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
 
-try:
-    import mambaserve.kernels  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`: map kernels/ to mambaserve.kernels
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _shim = tempfile.mkdtemp()
-    os.makedirs(os.path.join(_shim, "mambaserve"))
-    open(os.path.join(_shim, "mambaserve", "__init__.py"), "w").close()
-    os.symlink(os.path.join(_root, "kernels"), os.path.join(_shim, "mambaserve", "kernels"))
-    sys.path.insert(0, _shim)
+import _cuda_bench  # noqa: E402 (the script's folder is on sys.path)
+
+_cuda_bench.import_kernels_from_checkout()
 
 from triton.testing import do_bench  # noqa: E402
 
@@ -55,20 +47,7 @@ def device_limits() -> tuple[str, float, float]:
 
 
 def graph_time(fn, n=20, rep_ms=100) -> float:
-    """Median seconds per call of ``fn`` replayed from a CUDA graph of ``n`` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    t = do_bench(g.replay, warmup=10, rep=rep_ms, return_mode="median") * 1e-3 / n
-    del g
-    return t
+    return _cuda_bench.graph_time(fn, n, rep_ms=rep_ms, warmup_ms=10)
 
 
 def measure_copy_bw() -> float:

@@ -1,0 +1,42 @@
+"""Shared by the kernel benchmarks: ``mambaserve.kernels`` importable from a bare checkout, and the
+CUDA-graph timing of short kernels (launch overhead left out)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+
+def import_kernels_from_checkout() -> None:
+    """Map the repository's ``kernels/`` to ``mambaserve.kernels`` when the package is not installed
+    (a checkout without ``pip install -e .``)."""
+    try:
+        import mambaserve.kernels  # noqa: F401
+    except ImportError:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        shim = tempfile.mkdtemp()
+        os.makedirs(os.path.join(shim, "mambaserve"))
+        open(os.path.join(shim, "mambaserve", "__init__.py"), "w").close()
+        os.symlink(os.path.join(root, "kernels"), os.path.join(shim, "mambaserve", "kernels"))
+        sys.path.insert(0, shim)
+
+
+def graph_time(fn, n: int = 20, rep_ms: int = 200, warmup_ms: int = 25) -> float:
+    """Median seconds per call of ``fn`` replayed from a CUDA graph of ``n`` calls."""
+    import torch
+    from triton.testing import do_bench
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    t = do_bench(g.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3 / n
+    del g
+    return t

@@ -73,6 +73,7 @@ class Panel:
     max: float | None = None
     stack: bool = False
     decimals: int | None = None
+    text_mode: str = "auto"  # stat panels: "name" shows the legend (an info metric's labels), not the value
     thresholds: list[tuple[float | None, str]] = field(default_factory=list)
 
 
@@ -140,7 +141,7 @@ OVERVIEW = Dashboard("mambaserve-overview", "mambaserve / Overview",
 ])
 
 CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
-                  "Prefix-cache hit rate (overall and by tier), state-slot pool and evictions.", [
+                  "Prefix-cache hit rate (overall and by tier), state-slot and KV page pools, evictions.", [
     Panel("Hit rate", "Prompt tokens served from cached states / prompt tokens looked up, from the counters.", [
         T(hit_rate(), "all sessions"),
         T(hit_rate("namespace, mambaserve_io_session"), S)], unit="percentunit", max=1),
@@ -158,15 +159,29 @@ CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
         T(f"sum(mambaserve_state_slots_used{{{SEL}}})", "used"),
         T(f"sum(mambaserve_state_slots_evictable{{{SEL}}})", "evictable (cached snapshots)"),
         T(f"sum(mambaserve_session_held_slots{{{SEL}}})", "held by sessions")], decimals=0),
-    Panel("KV pages (hybrid models)", "Paged KV cache of the attention layers of all selected pods: capacity and "
-          "pages held by running requests (each reserves its prompt + max_new_tokens at admission). "
-          "Zero for pure Mamba2 models.", [
+    Panel("KV pages (hybrid models)", "Paged KV cache of the attention layers of all selected pods: capacity, "
+          "pages in use (running requests reserve their prompt + max_new_tokens at admission; the radix cache "
+          "keeps cached prefixes' pages), and the used pages eviction could free. Zero for pure Mamba2 models.", [
         T(f"sum(mambaserve_kv_pages_total{{{SEL}}})", "total"),
-        T(f"sum(mambaserve_kv_pages_used{{{SEL}}})", "used")], decimals=0),
-    Panel("Pinned share of the pool per pod", "(used - evictable) / total: slots eviction cannot free. Near 100% "
-          "with waiting requests is the StatePoolExhausted alert.",
-          [T(f"(mambaserve_state_slots_used{{{SEL}}} - mambaserve_state_slots_evictable{{{SEL}}}) "
-             f"/ mambaserve_state_slots_total{{{SEL}}}", POD)], unit="percentunit", max=1),
+        T(f"sum(mambaserve_kv_pages_used{{{SEL}}})", "used"),
+        T(f"sum(mambaserve_kv_pages_evictable{{{SEL}}})", "evictable (cached prefixes)")], decimals=0),
+    Panel("Pinned share of the pool per pod", "(used - evictable) / total: slots eviction cannot free, and for "
+          "hybrid models KV pages. Near 100% with waiting requests is the StatePoolExhausted / KVPoolExhausted "
+          "alert.", [
+        T(f"(mambaserve_state_slots_used{{{SEL}}} - mambaserve_state_slots_evictable{{{SEL}}}) "
+          f"/ mambaserve_state_slots_total{{{SEL}}}", f"slots {POD}"),
+        # clamp: 0 (not 0/0) for pure Mamba2 pods, which have no pages
+        T(f"(mambaserve_kv_pages_used{{{SEL}}} - mambaserve_kv_pages_evictable{{{SEL}}}) "
+          f"/ clamp_min(mambaserve_kv_pages_total{{{SEL}}}, 1)", f"KV pages {POD}")], unit="percentunit", max=1),
+    Panel("Cache usage per pod (gateway KV utilisation)", "mambaserve_cache_usage_ratio: the pinned share of the "
+          "fuller pool (state slots, or a hybrid's KV pages). What an inference gateway's KV-cache utilisation "
+          "scorer reads (docs/server-interface.md).",
+          [T(f"mambaserve_cache_usage_ratio{{{SEL}}}", POD)], unit="percentunit", max=1),
+    Panel("Cache configuration per pod", "mambaserve_cache_config_info: tokens per KV page, KV pages (0 for pure "
+          "Mamba2), state slots and the tracked-snapshot interval of each pod.",
+          [T(f"mambaserve_cache_config_info{{{SEL}}}", "{{pod}}: page_size {{page_size}}, {{num_pages}} KV pages, "
+             "{{num_state_slots}} slots, track interval {{mamba_track_interval}}")],
+          kind="stat", text_mode="name", decimals=0),
     Panel("Evictions per finished request", "Evictions / finished requests per pod; above ~2 cached states rarely "
           "live long enough to be reused (CacheThrashing alert).",
           [T(f"{rate('mambaserve_cache_evictions_total', 'namespace, pod')} / "
@@ -348,7 +363,7 @@ def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
     else:
         defaults["color"] = {"mode": "thresholds"}
         options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                   "colorMode": "value", "graphMode": "area", "textMode": "auto", "justifyMode": "auto"}
+                   "colorMode": "value", "graphMode": "area", "textMode": p.text_mode, "justifyMode": "auto"}
     return {
         "id": pid, "type": p.kind, "title": p.title, "description": p.description, "datasource": DATASOURCE,
         "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},

@@ -37,7 +37,7 @@ UNITS = {"percentunit": ("%", 100.0), "s": ("s", 1.0), "reqps": ("req/s", 1.0), 
 
 def substitute(expr: str, rate_window: str) -> str:
     for var, value in {"$namespace": ".*", "$session": ".*", "$__rate_interval": rate_window,
-                       "$target_hit_rate": "0.5"}.items():
+                       "$target_hit_rate": "0.5", "$target_capacity_miss_ratio": "0.1"}.items():
         expr = expr.replace(var, value)
     return expr
 
@@ -85,7 +85,10 @@ def plot_dashboard(path: pathlib.Path, url: str, start: float, end: float, step:
                     series.append((legend(target["legendFormat"], s["metric"]), points))
         if panel["type"] == "stat":
             ax.axis("off")
-            if series:
+            if series and panel["options"].get("textMode") == "name":  # an info metric: its labels are the data
+                ax.text(0.5, 0.4, "\n".join(name for name, _ in series), ha="center", va="center", fontsize=12,
+                        transform=ax.transAxes)
+            elif series:
                 last = series[0][1][-1][1] * scale
                 decimals = panel["fieldConfig"]["defaults"].get("decimals", 2 if abs(last) < 100 else 0)
                 ax.text(0.5, 0.4, f"{last:.{decimals}f} {unit}".strip(), ha="center", va="center", fontsize=22,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -25,7 +27,17 @@ def launched(model: str, extra: list[str], timeout: float = 300, process: bool =
     port = free_port()
     cmd = [sys.executable, "-m", "mambaserve.server", "serve", "--model", model, "--port", str(port),
            "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    tail: collections.deque[str] = collections.deque(maxlen=5)
+
+    def forward() -> None:  # the server's log still reaches the terminal; its last lines explain a refusal
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            tail.append(line.rstrip())
+
+    reader = threading.Thread(target=forward, daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -36,7 +48,8 @@ def launched(model: str, extra: list[str], timeout: float = 300, process: bool =
             except httpx.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {' '.join(cmd)}")
+                reader.join(timeout=2)
+                raise RuntimeError(f"server did not start: {' '.join(cmd)}: " + " / ".join(tail))
             time.sleep(0.2)
         yield (url, proc) if process else url
     finally:

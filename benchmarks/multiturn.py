@@ -6,8 +6,13 @@ new question of --question-length tokens. Requests start as a Poisson process (-
 second, inf = all at once), optionally with a barrier between rounds. Prints per round the mean TTFT
 and the cache hit rate (sum cached / sum prompt tokens); writes JSON.
 
+A hybrid checkpoint (`e2e.py --size nemotron-h-8b --checkpoint DIR` builds one) runs the same way; a mode the
+server refuses to start (a hybrid's radix cache where it is not built) is reported as refused, with the
+server's reason, and the other modes still run.
+
   python benchmarks/multiturn.py --model models/mamba2-tiny-pystdlib --compare
   python benchmarks/multiturn.py --url http://127.0.0.1:30000
+  python benchmarks/multiturn.py --model /tmp/nemotron-h-8b --compare --clients 8 --rounds 4
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def main() -> None:
     p.add_argument("--out", default="multiturn.json")
     a = p.parse_args()
 
-    results = {}
+    results, refused = {}, {}
     if a.url:
         results["server"] = asyncio.run(run_benchmark(a.url, a))
     else:
@@ -102,19 +107,27 @@ def main() -> None:
             a.question_length + a.output_length) + 64)]
         modes = {"radix": base, "no_cache": base + ["--disable-radix-cache"]} if a.compare else {"radix": base}
         for name, flags in modes.items():
-            with launched(a.model, flags) as url:
-                results[name] = asyncio.run(run_benchmark(url, a))
+            try:
+                with launched(a.model, flags) as url:
+                    results[name] = asyncio.run(run_benchmark(url, a))
+            except RuntimeError as e:
+                if not str(e).startswith("server did not start"):
+                    raise
+                refused[name] = str(e).split(": ", 2)[-1]
     print(f"{a.clients} clients x {a.rounds} rounds, request {a.request_length} + question {a.question_length}, "
           f"output {a.output_length} tokens")
+    for name, why in refused.items():
+        print(f"{name}: the server refused to start: {why}")
     names = list(results)
+    both = "radix" in results and "no_cache" in results
     print("round " + "".join(f"| {n:>10} TTFT ms  hit rate " for n in names)
-          + ("| TTFT ratio no_cache/radix" if a.compare else ""))
+          + ("| TTFT ratio no_cache/radix" if both else ""))
     for i in range(a.rounds):
         row = f"{i + 1:5} "
         for n in names:
             r = results[n][i]
             row += f"| {r['mean_ttft_s'] * 1e3:18.1f} {r['hit_rate']:9.3f} "
-        if a.compare:
+        if both:
             row += f"| {results['no_cache'][i]['mean_ttft_s'] / results['radix'][i]['mean_ttft_s']:8.2f}x"
         print(row)
     if a.round_barrier:
@@ -123,7 +136,8 @@ def main() -> None:
             for r in results[n]:
                 print(f"  {n} round {r['round']}: " + " ".join(f"{s} {v}" for s, v in r["stages_ms"].items() if v))
     with open(a.out, "w") as f:
-        json.dump({"args": vars(a) | {"request_rate": str(a.request_rate)}, "results": results}, f, indent=1)
+        json.dump({"args": vars(a) | {"request_rate": str(a.request_rate)}, "results": results, "refused": refused},
+                  f, indent=1)
     print(f"wrote {a.out}")
 
 

@@ -259,7 +259,8 @@ def run_hybrid(a: argparse.Namespace) -> dict:
             row["step_ms" if overlap else "sequential_step_ms"] = (max(ends) - max(firsts)) / (a.decode_tokens - 1) * 1e3
         row["tokens_per_s"] = b / row["step_ms"] * 1e3
         res["decode"].append(row)
-        print(f"decode b={b:4}: {row['tokens_per_s']:10.1f} tok/s, {row['step_ms']:8.2f} ms/step", flush=True)
+        print(f"decode b={b:4}: {row['tokens_per_s']:10.1f} tok/s, {row['step_ms']:8.2f} ms/step"
+              + (f" (without overlap {row['sequential_step_ms']:8.2f})" if a.sequential_baseline else ""), flush=True)
     asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))  # warm-up
     firsts, ends = asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))
     tps = n_req * n_tok / max(ends)

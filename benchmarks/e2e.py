@@ -129,6 +129,29 @@ async def timed_batch(engine, prompts, max_new: int):
     return firsts, ends
 
 
+def decode_step_ms(engine, prompts: list[list[int]], new: int, overlap: bool) -> float:
+    """ms per decode step of ``prompts`` run together: (last finish - last first token) / (new - 1)."""
+    engine.scheduler.overlap = overlap  # the scheduler reads the flag between steps; it is idle here
+    firsts, ends = asyncio.run(timed_batch(engine, prompts, new))
+    return (max(ends) - max(firsts)) / (new - 1) * 1e3
+
+
+def prefill_and_ttft(engine, prompts, n_req: int, n_tok: int, ttft_lens: list[int]) -> tuple[float, list[dict]]:
+    """Prefill tokens/s of ``n_req`` x ``n_tok`` prompts at once, and the TTFT of one prompt per length
+    (each after a warm-up run of its shape: kernels compile per shape class)."""
+    asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))
+    _, ends = asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))
+    tps = n_req * n_tok / max(ends)
+    print(f"prefill {n_req}x{n_tok}: {tps:10.1f} tok/s", flush=True)
+    ttft = []
+    for n in ttft_lens:
+        asyncio.run(timed_batch(engine, prompts(1, n), 1))
+        firsts, _ = asyncio.run(timed_batch(engine, prompts(1, n), 1))
+        ttft.append({"prompt": n, "ttft_ms": firsts[0] * 1e3})
+        print(f"TTFT {n:5}-token prompt: {firsts[0] * 1e3:8.1f} ms", flush=True)
+    return tps, ttft
+
+
 def hf_generate_tps(model, batch: int, prompt_len: int, new: int, vocab: int, device: str) -> float:
     ids = torch.randint(1, vocab, (batch, prompt_len), device=device)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
@@ -253,26 +276,17 @@ def run_hybrid(a: argparse.Namespace) -> dict:
     for b in batches:
         bound = decode_bytes(engine.model, engine.dims, b, context, engine.pool, engine.kv_pool) / bw
         row = {"batch": b, "bound_ms": bound * 1e3}
-        for overlap in ((False, True) if a.sequential_baseline else (True,)):
-            engine.scheduler.overlap = overlap
-            firsts, ends = asyncio.run(timed_batch(engine, prompts(b, prompt_len), a.decode_tokens))
-            row["step_ms" if overlap else "sequential_step_ms"] = (max(ends) - max(firsts)) / (a.decode_tokens - 1) * 1e3
+        if a.sequential_baseline:
+            row["sequential_step_ms"] = decode_step_ms(engine, prompts(b, prompt_len), a.decode_tokens, False)
+        row["step_ms"] = decode_step_ms(engine, prompts(b, prompt_len), a.decode_tokens, True)
         row["tokens_per_s"] = b / row["step_ms"] * 1e3
         res["decode"].append(row)
         print(f"decode b={b:4}: {row['tokens_per_s']:10.1f} tok/s, {row['step_ms']:8.2f} ms/step"
               + (f" (without overlap {row['sequential_step_ms']:8.2f})" if a.sequential_baseline else ""), flush=True)
-    asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))  # warm-up
-    firsts, ends = asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))
-    tps = n_req * n_tok / max(ends)
+    tps, res["ttft"] = prefill_and_ttft(engine, prompts, n_req, n_tok, ttft_lens)
     flops = 2 * matmul_params_per_token(engine.model, engine.dims) * tps
     res["prefill"] = {"requests": n_req, "tokens": n_tok, "tokens_per_s": tps, "hf_tokens_per_s": hf_prefill,
                       "matmul_tflops": flops / 1e12}
-    print(f"prefill {n_req}x{n_tok}: {tps:10.1f} tok/s", flush=True)
-    for n in ttft_lens:
-        asyncio.run(timed_batch(engine, prompts(1, n), 1))
-        firsts, _ = asyncio.run(timed_batch(engine, prompts(1, n), 1))
-        res["ttft"].append({"prompt": n, "ttft_ms": firsts[0] * 1e3})
-        print(f"TTFT {n:5}-token prompt: {firsts[0] * 1e3:8.1f} ms", flush=True)
     engine.stop()
     print_hybrid_table(res, a.peak_tflops)
     if not a.checkpoint:
@@ -358,25 +372,16 @@ def main() -> None:
     asyncio.run(timed_batch(engine, prompts(2, 16), 4))  # warm-up (Triton compile, allocator)
     for b in batches:
         row = {"batch": b, "bound_ms": (weight_bytes + 2 * b * state_bytes) / bw * 1e3}
-        for overlap in (False, True):  # the scheduler reads the flag between steps; it is idle here
-            engine.scheduler.overlap = overlap
-            firsts, ends = asyncio.run(timed_batch(engine, prompts(b, 32), a.decode_tokens))
-            step_ms = (max(ends) - max(firsts)) / (a.decode_tokens - 1) * 1e3
-            row["step_ms" if overlap else "sequential_step_ms"] = step_ms
+        for overlap in (False, True):
+            row["step_ms" if overlap else "sequential_step_ms"] = decode_step_ms(engine, prompts(b, 32),
+                                                                              a.decode_tokens, overlap)
         row["tokens_per_s"] = b / row["step_ms"] * 1e3
         res["decode"].append(row)
         print(f"decode b={b:4}: {row['tokens_per_s']:10.1f} tok/s, {row['step_ms']:7.3f} ms/step (without overlap "
               f"{row['sequential_step_ms']:7.3f}: {row['sequential_step_ms'] / row['step_ms']:4.2f}x), bandwidth bound "
               f"{row['bound_ms']:7.3f} ms/step -> {row['step_ms'] / row['bound_ms']:5.2f}x the bound", flush=True)
-    asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))  # warm-up: kernels compile per shape class
-    firsts, ends = asyncio.run(timed_batch(engine, prompts(n_req, n_tok), 1))
-    res["prefill"] = {"requests": n_req, "tokens": n_tok, "tokens_per_s": n_req * n_tok / max(ends)}
-    print(f"prefill {n_req}x{n_tok}: {n_req * n_tok / max(ends):10.1f} tok/s", flush=True)
-    for n in ttft_lens:
-        asyncio.run(timed_batch(engine, prompts(1, n), 1))
-        firsts, _ = asyncio.run(timed_batch(engine, prompts(1, n), 1))
-        res["ttft"].append({"prompt": n, "ttft_ms": firsts[0] * 1e3})
-        print(f"TTFT {n:5}-token prompt: {firsts[0] * 1e3:8.1f} ms", flush=True)
+    tps, res["ttft"] = prefill_and_ttft(engine, prompts, n_req, n_tok, ttft_lens)
+    res["prefill"] = {"requests": n_req, "tokens": n_tok, "tokens_per_s": tps}
     engine.stop()
     for b in [int(x) for x in (a.hf_batches or "1,8").split(",")]:
         hf_tps = hf_generate_tps(hf, b, 32, a.hf_tokens, cfg["vocab_size"], a.device)

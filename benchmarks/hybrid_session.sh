@@ -4,7 +4,8 @@
 #     checkpoint (decode tok/s against the bandwidth bound, prefill 8 x 2048, TTFT of 2,048 tokens): one table
 #     with the ratios;
 #   multiturn.py: 8 chats x 4 rounds through HTTP, per-round hit rate and TTFT, with the radix cache and with
-#     --disable-radix-cache (a mode the server refuses is reported as refused).
+#     --disable-radix-cache (a mode the server refuses is reported as refused); servers run 8 requests at most
+#     and capture decode graphs up to batch 8 only (a shorter start).
 # Each checkpoint is built once (in $CKPTS, default /tmp) and reused by the later runs and calls.
 # Usage (GPU machine, repo root, wheels for fastapi/uvicorn/pydantic in .whl/): bash benchmarks/hybrid_session.sh [SHAPES]
 # SHAPES: any of nemotron-h-8b granite-4.0-h-tiny (default: both). Results: $OUT (default /tmp/out).
@@ -28,7 +29,8 @@ for shape in $SHAPES; do
   if [ "${MULTITURN:-1}" = 1 ]; then
     echo "== $shape: multi-turn"
     python3 multiturn.py --model "$CKPTS/$shape" --compare --clients 8 --rounds 4 --request-length 1024 \
-      --question-length 64 --output-length 16 --round-barrier --out "$OUT/multiturn_$shape.json" ${MT_ARGS:-} 2>&1 \
+      --question-length 64 --output-length 16 --round-barrier --out "$OUT/multiturn_$shape.json" \
+      --server-args "--max-running-requests 8 --cuda-graph-max-bs 8" ${MT_ARGS:-} 2>&1 \
       | grep -v -i "falling back"
   fi
   echo "== $shape: $((SECONDS - start)) s"

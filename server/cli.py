@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--session-snapshot-max-per-session", type=int, default=8,
                    help="snapshot files one session may keep (overwriting its own by name is always allowed)")
     s.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (CUDA only; for debugging)")
+    s.add_argument("--skip-server-warmup", action="store_true",
+                   help="report ready without first running two short generations through the server (which "
+                        "spare the first clients the first requests' one-time costs)")
     s.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's sampled tokens before preparing the next (for debugging and A/B timing)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256,
@@ -174,7 +177,13 @@ def serve(cfg: ServerConfig) -> None:
         server.should_exit = True
 
     sock = listen(cfg.host, cfg.port)  # before anything loads: a taken port fails at once, in one line
-    app = LoadingApp(load, ready, failure)
+    warm_up = None
+    if not cfg.skip_server_warmup:
+        from mambaserve.server.api.warmup import warm_up as run_warm_up
+
+        async def warm_up(app, engine) -> None:
+            await run_warm_up(app, engine, cfg.api_key)
+    app = LoadingApp(load, ready, failure, warm_up)
     # Idle keep-alive connections live longer here than in the proxies and client pools in front (cloud
     # load balancers idle out at 60 s): the server is never the side that closes a connection a client
     # is about to reuse, which fails that request (uvicorn's default is 5 s, httpx's pools keep 5 s too).

@@ -43,6 +43,7 @@ class ServerConfig:
     debug_cache_invariants: bool = False
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
+    skip_server_warmup: bool = False  # the CLI's warm-up requests before ready (api/warmup.py)
     cuda_graph_max_bs: int = 256
     log_level: str = "info"
     seed: int = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from typing import Callable
+from typing import Awaitable, Callable
 
 
 
@@ -19,8 +19,10 @@ class LoadingApp:
     """ASGI app wrapping ``load`` (run on a worker thread at startup; returns ``(engine, app)``)."""
 
     def __init__(self, load: Callable[[], tuple[object, object]], on_ready: Callable[[object], None] = lambda e: None,
-                 on_failure: Callable[[BaseException], None] = lambda e: None):
-        self._load, self._on_ready, self._on_failure = load, on_ready, on_failure
+                 on_failure: Callable[[BaseException], None] = lambda e: None,
+                 warm_up: Callable[[object, object], Awaitable[None]] | None = None):
+        """``warm_up(app, engine)``: awaited once the engine runs, before the app takes over (still 503)."""
+        self._load, self._on_ready, self._on_failure, self._warm_up = load, on_ready, on_failure, warm_up
         self.engine = self.app = None
 
     async def __call__(self, scope, receive, send):
@@ -67,5 +69,20 @@ class LoadingApp:
             return
         engine, app = future.result()
         engine.start()
-        self.engine, self.app = engine, app
-        self._on_ready(engine)
+        self.engine = engine  # stopped at shutdown from here on
+        if self._warm_up is None:
+            self._ready(app)
+        else:
+            asyncio.ensure_future(self._warm_up(app, engine)).add_done_callback(lambda f: self._warmed(f, app))
+
+    def _warmed(self, future: asyncio.Future, app) -> None:
+        if future.cancelled():
+            return
+        if future.exception() is not None:
+            self._on_failure(future.exception())
+        else:
+            self._ready(app)
+
+    def _ready(self, app) -> None:
+        self.app = app
+        self._on_ready(self.engine)

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from mambaserve.server.api.app import create_app
 from mambaserve.server.api.loading import LoadingApp
@@ -81,6 +82,10 @@ def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt):
             time.sleep(0.05)
         assert first is not None and (first.status_code == 200 or first.json()["error"]["code"] == "loading")
         assert r.status_code == 200
+        # ready only after the warm-up's two generations, which leave no snapshot behind
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'mambaserve_requests_total{finish_reason="length"} 2.0' in metrics
+        assert "mambaserve_state_slots_used 0.0" in metrics
         gen = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
                          timeout=30)
         assert gen.status_code == 200
@@ -119,3 +124,25 @@ def test_the_cli_makes_openmp_workers_wait_passively_unless_the_user_chose(tmp_p
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split()[0] == "ACTIVE", out.stdout + out.stderr
+
+
+def test_the_warm_up_leaves_the_cache_empty_and_reports_a_failed_request(tiny_ckpt):
+    """A warm-up answered with an error raises with the status and answer (the CLI then exits 2 with it)."""
+    from mambaserve.server.api import warmup
+
+    class Refusing:
+        async def __call__(self, scope, receive, send):
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b"broken"})
+
+    engine = make_engine(tiny_ckpt)
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"warm-up request failed \(500\): broken"):
+            asyncio.run(warmup.warm_up(Refusing(), engine))
+        # the real app: both generations run, the cache is empty afterwards
+        asyncio.run(warmup.warm_up(create_app(engine), engine))
+        acc = asyncio.run(engine.accounting())
+    finally:
+        engine.stop()
+    assert acc["free"] == acc["capacity"] and acc["held_by_tree"] == 0, acc

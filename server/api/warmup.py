@@ -1,0 +1,59 @@
+"""The server's own first requests, before it reports ready: a short greedy and a short sampled generation
+through the whole app (routing, validation, the scheduler, sampling, the answer), as SGLang's server does.
+
+Whatever runs only on a first request (first validation, first pass through the scheduler's paths, the
+sampler's kernels) is paid here instead of by the first clients: the first 8-request burst through HTTP
+on an H100 was 3% slower than the next. The radix cache is emptied afterwards, so the warm-up leaves no
+snapshot behind; the request counters do count its two requests. ``--skip-server-warmup`` turns it off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+log = logging.getLogger(__name__)
+
+PROMPT = list(range(1, 17))  # token ids every vocabulary has
+
+
+async def request(app, path: str, body: dict, api_key: str | None = None) -> tuple[int, bytes]:
+    """POST ``body`` to ``app`` in process, as uvicorn would pass a client's request: (status, answer)."""
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if api_key:
+        headers.append((b"authorization", f"Bearer {api_key}".encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    sent = False
+    answer: dict = {"status": 0, "body": b""}
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await asyncio.Event().wait()  # the client stays connected (the app watches for a disconnect)
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            answer["body"] += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return answer["status"], answer["body"]
+
+
+async def warm_up(app, engine, api_key: str | None = None) -> None:
+    """Two generations through ``app`` at once, then the radix cache emptied; RuntimeError if one fails."""
+    greedy = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    sampled = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.8, "top_p": 0.9}}
+    for status, body in await asyncio.gather(request(app, "/generate", greedy, api_key),
+                                             request(app, "/generate", sampled, api_key)):
+        if status != 200:
+            raise RuntimeError(f"the server's warm-up request failed ({status}): {body[:300].decode(errors='replace')}")
+    await engine.flush_cache()
+    log.info("warm-up requests done")

@@ -1,10 +1,11 @@
-"""Mamba2 kernels. Each op module holds the Triton kernel, its launcher and a pure-torch reference
+"""Mamba2 and hybrid-model kernels. Each op module holds the Triton kernel, its launcher and a pure-torch reference
 with the same signature (``<op>_ref``). Launchers pick Triton on CUDA and the reference on CPU.
 """
 
 from mambaserve.kernels.config import KernelConfig
 from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, conv_varlen_runs_triton
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
+from mambaserve.kernels.moe import moe_align, moe_experts
 from mambaserve.kernels.norm_linear import ConvStep, gated_rmsnorm_linear, rmsnorm_linear
 from mambaserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from mambaserve.kernels.rmsnorm import rmsnorm
@@ -23,6 +24,8 @@ __all__ = [
     "copy_slots",
     "gated_rmsnorm",
     "gated_rmsnorm_linear",
+    "moe_align",
+    "moe_experts",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rmsnorm",

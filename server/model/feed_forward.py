@@ -1,11 +1,9 @@
 """Feed-forward blocks of hybrid models: dense MLPs and mixtures of experts, over packed ``[T, hidden]``.
 
-Parameter names are each family's checkpoint names. MoE runs a **torch fallback**, not a grouped GEMM:
-the step's (token, expert) pairs are sorted by expert, each expert with tokens runs its two (or three)
-matmuls on its rows, and the weighted rows are summed back per token. Counting the rows per expert is
-one device-to-host copy per MoE layer per step, so MoE layers cannot be captured in a CUDA graph, and
-an expert's weights are read once per step whatever its row count (decode at small batch reads
-``top_k x batch`` experts' weights, up to all of them). Its speed is measured in benchmarks, not assumed.
+Parameter names are each family's checkpoint names. Routed experts run ``kernels.moe.moe_experts``: on CUDA a
+fused Triton grouped GEMM (pairs grouped by expert, the up projection with the family's activation, the down
+projection with the routing weight; no host synchronisation, so CUDA-graph capturable), on CPU the torch
+expert loop it is checked against. Each family keeps its stacked expert weights as the loader produces them.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mambaserve.kernels import moe
 from mambaserve.server.model.hybrid_config import MlpDims, MoEDims
 
 
@@ -66,26 +65,6 @@ class FusedSwiGLU(nn.Module):
         return self.output_linear(self.act(gate) * up)
 
 
-def run_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, num_experts: int, expert,
-                out_dim: int, acc_dtype: torch.dtype) -> torch.Tensor:
-    """``sum_k weights[t, k] * expert(idx[t, k], x[t])`` for each token t, as ``acc_dtype``. ``expert(e, rows)``
-    runs expert e on its rows. The sort groups rows by expert; the counts come to the host once."""
-    T, k = idx.shape
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    tokens = order // k
-    rows = x[tokens]
-    ys = torch.empty(len(order), out_dim, dtype=x.dtype, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            ys[start:start + n] = expert(e, rows[start:start + n])
-            start += n
-    ys = ys.to(acc_dtype) * weights.reshape(-1)[order].to(acc_dtype)[:, None]
-    return torch.zeros(T, out_dim, dtype=acc_dtype, device=x.device).index_add_(0, tokens, ys)
-
-
 class NemotronExperts(nn.Module):
     """Routed experts as stacked weights ``up_proj [E, I, in]``, ``down_proj [E, in, I]`` (the checkpoint's
     ``experts.{e}.up_proj.weight`` are stacked at load)."""
@@ -136,14 +115,11 @@ class NemotronMoE(nn.Module):
         if m.latent_size:
             self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias)
             self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias)
-        self.act = activation(m.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
         h = self.fc1_latent_proj(x) if self.m.latent_size else x
-        up, down = self.experts.up_proj, self.experts.down_proj
-        y = run_experts(h, idx, w, self.m.num_experts, lambda e, r: F.linear(self.act(F.linear(r, up[e])), down[e]),
-                        h.shape[-1], torch.float32).to(x.dtype)
+        y = moe.moe_experts(h, idx, w, self.experts.up_proj, self.experts.down_proj, act=self.m.act, gated=False)
         if self.m.latent_size:
             y = self.fc2_latent_proj(y)
         return y + self.shared_experts(x)
@@ -178,12 +154,9 @@ class GraniteMoE(nn.Module):
         self.router = GraniteRouter(m, hidden)
         self.input_linear = Stacked(m.num_experts, 2 * m.intermediate_size, hidden)
         self.output_linear = Stacked(m.num_experts, hidden, m.intermediate_size)
-        self.act = activation(m.act)
-
-    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows, self.input_linear.weight[e]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.output_linear.weight[e])
+        activation(m.act)  # refuses an activation this module does not implement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.router(x)
-        return run_experts(x, idx, w, self.m.num_experts, self._expert, x.shape[-1], x.dtype)
+        return moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight, act=self.m.act,
+                               gated=True)

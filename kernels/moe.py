@@ -1,0 +1,215 @@
+"""Mixture-of-experts feed-forward: the routed experts of hybrid models (Nemotron-H's ``E`` blocks, Granite 4.0-H's
+``block_sparse_moe``) as one fused op, after the family's router has picked each token's experts.
+
+Shapes: ``x`` ``[T, H]`` tokens; ``topk_ids`` ``[T, k]`` (any integer dtype, values in ``[0, E)``) and
+``topk_weights`` ``[T, k]`` (any float dtype) the router's choice; ``w1`` ``[E, F, H]`` each expert's first
+projection with ``F = 2 * I`` when ``gated`` (gate rows ``[0, I)`` first, then up rows ``[I, 2I)``: Granite's
+``input_linear``) or ``F = I`` (Nemotron-H's ``up_proj``); ``w2`` ``[E, H, I]`` the second projection
+(``output_linear`` / ``down_proj``). Weights stay in the layout the loaders produce (rows = output features).
+
+- ``moe_experts(x, topk_ids, topk_weights, w1, w2, act=, gated=)`` -> ``[T, H]`` in ``x``'s dtype:
+  ``sum_j topk_weights[t, j] * expert(topk_ids[t, j], x[t])`` with ``expert(e, r) = w2[e] @ f(w1[e] @ r)``,
+  ``f(g, u) = act(g) * u`` gated, ``act(h)`` otherwise; ``act`` is ``"silu"`` or ``"relu2"`` (squared ReLU).
+  Products accumulate in fp32; the intermediate activations are rounded to ``x``'s dtype (as the
+  per-expert ``F.linear`` calls of the reference and of ``transformers`` do); the weighted top-k sum is fp32.
+- ``moe_align(topk_ids, num_experts, block_m)`` -> ``MoeAlignment``: the routing-align step (pairs
+  sorted by expert, each expert's run padded to ``block_m``), exposed for tests and benchmarks.
+
+The references (``<op>_ref``, same signatures) are the torch expert loop: the pairs sorted by expert, each expert
+with rows runs its matmuls on them (the row counts come to the host: one synchronisation per call); the
+launchers run them on CPU and under ``MAMBASERVE_KERNELS=ref``. The Triton path (``moe_kernels``: how it
+works) is an align step and two grouped GEMMs and a sum, with no host synchronisation and launches fixed by
+the shapes, so a decode step's MoE layers can be captured in a CUDA graph. ``force_triton`` and ``tiles``
+(over ``moe_tiles``' choice) are for tests and benchmark sweeps.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from mambaserve.kernels._dispatch import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+
+if HAS_TRITON:
+    from mambaserve.kernels.moe_kernels import _moe_align_kernel, _moe_down_kernel, _moe_up_kernel
+
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+ACTIVATIONS = ("silu", "relu2")
+
+
+class MoeAlignment(NamedTuple):
+    """The pairs (``pair = token * k + j``) grouped by expert. ``sorted_pairs`` int32 ``[P]``: the pair at
+    each position, ``N = T * k`` at padding; expert e's pairs, in pair order, fill a run starting at a
+    multiple of ``block_m``. ``block_expert`` int32 ``[P // block_m]``: each block's expert, -1 past the
+    last used block. ``P = padded_capacity(N, E, block_m)``, fixed by the shapes."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+
+
+def padded_capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """Positions enough for any routing: each expert that has pairs (at most ``min(E, N)``) pads fewer than
+    ``block_m`` of them, rounded up to whole blocks."""
+    n = pairs + min(num_experts, pairs) * (block_m - 1)
+    return -(-n // block_m) * block_m
+
+
+def _check(x, topk_ids, topk_weights, w1, w2, act: str, gated: bool) -> None:
+    if act not in ACTIVATIONS:
+        raise ValueError(f"moe_experts: activation {act!r} is not one of {ACTIVATIONS}")
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"moe_experts: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
+                         f"{tuple(topk_weights.shape)} must be [T, H], [T, k], [T, k]")
+    E, Fdim, H = w1.shape
+    I = w2.shape[2]
+    if w2.shape[:2] != (E, H) or H != x.shape[1] or Fdim != (2 * I if gated else I):
+        raise ValueError(f"moe_experts: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)} "
+                         f"(w1 [E, {'2I' if gated else 'I'}, H], w2 [E, H, I])")
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Stable sort by expert, then each pair moved to its expert's padded run. Torch only and without a host
+    synchronisation (the Triton launcher runs it on the GPU for large batches, where one program is slow)."""
+    flat = topk_ids.reshape(-1).long()
+    N, dev = flat.numel(), flat.device
+    P = padded_capacity(N, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(N, device=dev) - (counts.cumsum(0) - counts)[expert]
+    sorted_pairs = torch.full((P,), N, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, (pad_end - padded)[expert] + rank, order.to(torch.int32))
+    first = torch.arange(0, P, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, first, right=True)  # first expert whose run ends past the block
+    used = first < pad_end[-1] if num_experts else torch.zeros_like(first, dtype=torch.bool)
+    return MoeAlignment(sorted_pairs, torch.where(used, block_expert, -1).to(torch.int32), block_m)
+
+
+def _act(h: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(h) if act == "silu" else torch.square(F.relu(h))
+
+
+def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
+                    w2: torch.Tensor, *, act: str = "silu", gated: bool = True) -> torch.Tensor:
+    """The expert loop: pairs sorted by expert; each expert with rows runs its projections on them (in ``x``'s
+    dtype, as ``transformers`` does); the weighted rows are summed per token in fp32."""
+    _check(x, topk_ids, topk_weights, w1, w2, act, gated)
+    T, k = topk_ids.shape
+    H, I = x.shape[1], w2.shape[2]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()  # the host sync of the loop
+    tokens = order // k
+    rows = x[tokens]
+    ys = torch.empty(len(order), H, dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            h = F.linear(rows[start:start + n], w1[e])
+            h = _act(h[:, :I], act) * h[:, I:] if gated else _act(h, act)
+            ys[start:start + n] = F.linear(h, w2[e])
+            start += n
+    ys = ys.float() * topk_weights.reshape(-1)[order].float()[:, None]
+    return torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tokens, ys).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+# Above this many pairs the align runs moe_align_ref's torch ops (sort-based, many programs) instead of the one
+# Triton program, whose two serial passes over the pairs cost O(pairs): decode batches stay in one launch.
+ALIGN_TRITON_MAX_PAIRS = 4096
+
+# Tiles by the mean rows per expert (T * k / E), first match. One BLOCK_M for both GEMMs (they walk the same
+# blocks). Decode (a few rows an expert) is bound by reading the experts' weights: 16-row blocks (the smallest
+# tl.dot tile) and narrow column tiles, so that the few experts of a small batch still spread over every SM.
+# Not yet swept on a GPU: ``benchmarks/moe.py --sweep`` prints the candidates.
+MOE_TILES = (
+    (12, {"block_m": 16, "up_block_n": 32, "up_block_k": 128, "up_warps": 4, "up_stages": 4,
+          "down_block_n": 64, "down_block_k": 128, "down_warps": 4, "down_stages": 4}),
+    (48, {"block_m": 32, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 4,
+          "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 4}),
+    (None, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
+            "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
+)
+# Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still cross several tiles.
+_INTERPRET_TILES = {"block_m": 16, "up_block_n": 16, "up_block_k": 16, "up_warps": 1, "up_stages": 1,
+                    "down_block_n": 16, "down_block_k": 16, "down_warps": 1, "down_stages": 1}
+
+
+def moe_tiles(pairs: int, num_experts: int, on_gpu: bool = True, overrides: dict | None = None) -> dict:
+    """The launch tiles for ``pairs`` (token, expert) pairs over ``num_experts`` experts."""
+    if on_gpu:
+        per_expert = pairs / max(1, num_experts)
+        tiles = dict(next(t for bound, t in MOE_TILES if bound is None or per_expert <= bound))
+    else:
+        tiles = dict(_INTERPRET_TILES)
+    tiles.update(overrides or {})
+    return tiles
+
+
+def _dot_types(x: torch.Tensor, w: torch.Tensor):
+    """(matrix-unit operand type, input precision): fp32 keeps fp32 products (tf32 would cost ~1e-3
+    relative); the Triton 3.9 interpreter multiplies bf16 operands wrongly, so under it they go in as fp32."""
+    if interpreting() or torch.float32 in (x.dtype, w.dtype):
+        return tl.float32, "ieee"
+    return _TL_DTYPES[w.dtype], "tf32"
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
+              force_triton: bool | None = None) -> MoeAlignment:
+    """The routing-align step (``MoeAlignment``). Triton: one program for up to ``ALIGN_TRITON_MAX_PAIRS``
+    pairs, the reference's torch ops above; either way no host synchronisation."""
+    N = topk_ids.numel()
+    if not use_triton(topk_ids, force_triton) or N > ALIGN_TRITON_MAX_PAIRS or num_experts == 0:
+        return moe_align_ref(topk_ids, num_experts, block_m)
+    P = padded_capacity(N, num_experts, block_m)
+    ids = topk_ids.reshape(-1).contiguous()
+    sorted_pairs = torch.empty(P, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(P // block_m, dtype=torch.int32, device=ids.device)
+    EP = max(16, next_pow2(num_experts))
+    chunk = max(16, min(128, 8192 // EP, next_pow2(max(N, P // block_m))))  # [CHUNK, EP] one-hot in registers
+    _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, P // block_m, BLOCK_M=block_m, EP=EP, CHUNK=chunk,
+                            num_warps=4)
+    return MoeAlignment(sorted_pairs, block_expert, block_m)
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
+                w2: torch.Tensor, *, act: str = "silu", gated: bool = True, force_triton: bool | None = None,
+                tiles: dict | None = None) -> torch.Tensor:
+    """The routed experts' weighted sum per token (module docstring). Triton path: align, the up projection
+    with the activation, the down projection with the routing weight, the top-k sum; no host sync."""
+    if not use_triton(x, force_triton):
+        return moe_experts_ref(x, topk_ids, topk_weights, w1, w2, act=act, gated=gated)
+    _check(x, topk_ids, topk_weights, w1, w2, act, gated)
+    T, k = topk_ids.shape
+    E, H, I = w1.shape[0], x.shape[1], w2.shape[2]
+    if T == 0 or k == 0:
+        return torch.zeros(T, H, dtype=x.dtype, device=x.device)
+    N = T * k
+    cfg = moe_tiles(N, E, x.is_cuda and not interpreting(), tiles)
+    BM = cfg["block_m"]
+    al = moe_align(topk_ids, E, BM, force_triton=True)
+    P = al.sorted_pairs.numel()
+    dot_t, prec = _dot_types(x, w1)
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    _moe_up_kernel[(P // BM, triton.cdiv(I, cfg["up_block_n"]))](
+        x, w1, h, al.sorted_pairs, al.block_expert, N, H, I, *x.stride(), *w1.stride(), *h.stride(),
+        TOP_K=k, GATED=gated, ACT=ACTIVATIONS.index(act), EVEN_K=H % cfg["up_block_k"] == 0, BLOCK_M=BM,
+        BLOCK_N=cfg["up_block_n"], BLOCK_K=cfg["up_block_k"], DOT_T=dot_t, PREC=prec,
+        num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+    out = torch.empty(N, H, dtype=torch.float32, device=x.device)
+    wts = topk_weights.reshape(-1).contiguous()
+    _moe_down_kernel[(P // BM, triton.cdiv(H, cfg["down_block_n"]))](
+        h, w2, out, al.sorted_pairs, al.block_expert, wts, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
+        EVEN_K=I % cfg["down_block_k"] == 0, BLOCK_M=BM, BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
+        DOT_T=dot_t, PREC=prec, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+    return out.view(T, k, H).sum(1).to(x.dtype)

@@ -1,0 +1,153 @@
+"""The jitted kernels of the fused MoE experts; launchers, tiles and the references are in ``moe`` (shapes and
+the meaning of every argument: its module docstring).
+
+The work is laid out as a grouped GEMM over *padded positions*: the ``T * top_k`` (token, expert) pairs
+sorted by expert, each expert's run padded up to a multiple of BLOCK_M, so that a block of BLOCK_M
+positions belongs to one expert. ``sorted_pairs[p]`` is the pair at position p (``N = T * top_k`` marks
+padding), ``block_expert[b]`` the expert of block b (-1: past the last used block, nothing to do). Both
+GEMMs walk the same blocks, so the intermediate activations are indexed by position and the down
+projection reads its rows contiguously; only the up projection gathers token rows (``pair // top_k``).
+
+  _moe_align_kernel   [1]                 one program: per-expert counts, padded offsets (a cumsum over
+                                          experts), sentinel fill, each block's expert, then each pair's
+                                          position = its expert's offset + its rank among the earlier
+                                          pairs of that expert (a cumsum over a [CHUNK, experts] one-hot),
+                                          so pairs keep their order within an expert (stable, deterministic)
+  _moe_up_kernel      [blocks, I/BLOCK_N] rows of ``x`` gathered by token, times expert e's first
+                                          projection; GATED reads the gate columns n and the up columns
+                                          I + n in the same K loop (two accumulators) and stores
+                                          ``act(gate) * up``; otherwise ``act(h)`` (relu2: Nemotron-H)
+  _moe_down_kernel    [blocks, H/BLOCK_N] the intermediate rows times expert e's second projection, times
+                                          the pair's routing weight, stored fp32 at the pair's row
+
+Padding positions are masked on load and on store. Nothing here waits on the host: the grids depend only on
+``(T, top_k, E, BLOCK_M)``, so the whole op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from mambaserve.kernels._dispatch import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_align_kernel(ids_ptr, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M: tl.constexpr, EP: tl.constexpr,
+                          CHUNK: tl.constexpr):
+        """``ids`` [N] expert of each pair -> ``pairs`` [P] (padding: N), ``bexp`` [NB] (unused blocks: -1)."""
+        ex = tl.arange(0, EP)
+        c = tl.arange(0, CHUNK)
+        counts = tl.zeros([EP], dtype=tl.int32)
+        for i0 in range(0, N, CHUNK):
+            i = i0 + c
+            ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
+            counts += tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad_end = tl.cumsum(padded, 0)
+        pad_start = pad_end - padded
+        total = tl.sum(padded, 0)
+        for p0 in range(0, P, CHUNK):
+            p = p0 + c
+            tl.store(pairs_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + N, mask=p < P)
+        for b0 in range(0, NB, CHUNK):
+            b = b0 + c
+            first = b * BLOCK_M
+            # block b belongs to the first expert whose padded run ends past its first position
+            e_of = tl.sum((pad_end[None, :] <= first[:, None]).to(tl.int32), 1)
+            tl.store(bexp_ptr + b, tl.where(first < total, e_of, -1), mask=b < NB)
+        tl.debug_barrier()  # the sentinel fill above lands before the scatter below overwrites part of it
+        seen = tl.zeros([EP], dtype=tl.int32)
+        for i0 in range(0, N, CHUNK):
+            i = i0 + c
+            ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
+            hit = (ids[:, None] == ex[None, :]).to(tl.int32)
+            before = tl.cumsum(hit, 0) - hit + seen[None, :]  # earlier pairs of the same expert
+            dest = tl.sum(hit * (before + pad_start[None, :]), 1)
+            tl.store(pairs_ptr + dest, i, mask=i < N)
+            seen += tl.sum(hit, 0)
+
+    @triton.jit
+    def _activate(h, ACT: tl.constexpr):
+        if ACT == 0:  # silu
+            return h * tl.sigmoid(h)
+        r = tl.maximum(h, 0.0)  # relu2 (squared ReLU)
+        return r * r
+
+    @triton.jit
+    def _moe_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, bexp_ptr, N, K, I,
+                       x_t, x_k, w_e, w_n, w_k, h_p, h_i,
+                       TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_T: tl.constexpr, PREC: tl.constexpr):
+        """Grid (blocks, cdiv(I, BLOCK_N)): ``h[p, n] = act(x[tok(p)] . w[e, n]) (* x[tok(p)] . w[e, I + n])``."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_m)
+        if e < 0:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + rows)
+        valid = pair < N
+        tok = (pair // TOP_K).to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = n < I
+        kk = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * x_t + kk[None, :] * x_k
+        g_ptrs = w_ptr + e.to(tl.int64) * w_e + n[None, :] * w_n + kk[:, None] * w_k  # [BLOCK_K, BLOCK_N]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=mn[None, :], other=0.0)
+            else:
+                mk = (k0 + kk) < K
+                a = tl.load(a_ptrs, mask=valid[:, None] & mk[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+            a = a.to(DOT_T)
+            acc_g = tl.dot(a, g.to(DOT_T), acc_g, input_precision=PREC)
+            if GATED:
+                if EVEN_K:
+                    u = tl.load(g_ptrs + I * w_n, mask=mn[None, :], other=0.0)
+                else:
+                    u = tl.load(g_ptrs + I * w_n, mask=mk[:, None] & mn[None, :], other=0.0)
+                acc_u = tl.dot(a, u.to(DOT_T), acc_u, input_precision=PREC)
+            a_ptrs += BLOCK_K * x_k
+            g_ptrs += BLOCK_K * w_k
+        y = _activate(acc_g, ACT)
+        if GATED:
+            y = y * acc_u
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * h_p + n[None, :] * h_i, y.to(h_ptr.dtype.element_ty),
+                 mask=valid[:, None] & mn[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, bexp_ptr, wts_ptr, N, I, H,
+                         h_p, h_i, w_e, w_n, w_k, o_p, o_h, EVEN_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_T: tl.constexpr, PREC: tl.constexpr):
+        """Grid (blocks, cdiv(H, BLOCK_N)): ``out[pair(p), n] = weight[pair(p)] * (h[p] . w[e, n])`` (fp32)."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_m)
+        if e < 0:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + rows)
+        valid = pair < N
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = n < H
+        kk = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + rows[:, None].to(tl.int64) * h_p + kk[None, :] * h_i
+        b_ptrs = w_ptr + e.to(tl.int64) * w_e + n[None, :] * w_n + kk[:, None] * w_k  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mn[None, :], other=0.0)
+            else:
+                mk = (k0 + kk) < I
+                a = tl.load(a_ptrs, mask=valid[:, None] & mk[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+            acc = tl.dot(a.to(DOT_T), b.to(DOT_T), acc, input_precision=PREC)
+            a_ptrs += BLOCK_K * h_i
+            b_ptrs += BLOCK_K * w_k
+        wt = tl.load(wts_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * wt[:, None]
+        tl.store(out_ptr + pair[:, None].to(tl.int64) * o_p + n[None, :] * o_h, acc, mask=valid[:, None] & mn[None, :])

@@ -1,0 +1,117 @@
+"""Fused MoE experts (``kernels/moe.py``) against the torch expert loop, tiny shapes (interpreter on CPU): the align
+step position by position, then the whole op for SwiGLU (Granite) and relu2 (Nemotron-H) experts over routings that
+spread, that crowd onto one or two experts, and that leave experts without a token."""
+
+import pytest
+import torch
+
+from mambaserve.kernels.moe import (MoeAlignment, moe_align, moe_align_ref, moe_experts, moe_experts_ref,
+                                    padded_capacity)
+from tests.kernels.helpers import TOL, assert_close, gen, randn
+
+
+def _routing(kind: str, T: int, k: int, E: int, g: torch.Generator) -> torch.Tensor:
+    """``[T, k]`` distinct experts per token: ``spread`` random; ``crowded`` experts 0..k-1 for every token but the
+    last (a long run for few experts, the rest empty); ``sparse`` only the upper half of the experts."""
+    if kind == "crowded":
+        ids = torch.arange(k).repeat(T, 1)
+        ids[-1] = torch.arange(E - k, E)
+        return ids
+    lo = E // 2 if kind == "sparse" else 0
+    return torch.stack([lo + torch.randperm(E - lo, generator=g)[:k] for _ in range(T)])
+
+
+def _check_layout(al: MoeAlignment, ids: torch.Tensor, E: int) -> None:
+    """Every pair exactly once, in its expert's block, in pair order within the expert; padding elsewhere."""
+    N = ids.numel()
+    pairs, bexp = al.sorted_pairs.cpu().long(), al.block_expert.cpu().long()
+    assert pairs.numel() == padded_capacity(N, E, al.block_m) and bexp.numel() == pairs.numel() // al.block_m
+    real = pairs < N
+    assert sorted(pairs[real].tolist()) == list(range(N))
+    flat = ids.reshape(-1).cpu().long()
+    owner = bexp.repeat_interleave(al.block_m)
+    assert (owner[real] == flat[pairs[real]]).all()
+    for e in range(E):
+        mine = pairs[real & (owner == e)]
+        assert mine.tolist() == sorted(mine.tolist())
+    used = bexp >= 0
+    assert not used[used.long().sum():].any(), "unused blocks come last"
+    assert (bexp[used][1:] > bexp[used][:-1]).sum() + 1 == len(set(flat.tolist())), "one run per expert with pairs"
+
+
+@pytest.mark.parametrize("T,k,E,block_m", [(1, 1, 1, 16), (1, 6, 64, 16), (7, 2, 5, 16), (37, 3, 9, 16),
+                                           (100, 2, 4, 32), (300, 2, 130, 16)])
+@pytest.mark.parametrize("kind", ["spread", "crowded", "sparse"])
+def test_align_matches_reference_and_groups_by_expert(dev, T, k, E, block_m, kind):
+    if kind != "spread" and E < 2 * k:
+        pytest.skip("needs experts to spare")
+    ids = _routing(kind, T, k, E, gen(T * E + k)).to(dev)
+    ref = moe_align_ref(ids, E, block_m)
+    _check_layout(ref, ids, E)
+    tri = moe_align(ids, E, block_m, force_triton=True)
+    assert torch.equal(tri.sorted_pairs.cpu(), ref.sorted_pairs.cpu())
+    assert torch.equal(tri.block_expert.cpu(), ref.block_expert.cpu())
+
+
+def _case(T, k, E, H, I, gated, kind, dtype, dev, seed):
+    g = gen(seed)
+    x = randn(g, T, H, dtype=dtype, dev=dev)
+    w1 = randn(g, E, 2 * I if gated else I, H, dtype=dtype, dev=dev, scale=H ** -0.5)
+    w2 = randn(g, E, H, I, dtype=dtype, dev=dev, scale=I ** -0.5)
+    ids = _routing(kind, T, k, E, g).to(dev)
+    wts = torch.softmax(randn(g, T, k), -1).to(dev)
+    return x, ids, wts, w1, w2
+
+
+# Granite (SwiGLU, softmax weights) and Nemotron-H (relu2, non-gated) experts; dims below, across and at multiples
+# of the 16-wide tiles (the EVEN_K path); one expert; top-1; tokens crowding onto few experts, experts left empty
+@pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)])
+@pytest.mark.parametrize("T,k,E,H,I,kind", [
+    (1, 2, 4, 24, 12, "spread"), (5, 1, 1, 32, 16, "spread"), (9, 3, 7, 40, 20, "spread"),
+    (37, 2, 6, 32, 48, "crowded"), (20, 2, 8, 24, 12, "sparse"), (3, 4, 16, 16, 8, "spread")])
+def test_experts_match_reference(dev, act, gated, T, k, E, H, I, kind):
+    x, ids, wts, w1, w2 = _case(T, k, E, H, I, gated, kind, torch.float32, dev, seed=T + E + H)
+    out = moe_experts(x, ids, wts, w1, w2, act=act, gated=gated, force_triton=True)
+    assert out.shape == (T, H) and out.dtype == torch.float32
+    assert_close(out, moe_experts_ref(x, ids, wts, w1, w2, act=act, gated=gated), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)])
+def test_experts_half_precision(dev, dtype, act, gated):
+    x, ids, wts, w1, w2 = _case(11, 2, 5, 40, 24, gated, "spread", dtype, dev, seed=3)
+    out = moe_experts(x, ids, wts.to(dtype), w1, w2, act=act, gated=gated, force_triton=True)
+    assert out.dtype == dtype
+    # the oracle: the loop in fp32 on the same (rounded) inputs
+    ref = moe_experts_ref(x.float(), ids, wts.to(dtype).float(), w1.float(), w2.float(), act=act, gated=gated)
+    assert_close(out, ref, TOL[dtype])
+
+
+def test_experts_across_several_row_blocks_and_tile_overrides(dev):
+    """40 tokens on 2 experts: several 16-row blocks per expert; a 32-row BLOCK_M takes the same pairs."""
+    x, ids, wts, w1, w2 = _case(40, 2, 3, 24, 12, True, "crowded", torch.float32, dev, seed=5)
+    ref = moe_experts_ref(x, ids, wts, w1, w2)
+    for tiles in (None, {"block_m": 32, "up_block_k": 32, "down_block_n": 32}):
+        assert_close(moe_experts(x, ids, wts, w1, w2, force_triton=True, tiles=tiles), ref, TOL[torch.float32])
+
+
+def test_experts_strided_inputs(dev):
+    """Non-contiguous x (a column slice) and routing tensors (transposed views) are read through their strides."""
+    x, ids, wts, w1, w2 = _case(6, 2, 4, 24, 12, True, "spread", torch.float32, dev, seed=8)
+    wide = torch.cat([x, x], 1)[:, 24:]
+    ids_t, wts_t = ids.t().contiguous().t(), wts.t().contiguous().t()
+    out = moe_experts(wide, ids_t, wts_t, w1, w2, force_triton=True)
+    assert_close(out, moe_experts_ref(x, ids, wts, w1, w2), TOL[torch.float32])
+
+
+def test_experts_zero_tokens_and_bad_arguments(dev):
+    x, ids, wts, w1, w2 = _case(3, 2, 4, 16, 8, True, "spread", torch.float32, dev, seed=1)
+    empty = moe_experts(x[:0], ids[:0], wts[:0], w1, w2, force_triton=True)
+    assert empty.shape == (0, 16)
+    for kw in (dict(act="gelu"), dict(gated=False)):  # unknown activation; non-gated w1 must be [E, I, H]
+        with pytest.raises(ValueError):
+            moe_experts(x, ids, wts, w1, w2, force_triton=True, **kw)
+        with pytest.raises(ValueError):
+            moe_experts_ref(x, ids, wts, w1, w2, **kw)
+    with pytest.raises(ValueError):
+        moe_experts(x, ids[:, :1], wts, w1, w2, force_triton=True)

@@ -1,0 +1,193 @@
+"""MoE experts on a CUDA GPU: the fused Triton op (``kernels/moe.py``) against the torch expert loop it replaced and
+against the bound of reading the experts' weights, at granite-4.0-h-tiny's MoE shape (hidden 1536, 64 experts,
+top-6, SwiGLU experts of 512: the dims come from ``hybrid_step.py``'s config of that model), bf16, one layer.
+
+    python benchmarks/moe.py                          # 1, 16, 64, 256 tokens (decode) + 2048, 8192 (prefill)
+    python benchmarks/moe.py --tokens 1,64 --sweep    # + a tile sweep per token count (a few minutes)
+    python benchmarks/moe.py --shape tiny --device cpu --tokens 1,8   # a smoke run (CPU: the reference
+                                                                      # on both sides: the script runs, no timing means anything)
+
+Routing: the softmax top-k of random router logits (Granite's router on random weights: about uniform over the
+experts). The weights exist ``--layers`` times (8: 2.4 GB) and the calls cycle through the copies, so every call
+reads its experts from HBM, as in a model with 40 such layers (one copy would sit in the 50 MB L2 at small batch).
+
+Columns: ``kernel`` is the Triton op's time per call replayed from a CUDA graph (it has no host sync, so it is
+capturable; what a graph-captured decode step pays), ``eager`` the same op launched from Python, ``align`` its
+routing-align step alone (graph), ``loop`` the torch reference (eager: its host sync per call makes it
+uncapturable), ``bound`` the time to read the weights of the experts the routing touches (plus x and the output)
+at the measured copy bandwidth, or to do the FLOPs at the published bf16 peak if that is longer. Before timing,
+each token count's output is checked against the loop's (relative error printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from hybrid_step import SHAPES  # benchmarks/ is the script's folder, so on sys.path
+from mambaserve.kernels import moe
+from mambaserve.server.model.registry import ARCHITECTURES
+
+# published: H100 SXM5 3.35 TB/s and 989 dense bf16 TFLOP/s (PCIe 2.0 TB/s, 756; H200 4.8 TB/s, 989)
+PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12}
+# tile candidates of --sweep: the up and down kernels are timed separately (the whole op with one varied)
+SWEEP_BLOCK_M = (16, 32, 64)
+SWEEP_KERNEL = [dict(block_n=n, block_k=k, warps=w, stages=s)
+                for n in (32, 64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4) if not (n == 32 and w == 8)]
+
+
+def moe_dims(shape: str):
+    arch, cfg = SHAPES[shape]
+    d = ARCHITECTURES[arch].read_dims(cfg)
+    if d.moe is None:
+        raise SystemExit(f"{shape} has no MoE layers")
+    return d.hidden_size, d.moe
+
+
+def peak_flops() -> float:
+    name = torch.cuda.get_device_name().replace(" ", "").lower()
+    return next((v for k, v in PEAKS.items() if k.replace(" ", "").lower() in name), PEAKS["H100"])
+
+
+def copy_bandwidth() -> float:
+    from triton.testing import do_bench
+
+    a = torch.empty(1024**3 // 4, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 4 / (do_bench(lambda: b.copy_(a), warmup=5, rep=100, return_mode="median") * 1e-3)
+
+
+def graph_time(fn, calls: int) -> float:
+    """Median seconds per call of ``fn(i)`` for i in range(calls), replayed from one CUDA graph."""
+    from triton.testing import do_bench
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    t = do_bench(g.replay, warmup=5, rep=100, return_mode="median") * 1e-3 / calls
+    del g
+    return t
+
+
+def eager_time(fn, calls: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(lambda: [fn(i) for i in range(calls)], warmup=3, rep=100, return_mode="median") * 1e-3 / calls
+    fn(0)
+    t = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return (time.perf_counter() - t) / calls
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def sweep(x, ids, wts, w1, w2, calls, E):
+    """The best tiles for this token count: per BLOCK_M, the up kernel's candidates with the down kernel at its
+    default, then the down kernel's with the best up; prints the winner and how far the default is from it."""
+    default = moe.moe_tiles(ids.numel(), E)
+    time_of = lambda tiles: graph_time(lambda i: moe.moe_experts(x, ids, wts, w1[i], w2[i], tiles=tiles), calls)
+    best, best_t = dict(default), time_of(default)
+    for bm in SWEEP_BLOCK_M:
+        cur = {**default, "block_m": bm}
+        for part in ("up", "down"):
+            results = []
+            for c in SWEEP_KERNEL:
+                tiles = {**cur, **{f"{part}_{k}": v for k, v in c.items()}}
+                try:
+                    results.append((time_of(tiles), tiles))
+                except Exception as e:  # a tile set that does not fit (shared memory): skip it, say so
+                    print(f"#   skip {part} {c}: {type(e).__name__}")
+            t, cur = min(results, key=lambda r: r[0])
+        if t < best_t:
+            best, best_t = cur, t
+    print(f"#   sweep, {ids.shape[0]} tokens: best {best_t * 1e6:.1f} us (default {time_of(default) * 1e6:.1f} us): "
+          f"{json.dumps(best)}", flush=True)
+    return best, best_t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="granite-4.0-h-tiny", choices=[s for s in SHAPES if "nemotron" not in s])
+    ap.add_argument("--tokens", default="1,16,64,256,2048,8192")
+    ap.add_argument("--layers", type=int, default=8, help="copies of the weights the calls cycle through")
+    ap.add_argument("--sweep", action="store_true", help="also search tiles per token count")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    H, m = moe_dims(a.shape)
+    E, k, I = m.num_experts, m.top_k, m.intermediate_size
+    torch.manual_seed(0)
+    L = a.layers if cuda else 1
+    w1 = [torch.randn(E, 2 * I, H, device=device, dtype=dtype) * H ** -0.5 for _ in range(L)]
+    w2 = [torch.randn(E, H, I, device=device, dtype=dtype) * I ** -0.5 for _ in range(L)]
+    router = torch.randn(E, H, device=device, dtype=dtype) * H ** -0.5
+    expert_bytes = (2 * I * H + H * I) * w1[0].element_size()
+    bw = copy_bandwidth() if cuda else float("nan")
+    peak = peak_flops() if cuda else float("nan")
+    head = {"shape": a.shape, "hidden": H, "experts": E, "top_k": k, "intermediate": I, "dtype": str(dtype),
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "copy_bandwidth_TBs": bw / 1e12,
+            "peak_bf16_TFLOPs": peak / 1e12, "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "layers": L}
+    print("# " + json.dumps(head), flush=True)
+    rows = []
+    for T in [int(t) for t in a.tokens.split(",")]:
+        x = torch.randn(T, H, device=device, dtype=dtype)
+        logits, ids = (x @ router.t()).float().topk(k, dim=-1)
+        wts = torch.softmax(logits, -1).to(dtype)
+        run = lambda i: moe.moe_experts(x, ids, wts, w1[i % L], w2[i % L])  # noqa: E731
+        loop = lambda i: moe.moe_experts_ref(x, ids, wts, w1[i % L], w2[i % L])  # noqa: E731
+        err = rel_err(run(0), loop(0))
+        touched = int(ids.unique().numel())
+        nbytes = touched * expert_bytes + 2 * T * H * x.element_size()
+        flops = 2 * T * k * (2 * I * H + H * I)
+        bound = max(nbytes / bw, flops / peak)
+        t_loop = eager_time(loop, L, device)
+        t_eager = eager_time(run, L, device)
+        if cuda:
+            t_kernel = graph_time(run, L)
+            bm = moe.moe_tiles(ids.numel(), E)["block_m"]
+            t_align = graph_time(lambda i: moe.moe_align(ids, E, bm), 1)
+        else:
+            t_kernel, t_align = t_eager, float("nan")
+        row = {"tokens": T, "experts_touched": touched, "rel_err": err, "kernel_us": t_kernel * 1e6,
+               "eager_us": t_eager * 1e6, "align_us": t_align * 1e6, "loop_us": t_loop * 1e6,
+               "bound_us": bound * 1e6, "loop_over_kernel": t_loop / t_kernel, "kernel_over_bound": t_kernel / bound,
+               "GB_s": nbytes / t_kernel / 1e9, "TFLOP_s": flops / t_kernel / 1e12}
+        if a.sweep and cuda:
+            best, best_t = sweep(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E)
+            row.update(sweep_best=best, sweep_us=best_t * 1e6)
+        rows.append(row)
+        print("# " + json.dumps({r: (round(v, 4) if isinstance(v, float) else v) for r, v in row.items()}), flush=True)
+    print()
+    print("| tokens | experts read | kernel (graph) | eager | align | torch loop | loop / kernel | bound | "
+          "kernel / bound | GB/s | TFLOP/s | rel. err |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['experts_touched']} | {r['kernel_us']:.1f} us | {r['eager_us']:.1f} us | "
+              f"{r['align_us']:.1f} us | {r['loop_us']:.0f} us | {r['loop_over_kernel']:.1f}x | {r['bound_us']:.1f} us | "
+              f"{r['kernel_over_bound']:.2f}x | {r['GB_s']:.0f} | {r['TFLOP_s']:.1f} | {r['rel_err']:.1e} |")
+    with open(a.json, "w") as f:
+        json.dump({**head, "rows": rows}, f, indent=1)
+    print(f"# wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,8 +4,7 @@ top-6, SwiGLU experts of 512: the dims come from ``hybrid_step.py``'s config of 
 
     python benchmarks/moe.py                          # 1, 16, 64, 256 tokens (decode) + 2048, 8192 (prefill)
     python benchmarks/moe.py --tokens 1,64 --sweep    # + a tile sweep per token count (a few minutes)
-    python benchmarks/moe.py --shape tiny --device cpu --tokens 1,8   # a smoke run (CPU: the reference
-                                                                      # on both sides: the script runs, no timing means anything)
+    python benchmarks/moe.py --shape tiny --device cpu --tokens 1,8   # smoke run: the reference on both sides
 
 Routing: the softmax top-k of random router logits (Granite's router on random weights: about uniform over the
 experts). The weights exist ``--layers`` times (8: 2.4 GB) and the calls cycle through the copies, so every call
@@ -182,7 +181,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['tokens']} | {r['experts_touched']} | {r['kernel_us']:.1f} us | {r['eager_us']:.1f} us | "
-              f"{r['align_us']:.1f} us | {r['loop_us']:.0f} us | {r['loop_over_kernel']:.1f}x | {r['bound_us']:.1f} us | "
+              f"{r['align_us']:.1f} us | {r['loop_us']:.0f} us | {r['loop_over_kernel']:.1f}x | "
+              f"{r['bound_us']:.1f} us | "
               f"{r['kernel_over_bound']:.2f}x | {r['GB_s']:.0f} | {r['TFLOP_s']:.1f} | {r['rel_err']:.1e} |")
     with open(a.json, "w") as f:
         json.dump({**head, "rows": rows}, f, indent=1)

@@ -10,7 +10,21 @@ import torch
 
 from tests.server.tiny_models import VOCAB, byte_tokenizer
 
-# Every family's Mamba layers have 2 groups (an ungrouped gated norm shows) and 8-token chunks.
+
+def _oracle_groups_gated_norm() -> bool:
+    """Whether the installed transformers normalizes Bamba's and Granite 4.0-H's gated RMSNorm per group of
+    ``intermediate_size // n_groups`` channels, as mamba_ssm (and this server) do. transformers 5.17 does not
+    (one norm over the whole width; grouped by 5.23): there those two families' checkpoints take one group, for
+    which both agree, so the rest of their parity still runs against that version."""
+    import inspect
+
+    from transformers.models.bamba import modeling_bamba
+
+    return "group_size" in inspect.signature(modeling_bamba.BambaRMSNormGated.__init__).parameters
+
+
+# Every family's Mamba layers have 2 groups (an ungrouped gated norm shows; Bamba and Granite only where the
+# oracle groups too: _oracle_groups_gated_norm) and 8-token chunks.
 FAMILIES = {
     # M * - E M *: every mixer kind; MoE with grouped sigmoid routing, a correction bias and a latent width;
     # head_dim 8 != 16/4
@@ -44,6 +58,10 @@ def _nemotron(layers):
     return NemotronHForCausalLM, cfg
 
 
+def _mamba_groups() -> int:
+    return 2 if _oracle_groups_gated_norm() else 1
+
+
 def _granite(**kw):
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
@@ -51,7 +69,7 @@ def _granite(**kw):
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=4,
         layer_types=["mamba", "attention", "mamba", "attention"], num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=12, shared_intermediate_size=10, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_state=8,
-        mamba_n_groups=2, mamba_chunk_size=8, embedding_multiplier=3.0, residual_multiplier=0.6,
+        mamba_n_groups=_mamba_groups(), mamba_chunk_size=8, embedding_multiplier=3.0, residual_multiplier=0.6,
         attention_multiplier=0.4, logits_scaling=1.7, eos_token_id=0, bos_token_id=0, pad_token_id=0, **kw)
     return GraniteMoeHybridForCausalLM, cfg
 
@@ -61,8 +79,8 @@ def _bamba():
 
     cfg = BambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=3, attn_layer_indices=[1],
                       num_attention_heads=2, num_key_value_heads=1, intermediate_size=12, mamba_n_heads=4,
-                      mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8, eos_token_id=0, bos_token_id=0,
-                      pad_token_id=0)
+                      mamba_d_state=8, mamba_n_groups=_mamba_groups(), mamba_chunk_size=8, eos_token_id=0,
+                      bos_token_id=0, pad_token_id=0)
     return BambaForCausalLM, cfg
 
 

@@ -3,7 +3,7 @@ against the bound of reading the experts' weights, at granite-4.0-h-tiny's MoE s
 top-6, SwiGLU experts of 512: the dims come from ``hybrid_step.py``'s config of that model), bf16, one layer.
 
     python benchmarks/moe.py                          # 1, 16, 64, 256 tokens (decode) + 2048, 8192 (prefill)
-    python benchmarks/moe.py --tokens 1,64 --sweep    # + a tile sweep per token count (a few minutes)
+    python benchmarks/moe.py --tokens 1,64 --sweep    # + a tile sweep per token count (~1 minute each)
     python benchmarks/moe.py --shape tiny --device cpu --tokens 1,8   # smoke run: the reference on both sides
 
 Routing: the softmax top-k of random router logits (Granite's router on random weights: about uniform over the
@@ -35,8 +35,8 @@ from mambaserve.server.model.registry import ARCHITECTURES
 PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12}
 # tile candidates of --sweep: the up and down kernels are timed separately (the whole op with one varied)
 SWEEP_BLOCK_M = (16, 32, 64)
-SWEEP_KERNEL = [dict(block_n=n, block_k=k, warps=w, stages=s)
-                for n in (32, 64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4) if not (n == 32 and w == 8)]
+SWEEP_KERNEL = [dict(block_n=n, block_k=k, warps=4, stages=s) for n in (32, 64, 128) for k in (64, 128) for s in (3, 5)]
+SWEEP_KERNEL += [dict(block_n=128, block_k=64, warps=8, stages=3), dict(block_n=64, block_k=128, warps=8, stages=4)]
 
 
 def moe_dims(shape: str):
@@ -109,6 +109,7 @@ def sweep(x, ids, wts, w1, w2, calls, E):
                 tiles = {**cur, **{f"{part}_{k}": v for k, v in c.items()}}
                 try:
                     results.append((time_of(tiles), tiles))
+                    print(f"#   {part} {json.dumps(tiles)}: {results[-1][0] * 1e6:.1f} us", flush=True)
                 except Exception as e:  # a tile set that does not fit (shared memory): skip it, say so
                     print(f"#   skip {part} {c}: {type(e).__name__}")
             t, cur = min(results, key=lambda r: r[0])

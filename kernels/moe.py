@@ -137,6 +137,7 @@ MOE_TILES = (
           "down_block_n": 64, "down_block_k": 128, "down_warps": 4, "down_stages": 4}),
     (48, {"block_m": 32, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 4,
           "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 4}),
+    # prefill: 64-row blocks (one warpgroup's wgmma height), vLLM's default shape for many rows an expert
     (None, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
             "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
 )
@@ -176,9 +177,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     sorted_pairs = torch.empty(P, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=ids.device)
     EP = max(16, next_pow2(num_experts))
-    chunk = max(16, min(128, 8192 // EP, next_pow2(max(N, P // block_m))))  # [CHUNK, EP] one-hot in registers
+    # the [CHUNK, EP] one-hots stay at 64 registers a thread (8 warps): fewer, wider serial steps over the pairs
+    chunk = max(16, min(256, 16384 // EP, next_pow2(max(N, P // block_m))))
     _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, P // block_m, BLOCK_M=block_m, EP=EP, CHUNK=chunk,
-                            num_warps=4)
+                            FILL=min(1024, next_pow2(P)), num_warps=8 if chunk * EP > 4096 else 4)
     return MoeAlignment(sorted_pairs, block_expert, block_m)
 
 

@@ -32,8 +32,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_align_kernel(ids_ptr, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M: tl.constexpr, EP: tl.constexpr,
-                          CHUNK: tl.constexpr):
-        """``ids`` [N] expert of each pair -> ``pairs`` [P] (padding: N), ``bexp`` [NB] (unused blocks: -1)."""
+                          CHUNK: tl.constexpr, FILL: tl.constexpr):
+        """``ids`` [N] expert of each pair -> ``pairs`` [P] (padding: N), ``bexp`` [NB] (unused blocks: -1).
+        CHUNK pairs a step through the [CHUNK, EP] one-hots; FILL positions a step through the sentinel fill."""
         ex = tl.arange(0, EP)
         c = tl.arange(0, CHUNK)
         counts = tl.zeros([EP], dtype=tl.int32)
@@ -45,9 +46,9 @@ if HAS_TRITON:
         pad_end = tl.cumsum(padded, 0)
         pad_start = pad_end - padded
         total = tl.sum(padded, 0)
-        for p0 in range(0, P, CHUNK):
-            p = p0 + c
-            tl.store(pairs_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + N, mask=p < P)
+        for p0 in range(0, P, FILL):
+            p = p0 + tl.arange(0, FILL)
+            tl.store(pairs_ptr + p, tl.zeros([FILL], dtype=tl.int32) + N, mask=p < P)
         for b0 in range(0, NB, CHUNK):
             b = b0 + c
             first = b * BLOCK_M
@@ -68,9 +69,11 @@ if HAS_TRITON:
     @triton.jit
     def _activate(h, ACT: tl.constexpr):
         if ACT == 0:  # silu
-            return h * tl.sigmoid(h)
-        r = tl.maximum(h, 0.0)  # relu2 (squared ReLU)
-        return r * r
+            out = h * tl.sigmoid(h)
+        else:  # relu2 (squared ReLU)
+            r = tl.maximum(h, 0.0)
+            out = r * r
+        return out
 
     @triton.jit
     def _moe_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, bexp_ptr, N, K, I,

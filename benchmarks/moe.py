@@ -12,7 +12,8 @@ reads its experts from HBM, as in a model with 40 such layers (one copy would si
 
 Columns: ``kernel`` is the Triton op's time per call replayed from a CUDA graph (it has no host sync, so it is
 capturable; what a graph-captured decode step pays), ``eager`` the same op launched from Python, ``align`` its
-routing-align step alone (graph), ``loop`` the torch reference (eager: its host sync per call makes it
+routing-align step alone (graph; in brackets the sort-based torch align, which the op runs above
+``ALIGN_TRITON_MAX_PAIRS``: where it is faster, lower that limit), ``loop`` the torch reference (eager: its host sync per call makes it
 uncapturable), ``bound`` the time to read the weights of the experts the routing touches (plus x and the output)
 at the measured copy bandwidth, or to do the FLOPs at the published bf16 peak if that is longer. Before timing,
 each token count's output is checked against the loop's (relative error printed).
@@ -165,10 +166,11 @@ def main() -> None:
             t_kernel = graph_time(run, L)
             bm = moe.moe_tiles(ids.numel(), E)["block_m"]
             t_align = graph_time(lambda i: moe.moe_align(ids, E, bm), 1)
+            t_align_torch = graph_time(lambda i: moe.moe_align_ref(ids, E, bm), 1)
         else:
-            t_kernel, t_align = t_eager, float("nan")
+            t_kernel, t_align, t_align_torch = t_eager, float("nan"), float("nan")
         row = {"tokens": T, "experts_touched": touched, "rel_err": err, "kernel_us": t_kernel * 1e6,
-               "eager_us": t_eager * 1e6, "align_us": t_align * 1e6, "loop_us": t_loop * 1e6,
+               "eager_us": t_eager * 1e6, "align_us": t_align * 1e6, "align_torch_us": t_align_torch * 1e6, "loop_us": t_loop * 1e6,
                "bound_us": bound * 1e6, "loop_over_kernel": t_loop / t_kernel, "kernel_over_bound": t_kernel / bound,
                "GB_s": nbytes / t_kernel / 1e9, "TFLOP_s": flops / t_kernel / 1e12}
         if a.sweep and cuda:
@@ -177,12 +179,12 @@ def main() -> None:
         rows.append(row)
         print("# " + json.dumps({r: (round(v, 4) if isinstance(v, float) else v) for r, v in row.items()}), flush=True)
     print()
-    print("| tokens | experts read | kernel (graph) | eager | align | torch loop | loop / kernel | bound | "
-          "kernel / bound | GB/s | TFLOP/s | rel. err |")
+    print("| tokens | experts read | kernel (graph) | eager | align (torch align) | torch loop | loop / kernel | "
+          "bound | kernel / bound | GB/s | TFLOP/s | rel. err |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['tokens']} | {r['experts_touched']} | {r['kernel_us']:.1f} us | {r['eager_us']:.1f} us | "
-              f"{r['align_us']:.1f} us | {r['loop_us']:.0f} us | {r['loop_over_kernel']:.1f}x | "
+              f"{r['align_us']:.1f} ({r['align_torch_us']:.1f}) us | {r['loop_us']:.0f} us | {r['loop_over_kernel']:.1f}x | "
               f"{r['bound_us']:.1f} us | "
               f"{r['kernel_over_bound']:.2f}x | {r['GB_s']:.0f} | {r['TFLOP_s']:.1f} | {r['rel_err']:.1e} |")
     with open(a.json, "w") as f:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+from mambaserve.kernels._dispatch import HAS_TRITON, interpreting, next_pow2, pdl_args, tl, triton, use_triton
 
 if HAS_TRITON:
     from mambaserve.kernels.moe_kernels import _moe_align_kernel, _moe_down_kernel, _moe_up_kernel
@@ -180,7 +180,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     # the [CHUNK, EP] one-hots stay at 64 registers a thread (8 warps): fewer, wider serial steps over the pairs
     chunk = max(16, min(256, 16384 // EP, next_pow2(max(N, P // block_m))))
     _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, P // block_m, BLOCK_M=block_m, EP=EP, CHUNK=chunk,
-                            FILL=min(1024, next_pow2(P)), num_warps=8 if chunk * EP > 4096 else 4)
+                            FILL=min(1024, next_pow2(P)), num_warps=8 if chunk * EP > 4096 else 4, **pdl_args(ids))
     return MoeAlignment(sorted_pairs, block_expert, block_m)
 
 
@@ -202,16 +202,17 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     al = moe_align(topk_ids, E, BM, force_triton=True)
     P = al.sorted_pairs.numel()
     dot_t, prec = _dot_types(x, w1)
+    pdl = pdl_args(x)
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     _moe_up_kernel[(P // BM, triton.cdiv(I, cfg["up_block_n"]))](
         x, w1, h, al.sorted_pairs, al.block_expert, N, H, I, *x.stride(), *w1.stride(), *h.stride(),
         TOP_K=k, GATED=gated, ACT=ACTIVATIONS.index(act), EVEN_K=H % cfg["up_block_k"] == 0, BLOCK_M=BM,
         BLOCK_N=cfg["up_block_n"], BLOCK_K=cfg["up_block_k"], DOT_T=dot_t, PREC=prec,
-        num_warps=cfg["up_warps"], num_stages=cfg["up_stages"])
+        num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **pdl)
     out = torch.empty(N, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
     _moe_down_kernel[(P // BM, triton.cdiv(H, cfg["down_block_n"]))](
         h, w2, out, al.sorted_pairs, al.block_expert, wts, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
         EVEN_K=I % cfg["down_block_k"] == 0, BLOCK_M=BM, BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
-        DOT_T=dot_t, PREC=prec, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+        DOT_T=dot_t, PREC=prec, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **pdl)
     return out.view(T, k, H).sum(1).to(x.dtype)

@@ -21,20 +21,23 @@ projection reads its rows contiguously; only the up projection gathers token row
                                           the pair's routing weight, stored fp32 at the pair's row
 
 Padding positions are masked on load and on store. Nothing here waits on the host: the grids depend only on
-``(T, top_k, E, BLOCK_M)``, so the whole op can be captured in a CUDA graph.
+``(T, top_k, E, BLOCK_M)``, so the whole op can be captured in a CUDA graph. The three launch with programmatic
+dependent launch where the decode kernels do (``pdl_args``): ``pdl_start`` first, no read before its wait, so the
+up and down kernels' launches overlap the tail of the kernel before them without moving any access ahead of it.
 """
 
 from __future__ import annotations
 
-from mambaserve.kernels._dispatch import HAS_TRITON, tl, triton
+from mambaserve.kernels._dispatch import HAS_TRITON, pdl_start, tl, triton
 
 if HAS_TRITON:
 
     @triton.jit
     def _moe_align_kernel(ids_ptr, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M: tl.constexpr, EP: tl.constexpr,
-                          CHUNK: tl.constexpr, FILL: tl.constexpr):
+                          CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr = False):
         """``ids`` [N] expert of each pair -> ``pairs`` [P] (padding: N), ``bexp`` [NB] (unused blocks: -1).
         CHUNK pairs a step through the [CHUNK, EP] one-hots; FILL positions a step through the sentinel fill."""
+        pdl_start(USE_PDL)
         ex = tl.arange(0, EP)
         c = tl.arange(0, CHUNK)
         counts = tl.zeros([EP], dtype=tl.int32)
@@ -80,8 +83,9 @@ if HAS_TRITON:
                        x_t, x_k, w_e, w_n, w_k, h_p, h_i,
                        TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_T: tl.constexpr, PREC: tl.constexpr):
+                       DOT_T: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Grid (blocks, cdiv(I, BLOCK_N)): ``h[p, n] = act(x[tok(p)] . w[e, n]) (* x[tok(p)] . w[e, I + n])``."""
+        pdl_start(USE_PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:
@@ -125,8 +129,9 @@ if HAS_TRITON:
     def _moe_down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, bexp_ptr, wts_ptr, N, I, H,
                          h_p, h_i, w_e, w_n, w_k, o_p, o_h, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_T: tl.constexpr, PREC: tl.constexpr):
+                         DOT_T: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Grid (blocks, cdiv(H, BLOCK_N)): ``out[pair(p), n] = weight[pair(p)] * (h[p] . w[e, n])`` (fp32)."""
+        pdl_start(USE_PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_m)
         if e < 0:

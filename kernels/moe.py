@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from mambaserve.kernels._dispatch import HAS_TRITON, interpreting, next_pow2, pdl_args, tl, triton, use_triton
 
 if HAS_TRITON:
-    from mambaserve.kernels.moe_kernels import _moe_align_kernel, _moe_down_kernel, _moe_up_kernel
+    from mambaserve.kernels.moe_kernels import _moe_align_kernel, _moe_down_kernel, _moe_sum_kernel, _moe_up_kernel
 
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -188,7 +188,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 w2: torch.Tensor, *, act: str = "silu", gated: bool = True, force_triton: bool | None = None,
                 tiles: dict | None = None) -> torch.Tensor:
     """The routed experts' weighted sum per token (module docstring). Triton path: align, the up projection
-    with the activation, the down projection with the routing weight, the top-k sum; no host sync."""
+    with the activation, the down projection with the routing weight, the top-k sum (four launches); no host
+    sync."""
     if not use_triton(x, force_triton):
         return moe_experts_ref(x, topk_ids, topk_weights, w1, w2, act=act, gated=gated)
     _check(x, topk_ids, topk_weights, w1, w2, act, gated)
@@ -215,4 +216,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         h, w2, out, al.sorted_pairs, al.block_expert, wts, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
         EVEN_K=I % cfg["down_block_k"] == 0, BLOCK_M=BM, BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
         DOT_T=dot_t, PREC=prec, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **pdl)
-    return out.view(T, k, H).sum(1).to(x.dtype)
+    y = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    BLOCK = min(1024, next_pow2(H))
+    _moe_sum_kernel[(T, triton.cdiv(H, BLOCK))](out, y, H, out.stride(0), y.stride(0), TOP_K=k, BLOCK=BLOCK,
+                                              num_warps=4, **pdl)
+    return y

@@ -19,6 +19,8 @@ projection reads its rows contiguously; only the up projection gathers token row
                                           ``act(gate) * up``; otherwise ``act(h)`` (relu2: Nemotron-H)
   _moe_down_kernel    [blocks, H/BLOCK_N] the intermediate rows times expert e's second projection, times
                                           the pair's routing weight, stored fp32 at the pair's row
+  _moe_sum_kernel     [T, H/BLOCK]        each token's k weighted rows summed in order (fp32), cast to the
+                                          output dtype: deterministic, no atomics
 
 Padding positions are masked on load and on store. Nothing here waits on the host: the grids depend only on
 ``(T, top_k, E, BLOCK_M)``, so the whole op can be captured in a CUDA graph. The three launch with programmatic
@@ -159,3 +161,16 @@ if HAS_TRITON:
         wt = tl.load(wts_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
         tl.store(out_ptr + pair[:, None].to(tl.int64) * o_p + n[None, :] * o_h, acc, mask=valid[:, None] & mn[None, :])
+
+    @triton.jit
+    def _moe_sum_kernel(src_ptr, out_ptr, H, s_p, o_t, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+        """Grid (T, cdiv(H, BLOCK)): ``out[t] = sum_j src[t * TOP_K + j]``, j in order."""
+        pdl_start(USE_PDL)
+        t, pb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        n = pb * BLOCK + tl.arange(0, BLOCK)
+        m = n < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(src_ptr + (t * TOP_K + j) * s_p + n, mask=m, other=0.0)
+        tl.store(out_ptr + t * o_t + n, acc.to(out_ptr.dtype.element_ty), mask=m)

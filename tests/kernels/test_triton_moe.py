@@ -95,13 +95,16 @@ def test_experts_across_several_row_blocks_and_tile_overrides(dev):
         assert_close(moe_experts(x, ids, wts, w1, w2, force_triton=True, tiles=tiles), ref, TOL[torch.float32])
 
 
-def test_experts_strided_inputs(dev):
-    """Non-contiguous x (a column slice) and routing tensors (transposed views) are read through their strides."""
+def test_experts_strided_inputs_and_int32_ids(dev):
+    """Non-contiguous x (a column slice) and routing tensors (transposed views) are read through their strides;
+    int32 expert ids (what fused top-k kernels produce) route like int64 ones."""
     x, ids, wts, w1, w2 = _case(6, 2, 4, 24, 12, True, "spread", torch.float32, dev, seed=8)
+    ref = moe_experts_ref(x, ids, wts, w1, w2)
     wide = torch.cat([x, x], 1)[:, 24:]
     ids_t, wts_t = ids.t().contiguous().t(), wts.t().contiguous().t()
-    out = moe_experts(wide, ids_t, wts_t, w1, w2, force_triton=True)
-    assert_close(out, moe_experts_ref(x, ids, wts, w1, w2), TOL[torch.float32])
+    assert_close(moe_experts(wide, ids_t, wts_t, w1, w2, force_triton=True), ref, TOL[torch.float32])
+    assert_close(moe_experts(x, ids.int(), wts, w1, w2, force_triton=True), ref, TOL[torch.float32])
+    assert_close(moe_experts_ref(x, ids.int(), wts, w1, w2), ref, TOL[torch.float32])
 
 
 def test_experts_zero_tokens_and_bad_arguments(dev):

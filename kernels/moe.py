@@ -141,7 +141,9 @@ MOE_TILES = (
     (None, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
             "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
 )
-# Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still cross several tiles.
+# ``"direct"`` (default: one token) skips the align step, one block per pair; right for any routing, cheapest where
+# no two pairs share an expert. Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still
+# cross several tiles.
 _INTERPRET_TILES = {"block_m": 16, "up_block_n": 16, "up_block_k": 16, "up_warps": 1, "up_stages": 1,
                     "down_block_n": 16, "down_block_k": 16, "down_warps": 1, "down_stages": 1}
 
@@ -187,9 +189,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, *, act: str = "silu", gated: bool = True, force_triton: bool | None = None,
                 tiles: dict | None = None) -> torch.Tensor:
-    """The routed experts' weighted sum per token (module docstring). Triton path: align, the up projection
-    with the activation, the down projection with the routing weight, the top-k sum (four launches); no host
-    sync."""
+    """The routed experts' weighted sum per token (module docstring). Triton path: align (not for one token), the
+    up projection with the activation, the down projection with the routing weight, the top-k sum; no host sync."""
     if not use_triton(x, force_triton):
         return moe_experts_ref(x, topk_ids, topk_weights, w1, w2, act=act, gated=gated)
     _check(x, topk_ids, topk_weights, w1, w2, act, gated)
@@ -200,22 +201,28 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     N = T * k
     cfg = moe_tiles(N, E, x.is_cuda and not interpreting(), tiles)
     BM = cfg["block_m"]
-    al = moe_align(topk_ids, E, BM, force_triton=True)
-    P = al.sorted_pairs.numel()
+    direct = cfg.get("direct", T == 1)  # one block per pair, no align step (moe_kernels' docstring)
+    if direct:
+        pairs = bexp = topk_ids.reshape(-1).contiguous()
+        blocks = N
+    else:
+        al = moe_align(topk_ids, E, BM, force_triton=True)
+        pairs, bexp = al.sorted_pairs, al.block_expert
+        blocks = pairs.numel() // BM
     dot_t, prec = _dot_types(x, w1)
     pdl = pdl_args(x)
-    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    _moe_up_kernel[(P // BM, triton.cdiv(I, cfg["up_block_n"]))](
-        x, w1, h, al.sorted_pairs, al.block_expert, N, H, I, *x.stride(), *w1.stride(), *h.stride(),
+    h = torch.empty(blocks * BM, I, dtype=x.dtype, device=x.device)
+    _moe_up_kernel[(blocks, triton.cdiv(I, cfg["up_block_n"]))](
+        x, w1, h, pairs, bexp, N, H, I, *x.stride(), *w1.stride(), *h.stride(),
         TOP_K=k, GATED=gated, ACT=ACTIVATIONS.index(act), EVEN_K=H % cfg["up_block_k"] == 0, BLOCK_M=BM,
-        BLOCK_N=cfg["up_block_n"], BLOCK_K=cfg["up_block_k"], DOT_T=dot_t, PREC=prec,
+        BLOCK_N=cfg["up_block_n"], BLOCK_K=cfg["up_block_k"], DOT_T=dot_t, PREC=prec, DIRECT=direct,
         num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **pdl)
     out = torch.empty(N, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
-    _moe_down_kernel[(P // BM, triton.cdiv(H, cfg["down_block_n"]))](
-        h, w2, out, al.sorted_pairs, al.block_expert, wts, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
+    _moe_down_kernel[(blocks, triton.cdiv(H, cfg["down_block_n"]))](
+        h, w2, out, pairs, bexp, wts, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
         EVEN_K=I % cfg["down_block_k"] == 0, BLOCK_M=BM, BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
-        DOT_T=dot_t, PREC=prec, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **pdl)
+        DOT_T=dot_t, PREC=prec, DIRECT=direct, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **pdl)
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK = min(1024, next_pow2(H))
     _moe_sum_kernel[(T, triton.cdiv(H, BLOCK))](out, y, H, out.stride(0), y.stride(0), TOP_K=k, BLOCK=BLOCK,

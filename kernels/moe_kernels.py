@@ -22,7 +22,9 @@ projection reads its rows contiguously; only the up projection gathers token row
   _moe_sum_kernel     [T, H/BLOCK]        each token's k weighted rows summed in order (fp32), cast to the
                                           output dtype: deterministic, no atomics
 
-Padding positions are masked on load and on store. Nothing here waits on the host: the grids depend only on
+A single token (decode at batch 1) skips the align step (DIRECT): its k pairs go to k distinct experts, so
+block b is pair b alone and its expert is read straight from ``topk_ids``; one launch fewer on the path where
+launches weigh most. Padding positions are masked on load and on store. Nothing here waits on the host: the grids depend only on
 ``(T, top_k, E, BLOCK_M)``, so the whole op can be captured in a CUDA graph. The three launch with programmatic
 dependent launch where the decode kernels do (``pdl_args``): ``pdl_start`` first, no read before its wait, so the
 up and down kernels' launches overlap the tail of the kernel before them without moving any access ahead of it.
@@ -81,19 +83,31 @@ if HAS_TRITON:
         return out
 
     @triton.jit
+    def _row_block(pid_m, pairs_ptr, bexp_ptr, N, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+        """(expert, positions, pairs) of row block ``pid_m``. DIRECT (no align step: one token, whose k pairs go
+        to k distinct experts): block b holds pair b alone in its first row and ``bexp_ptr`` is the flat
+        ``topk_ids``; otherwise the align step's ``block_expert`` and ``sorted_pairs``."""
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        e = tl.load(bexp_ptr + pid_m)
+        if DIRECT:
+            pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, N)
+        else:
+            pair = tl.load(pairs_ptr + rows)
+        return e, rows, pair
+
+    @triton.jit
     def _moe_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, bexp_ptr, N, K, I,
                        x_t, x_k, w_e, w_n, w_k, h_p, h_i,
                        TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_T: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
+                       DOT_T: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr = False,
+                       USE_PDL: tl.constexpr = False):
         """Grid (blocks, cdiv(I, BLOCK_N)): ``h[p, n] = act(x[tok(p)] . w[e, n]) (* x[tok(p)] . w[e, I + n])``."""
         pdl_start(USE_PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        e = tl.load(bexp_ptr + pid_m)
+        e, rows, pair = _row_block(pid_m, pairs_ptr, bexp_ptr, N, BLOCK_M, DIRECT)
         if e < 0:
             return
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pairs_ptr + rows)
         valid = pair < N
         tok = (pair // TOP_K).to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,15 +145,14 @@ if HAS_TRITON:
     def _moe_down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, bexp_ptr, wts_ptr, N, I, H,
                          h_p, h_i, w_e, w_n, w_k, o_p, o_h, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_T: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
+                         DOT_T: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr = False,
+                         USE_PDL: tl.constexpr = False):
         """Grid (blocks, cdiv(H, BLOCK_N)): ``out[pair(p), n] = weight[pair(p)] * (h[p] . w[e, n])`` (fp32)."""
         pdl_start(USE_PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        e = tl.load(bexp_ptr + pid_m)
+        e, rows, pair = _row_block(pid_m, pairs_ptr, bexp_ptr, N, BLOCK_M, DIRECT)
         if e < 0:
             return
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pairs_ptr + rows)
         valid = pair < N
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = n < H

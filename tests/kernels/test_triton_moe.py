@@ -95,6 +95,17 @@ def test_experts_across_several_row_blocks_and_tile_overrides(dev):
         assert_close(moe_experts(x, ids, wts, w1, w2, force_triton=True, tiles=tiles), ref, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)])
+def test_direct_blocks_without_align(dev, act, gated):
+    """One token runs without the align step (a block per pair); forced on, several tokens sharing experts give
+    the same sums, and one token forced through the align step too."""
+    for T, kind, direct in ((1, "spread", None), (1, "spread", False), (9, "crowded", True), (5, "spread", True)):
+        x, ids, wts, w1, w2 = _case(T, 3, 6, 40, 20, gated, kind, torch.float32, dev, seed=T + 20)
+        tiles = None if direct is None else {"direct": direct}
+        out = moe_experts(x, ids, wts, w1, w2, act=act, gated=gated, force_triton=True, tiles=tiles)
+        assert_close(out, moe_experts_ref(x, ids, wts, w1, w2, act=act, gated=gated), TOL[torch.float32])
+
+
 def test_experts_strided_inputs_and_int32_ids(dev):
     """Non-contiguous x (a column slice) and routing tensors (transposed views) are read through their strides;
     int32 expert ids (what fused top-k kernels produce) route like int64 ones."""

@@ -12,7 +12,7 @@ reads its experts from HBM, as in a model with 40 such layers (one copy would si
 
 Columns: ``kernel`` is the Triton op's time per call replayed from a CUDA graph (it has no host sync, so it is
 capturable; what a graph-captured decode step pays), ``eager`` the same op launched from Python, ``align`` its
-routing-align step alone (graph; in brackets the sort-based torch align, which the op runs above
+routing-align step alone (graph; one token runs none; in brackets the sort-based torch align, which the op runs above
 ``ALIGN_TRITON_MAX_PAIRS``: where it is faster, lower that limit), ``loop`` the torch reference (eager: its host sync per call makes it
 uncapturable), ``bound`` the time to read the weights of the experts the routing touches (plus x and the output)
 at the measured copy bandwidth, or to do the FLOPs at the published bf16 peak if that is longer. Before timing,
@@ -183,8 +183,9 @@ def main() -> None:
           "bound | kernel / bound | GB/s | TFLOP/s | rel. err |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        align = "none" if r["tokens"] == 1 else f"{r['align_us']:.1f} ({r['align_torch_us']:.1f}) us"  # 1: direct
         print(f"| {r['tokens']} | {r['experts_touched']} | {r['kernel_us']:.1f} us | {r['eager_us']:.1f} us | "
-              f"{r['align_us']:.1f} ({r['align_torch_us']:.1f}) us | {r['loop_us']:.0f} us | {r['loop_over_kernel']:.1f}x | "
+              f"{align} | {r['loop_us']:.0f} us | {r['loop_over_kernel']:.1f}x | "
               f"{r['bound_us']:.1f} us | "
               f"{r['kernel_over_bound']:.2f}x | {r['GB_s']:.0f} | {r['TFLOP_s']:.1f} | {r['rel_err']:.1e} |")
     with open(a.json, "w") as f:

@@ -5,9 +5,9 @@ The model is built in place from its dims (no checkpoint written: an 8B random c
 to save and load), its KV pool and state pool sized for the largest batch. Decode rows sit at
 ``--context`` tokens each (their pages allocated; the KV values are whatever the pool holds, which does
 not change the work). Decode is timed eagerly, then (on CUDA, unless ``--no-graphs``) replayed from the
-decode CUDA graphs the server captures (``step_ms_graph``; block tables as wide as the rows' pages); shapes
-with MoE layers are not captured (the torch expert loop syncs once per MoE layer per step, design §11) and
-say so under ``graphs``. The bound counts every non-expert weight once, the experts a step can touch
+decode CUDA graphs the server captures (``step_ms_graph``; block tables as wide as the rows' pages), MoE
+layers included (their Triton experts do not sync with the host; where the torch expert loop runs instead,
+decode is not captured and ``graphs`` says why). The bound counts every non-expert weight once, the experts a step can touch
 (min(E, batch x top_k) per MoE layer), each row's state read and written, and each row's KV read, over the
 measured device copy bandwidth.
 

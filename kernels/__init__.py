@@ -5,7 +5,7 @@ with the same signature (``<op>_ref``). Launchers pick Triton on CUDA and the re
 from mambaserve.kernels.config import KernelConfig
 from mambaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, conv_varlen_runs_triton
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
-from mambaserve.kernels.moe import moe_align, moe_experts
+from mambaserve.kernels.moe import moe_align, moe_experts, moe_runs_triton
 from mambaserve.kernels.norm_linear import ConvStep, gated_rmsnorm_linear, rmsnorm_linear
 from mambaserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from mambaserve.kernels.rmsnorm import rmsnorm
@@ -26,6 +26,7 @@ __all__ = [
     "gated_rmsnorm_linear",
     "moe_align",
     "moe_experts",
+    "moe_runs_triton",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rmsnorm",

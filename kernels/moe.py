@@ -167,6 +167,12 @@ def _dot_types(x: torch.Tensor, w: torch.Tensor):
     return _TL_DTYPES[w.dtype], "tf32"
 
 
+def moe_runs_triton(t: torch.Tensor, force_triton: bool | None = None) -> bool:
+    """The Triton path (no host synchronisation: CUDA-graph capturable) for tensors where ``t`` lives; else the
+    expert loop, which copies each expert's row count to the host."""
+    return use_triton(t, force_triton)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
               force_triton: bool | None = None) -> MoeAlignment:
     """The routing-align step (``MoeAlignment``). Triton: one program for up to ``ALIGN_TRITON_MAX_PAIRS``
@@ -191,7 +197,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 tiles: dict | None = None) -> torch.Tensor:
     """The routed experts' weighted sum per token (module docstring). Triton path: align (not for one token), the
     up projection with the activation, the down projection with the routing weight, the top-k sum; no host sync."""
-    if not use_triton(x, force_triton):
+    if not moe_runs_triton(x, force_triton):
         return moe_experts_ref(x, topk_ids, topk_weights, w1, w2, act=act, gated=gated)
     _check(x, topk_ids, topk_weights, w1, w2, act, gated)
     T, k = topk_ids.shape

@@ -5,7 +5,8 @@ whole decode forward is captured once per bucket and replayed. Padded rows carry
 state kernels skip them, so no slot is touched. Inputs are copied into static buffers before replay, the
 slots only when they changed since the last replay (between most decode steps they do not). Hybrid
 models' decode graphs also hold the paged KV view (``decode_buffers``: positions, KV lengths and a block
-table as wide as the context); models with MoE layers are not captured (``capture_blocker``).
+table as wide as the context); models whose MoE layers run the torch expert loop (no Triton) are not
+captured (``capture_blocker``).
 
 Prefill is launch-bound too until thousands of tokens: at mamba2-2.7b shape on an H100 the ~500
 launches of an eager prefill cost ~45 ms of host time against 4.7 ms of kernels for 16 tokens

@@ -107,13 +107,14 @@ class HybridForCausalLM(nn.Module):
 
     def capture_blocker(self, mode: ForwardMode) -> str | None:
         """Why a forward of ``mode`` cannot be captured in a CUDA graph, or None. Decode can, given its KV view
-        in static buffers (``engine/decode_buffers.py``), unless a MoE layer runs: the torch expert loop
-        copies each expert's row count to the host (``feed_forward.run_experts``)."""
+        in static buffers (``engine/decode_buffers.py``), MoE layers included where their experts run the Triton
+        kernel; not where they run the torch expert loop (``MAMBASERVE_KERNELS=ref``, no Triton), which copies
+        each expert's row count to the host."""
         if mode is ForwardMode.EXTEND:
             return "prefill graphs are not built for hybrid models (their packed KV view is built per step)"
-        if self.dims.moe is not None:
-            return ("the model's MoE layers run the torch expert loop, which copies each expert's row count to the "
-                    "host every step (feed_forward.run_experts)")
+        if self.dims.moe is not None and not kernels.moe_runs_triton(self.embed.weight):
+            return ("the model's MoE layers run the torch expert loop (no Triton, or MAMBASERVE_KERNELS=ref), which "
+                    "copies each expert's row count to the host every step (kernels.moe.moe_experts_ref)")
         return None
 
     def refresh_derived(self) -> None:

@@ -171,7 +171,7 @@ def test_offloads_on_the_copy_stream_finish_before_their_slot_is_written(ckpt):
 
 # ---------------------------------------------------------------------------------------------- hybrid models
 
-CAPTURED_HYBRIDS = ["nemotron_h_dense", "granite_dense_rope", "bamba"]  # no MoE: decode is captured
+CAPTURED_HYBRIDS = ["nemotron_h_dense", "granite_dense_rope", "bamba", "granite_moe", "nemotron_h"]  # MoE: Triton
 
 
 def _hybrid_runner(path, graphs: bool, page_size: int = 4, context: int = 64):
@@ -248,7 +248,7 @@ def test_hybrid_decode_graphs_match_eager(tmp_path, family, context):
 
 @pytest.mark.parametrize("family", ["nemotron_h_dense", "granite_moe"])
 def test_hybrid_engine_greedy_outputs_with_cuda_graphs_equal_disable_cuda_graph(tmp_path, family):
-    """The engine on CUDA: a dense hybrid's decode is captured (a MoE one's is not, and says so), and greedy
+    """The engine on CUDA: a dense and a MoE hybrid's decode is captured (the experts' Triton kernel), and greedy
     outputs of concurrent requests (batched decode in padded buckets, requests ending at different steps)
     equal those of --disable-cuda-graph; every slot and page comes back."""
     import asyncio
@@ -277,7 +277,7 @@ def test_hybrid_engine_greedy_outputs_with_cuda_graphs_equal_disable_cuda_graph(
                                      context_length=256, max_running_requests=4, cuda_graph_max_bs=4,
                                      chunked_prefill_size=32, disable_cuda_graph=disable, debug_cache_invariants=True))
         runner = engine.scheduler.runner
-        assert (runner.graphs is not None) == (not disable and family != "granite_moe")
+        assert (runner.graphs is not None) == (not disable)
         engine.start()
         try:
             outs[disable] = asyncio.run(generate(engine))

@@ -173,6 +173,33 @@ def moe_runs_triton(t: torch.Tensor, force_triton: bool | None = None) -> bool:
     return use_triton(t, force_triton)
 
 
+def warm_up_tokens(num_experts: int, top_k: int) -> list[int]:
+    """One token, then for each ``MOE_TILES`` row the fewest tokens (at least 2) whose rows per expert pick it."""
+    counts, lo = [1], 0.0
+    for bound, _ in MOE_TILES:
+        counts.append(max(2, int(lo * num_experts / top_k) + 1))
+        lo = bound if bound is not None else lo
+    return counts
+
+
+def moe_warm_up(w1: torch.Tensor, w2: torch.Tensor, top_k: int, *, act: str = "silu", gated: bool = True,
+                weights_dtype: torch.dtype | None = None, force_triton: bool | None = None) -> int:
+    """Run the op once per launch variant it can pick for these weights (one token, then a batch in each
+    ``MOE_TILES`` row: a Triton compile each) on throwaway inputs in the weights' dtype, routing weights in
+    ``weights_dtype`` (the router's; default the same), so that no request waits seconds for a compile (the
+    prefill tiles need over 48 rows an expert: 513 tokens at 64 experts, top-6, more than the start-up prefill
+    warm-up runs). Returns the runs (0 where the expert loop runs instead)."""
+    if not moe_runs_triton(w1, force_triton):
+        return 0
+    E, H = w1.shape[0], w1.shape[2]
+    counts = warm_up_tokens(E, top_k)
+    for T in counts:
+        ids = torch.arange(T * top_k, device=w1.device).remainder(E).view(T, top_k)
+        wts = torch.full((T, top_k), 1.0 / top_k, device=w1.device, dtype=weights_dtype or w1.dtype)
+        moe_experts(w1.new_zeros(T, H), ids, wts, w1, w2, act=act, gated=gated, force_triton=force_triton)
+    return len(counts)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
               force_triton: bool | None = None) -> MoeAlignment:
     """The routing-align step (``MoeAlignment``). Triton: one program for up to ``ALIGN_TRITON_MAX_PAIRS``

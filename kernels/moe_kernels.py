@@ -24,10 +24,11 @@ projection reads its rows contiguously; only the up projection gathers token row
 
 A single token (decode at batch 1) skips the align step (DIRECT): its k pairs go to k distinct experts, so
 block b is pair b alone and its expert is read straight from ``topk_ids``; one launch fewer on the path where
-launches weigh most. Padding positions are masked on load and on store. Nothing here waits on the host: the grids depend only on
-``(T, top_k, E, BLOCK_M)``, so the whole op can be captured in a CUDA graph. The three launch with programmatic
-dependent launch where the decode kernels do (``pdl_args``): ``pdl_start`` first, no read before its wait, so the
-up and down kernels' launches overlap the tail of the kernel before them without moving any access ahead of it.
+launches weigh most. Padding positions are masked on load and on store. Nothing here waits on the host: the
+grids depend only on ``(T, top_k, E, BLOCK_M)``, so the whole op can be captured in a CUDA graph. All four
+launch with programmatic dependent launch where the decode kernels do (``pdl_args``): ``pdl_start`` first, no
+read before its wait, so each launch overlaps the tail of the kernel before it without moving any access
+ahead of it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from mambaserve.kernels._dispatch import HAS_TRITON, pdl_start, tl, triton
 
 if HAS_TRITON:
 
-    @triton.jit
+    # The pair and position counts change with every batch size: not specialised (== 1, % 16), so one compile per
+    # tile set serves every batch (``moe.moe_warm_up`` compiles them all at start).
+    @triton.jit(do_not_specialize=["N", "P", "NB"])
     def _moe_align_kernel(ids_ptr, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M: tl.constexpr, EP: tl.constexpr,
                           CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr = False):
         """``ids`` [N] expert of each pair -> ``pairs`` [P] (padding: N), ``bexp`` [NB] (unused blocks: -1).
@@ -95,7 +98,7 @@ if HAS_TRITON:
             pair = tl.load(pairs_ptr + rows)
         return e, rows, pair
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])
     def _moe_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, bexp_ptr, N, K, I,
                        x_t, x_k, w_e, w_n, w_k, h_p, h_i,
                        TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
@@ -141,7 +144,7 @@ if HAS_TRITON:
         tl.store(h_ptr + rows[:, None].to(tl.int64) * h_p + n[None, :] * h_i, y.to(h_ptr.dtype.element_ty),
                  mask=valid[:, None] & mn[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])
     def _moe_down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, bexp_ptr, wts_ptr, N, I, H,
                          h_p, h_i, w_e, w_n, w_k, o_p, o_h, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -100,6 +100,8 @@ class ModelRunner:
                 self.forward(ForwardBatch(ForwardMode.EXTEND, ids, list(lens), list(starts), slots[:len(lens)],
                                           StateOps([("copy", a, c), ("clear", c, c)]), track=track, snap=snap,
                                           pages=pages[:len(lens)] if kv is not None else None))
+            if hasattr(self.model, "warm_up_kernels"):  # hybrids: the MoE tiles for long prefills too
+                self.model.warm_up_kernels()
         finally:
             for slot in slots:
                 self.pool.allocator.free(slot)

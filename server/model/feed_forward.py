@@ -124,6 +124,11 @@ class NemotronMoE(nn.Module):
             y = self.fc2_latent_proj(y)
         return y + self.shared_experts(x)
 
+    def warm_up_experts(self) -> int:
+        """Compile the expert kernels' variants (routing weights in fp32, as the router gives them)."""
+        return moe.moe_warm_up(self.experts.up_proj, self.experts.down_proj, self.m.top_k, act=self.m.act, gated=False,
+                               weights_dtype=torch.float32)
+
 
 class GraniteRouter(nn.Module):
     def __init__(self, m: MoEDims, hidden: int):
@@ -160,3 +165,7 @@ class GraniteMoE(nn.Module):
         idx, w = self.router(x)
         return moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight, act=self.m.act,
                                gated=True)
+
+    def warm_up_experts(self) -> int:
+        """Compile the expert kernels' variants (routing weights in the model dtype, as the router gives them)."""
+        return moe.moe_warm_up(self.input_linear.weight, self.output_linear.weight, self.m.top_k, act=self.m.act)

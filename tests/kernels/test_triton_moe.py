@@ -5,8 +5,8 @@ spread, that crowd onto one or two experts, and that leave experts without a tok
 import pytest
 import torch
 
-from mambaserve.kernels.moe import (MoeAlignment, moe_align, moe_align_ref, moe_experts, moe_experts_ref,
-                                    padded_capacity)
+from mambaserve.kernels.moe import (MOE_TILES, MoeAlignment, moe_align, moe_align_ref, moe_experts, moe_experts_ref,
+                                    moe_tiles, moe_warm_up, padded_capacity, warm_up_tokens)
 from tests.kernels.helpers import TOL, assert_close, gen, randn
 
 
@@ -129,3 +129,14 @@ def test_experts_zero_tokens_and_bad_arguments(dev):
             moe_experts_ref(x, ids, wts, w1, w2, **kw)
     with pytest.raises(ValueError):
         moe_experts(x, ids[:, :1], wts, w1, w2, force_triton=True)
+
+
+def test_warm_up_runs_one_token_and_a_batch_per_tile_row(dev):
+    """Start-up compiles: one token (no align step), then token counts whose rows per expert pick each MOE_TILES row
+    in turn; where the torch loop runs there is nothing to compile."""
+    _, _, _, w1, w2 = _case(1, 2, 4, 16, 8, True, "spread", torch.float32, dev, seed=2)
+    assert moe_warm_up(w1, w2, 2, force_triton=True) == 1 + len(MOE_TILES)
+    assert moe_warm_up(w1, w2, 2, force_triton=False) == 0
+    for E, k in ((64, 6), (4, 2), (128, 8), (8, 1)):  # granite-4.0-h-tiny: 1, 2, 129 and 513 tokens
+        tokens = warm_up_tokens(E, k)
+        assert tokens[0] == 1 and [moe_tiles(T * k, E) for T in tokens[1:]] == [t for _, t in MOE_TILES]

@@ -14,6 +14,8 @@ projection with ``F = 2 * I`` when ``gated`` (gate rows ``[0, I)`` first, then u
   per-expert ``F.linear`` calls of the reference and of ``transformers`` do); the weighted top-k sum is fp32.
 - ``moe_align(topk_ids, num_experts, block_m)`` -> ``MoeAlignment``: the routing-align step (pairs
   sorted by expert, each expert's run padded to ``block_m``), exposed for tests and benchmarks.
+- ``moe_runs_triton(t)``: whether tensors where ``t`` lives get the Triton path (then the op can be captured in
+  a CUDA graph); ``moe_warm_up(w1, w2, k, ...)``: every launch variant run once, so requests wait for no compile.
 
 The references (``<op>_ref``, same signatures) are the torch expert loop: the pairs sorted by expert, each expert
 with rows runs its matmuls on them (the row counts come to the host: one synchronisation per call); the

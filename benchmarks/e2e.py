@@ -11,8 +11,8 @@ prints in the same run:
 
 Hybrid shapes (nemotron-h-8b, granite-4.0-h-tiny: `hybrid_step.SHAPES`) take a hybrid path: transformers
 first (its decode step per batch, the difference of two `generate` lengths so its prefill is left out,
-and one forward over the prefill batch), its model freed, then the engine (decode from CUDA graphs where the
-server captures them: not for MoE models; radix cache off); one table with the ratios. Prefill is also set against a FLOP bound
+and one forward over the prefill batch), its model freed, then the engine (decode from CUDA graphs, MoE models'
+too; radix cache off); one table with the ratios. Prefill is also set against a FLOP bound
 (2 x the weights a token multiplies: experts by top_k / E, no embedding; attention and scan FLOPs not
 counted) at ``--peak-tflops``.
 

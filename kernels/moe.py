@@ -133,7 +133,9 @@ ALIGN_TRITON_MAX_PAIRS = 4096
 # Tiles by the mean rows per expert (T * k / E), first match. One BLOCK_M for both GEMMs (they walk the same
 # blocks). Decode (a few rows an expert) is bound by reading the experts' weights: 16-row blocks (the smallest
 # tl.dot tile) and narrow column tiles, so that the few experts of a small batch still spread over every SM.
-# Not yet swept on a GPU: ``benchmarks/moe.py --sweep`` prints the candidates.
+# Not yet swept on a GPU: ``benchmarks/moe.py --sweep`` prints the candidates. An override's ``"direct"`` (default:
+# one token) skips the align step, a block per pair: right for any routing, cheapest where no two pairs share an
+# expert.
 MOE_TILES = (
     (12, {"block_m": 16, "up_block_n": 32, "up_block_k": 128, "up_warps": 4, "up_stages": 4,
           "down_block_n": 64, "down_block_k": 128, "down_warps": 4, "down_stages": 4}),
@@ -143,9 +145,7 @@ MOE_TILES = (
     (None, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
             "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
 )
-# ``"direct"`` (default: one token) skips the align step, one block per pair; right for any routing, cheapest where
-# no two pairs share an expert. Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still
-# cross several tiles.
+# Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still cross several tiles.
 _INTERPRET_TILES = {"block_m": 16, "up_block_n": 16, "up_block_k": 16, "up_warps": 1, "up_stages": 1,
                     "down_block_n": 16, "down_block_k": 16, "down_warps": 1, "down_stages": 1}
 
@@ -214,7 +214,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     sorted_pairs = torch.empty(P, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=ids.device)
     EP = max(16, next_pow2(num_experts))
-    # the [CHUNK, EP] one-hots stay at 64 registers a thread (8 warps): fewer, wider serial steps over the pairs
+    # one-hots of up to 16K elements (8 warps from 4K; ptxas for sm_90: 154 registers, no spills, at 256 x 64):
+    # fewer, wider serial steps over the pairs
     chunk = max(16, min(256, 16384 // EP, next_pow2(max(N, P // block_m))))
     _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, P // block_m, BLOCK_M=block_m, EP=EP, CHUNK=chunk,
                             FILL=min(1024, next_pow2(P)), num_warps=8 if chunk * EP > 4096 else 4, **pdl_args(ids))

@@ -214,9 +214,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     sorted_pairs = torch.empty(P, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=ids.device)
     EP = max(16, next_pow2(num_experts))
-    # one-hots of up to 16K elements (8 warps from 4K; ptxas for sm_90: 154 registers, no spills, at 256 x 64):
-    # fewer, wider serial steps over the pairs
-    chunk = max(16, min(256, 16384 // EP, next_pow2(max(N, P // block_m))))
+    # one-hots of up to 8K elements, 8 warps from 4K (compiled for sm_90 by Triton 3.6: 193 registers a thread at
+    # 128 x 64, no spills; 16K took all 255): as few serial steps over the pairs as the registers allow
+    chunk = max(16, min(256, 8192 // EP, next_pow2(max(N, P // block_m))))
     _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, P // block_m, BLOCK_M=block_m, EP=EP, CHUNK=chunk,
                             FILL=min(1024, next_pow2(P)), num_warps=8 if chunk * EP > 4096 else 4, **pdl_args(ids))
     return MoeAlignment(sorted_pairs, block_expert, block_m)

@@ -132,6 +132,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--in-process-only", action="store_true", help="skip the HTTP side")
+    p.add_argument("--http-only", action="store_true", help="skip the in-process side (first burst against the next)")
     p.add_argument("--profile-server", metavar="PATH", help="record the server process with py-spy (collapsed "
                                                              "stacks per thread) during the HTTP bursts")
     p.add_argument("--arrival-spread-ms", type=float, default=0.0,
@@ -158,6 +159,8 @@ def main() -> None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
                 spy.wait(timeout=60)
 
+    if a.http_only:
+        return
     print("in process (Engine.generate, same flags)", flush=True)
     from mambaserve.server.cli import build_parser, config_from_args
     from mambaserve.server.engine.engine import Engine

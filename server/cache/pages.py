@@ -7,6 +7,8 @@ block table row. Token ``p`` of a sequence lives at ``pages[p // page_size] * pa
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
@@ -53,13 +55,51 @@ class PageAllocator:
         self._free.extend(reversed(pages))
         return len(pages)
 
+    def detach(self, owner, count: int) -> list[int]:
+        """``owner``'s first ``count`` pages, no longer its own: the caller hands them to the radix tree
+        (or frees them with ``free``)."""
+        have = self._owned.get(owner, [])
+        out, rest = have[:count], have[count:]
+        if rest:
+            self._owned[owner] = rest
+        else:
+            self._owned.pop(owner, None)
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        """Pages nobody holds any more (the radix tree's, or detached duplicates) back to the free list."""
+        self._free.extend(reversed(pages))
+
+    def rename(self, owner, new_owner) -> None:
+        """Hand ``owner``'s pages to ``new_owner`` (which holds none): a session keeps its turn's pages."""
+        if new_owner in self._owned:
+            raise ValueError(f"{new_owner!r} holds pages already")
+        if owner in self._owned:
+            self._owned[new_owner] = self._owned.pop(owner)
+
     def owners(self) -> list:
         return list(self._owned)
 
-    def check(self) -> None:
-        """Every page is free or owned by exactly one owner (AssertionError naming the first violation)."""
+    def check(self, elsewhere: list[int] = ()) -> None:
+        """Every page is free, owned by exactly one owner, or in ``elsewhere`` (the radix tree's), once
+        (AssertionError naming the first violation)."""
         owned = [p for ps in self._owned.values() for p in ps]
         assert len(set(owned)) == len(owned), "a page is owned twice"
+        assert len(set(elsewhere)) == len(elsewhere), "the radix tree holds a page twice"
+        assert len(set(self._free)) == len(self._free), "a page is free twice"
         assert not set(owned) & set(self._free), "a page is both owned and free"
-        assert len(owned) + len(self._free) == self.capacity, (
-            f"{len(owned)} owned + {len(self._free)} free != {self.capacity} pages")
+        assert not set(owned) & set(elsewhere), "a page is owned by a request and by the radix tree"
+        assert not set(elsewhere) & set(self._free), "a page is both in the radix tree and free"
+        assert len(owned) + len(elsewhere) + len(self._free) == self.capacity, (
+            f"{len(owned)} owned + {len(elsewhere)} in the tree + {len(self._free)} free != {self.capacity} pages")
+
+
+@dataclass
+class KVHold:
+    """The KV pages a running request (or an idle streaming session) reads, in token order: ``prefix``,
+    the radix tree's pages of a page-aligned prefix (shared, never written; ``node`` is kv-locked while
+    held), then its own pages in the allocator under ``owner``, from the page boundary after the prefix."""
+
+    owner: object
+    prefix: list[int] = field(default_factory=list)
+    node: object | None = None  # radix_tree.TreeNode

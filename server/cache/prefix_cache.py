@@ -22,6 +22,13 @@ Where snapshots come from (docs/design.md §5):
 Chunk ends, donations and tracked positions are *speculative*: they evict each other before a
 conversation's state.
 ``DisabledCache`` keeps the same interface with no tree: the plain engine.
+
+Hybrid models (``pages``: the KV page allocator) get a ``HybridRadixCache``: each request holds its
+KV pages as a ``KVHold`` (``admit_kv``: the matched prefix's pages from the tree, kv-locked, and its own
+from the page boundary after it); ``keep_kv`` gives the tree a page-aligned prefix of what a request
+wrote (its pages, and a snapshot at its end) and points the request at the tree's pages from then on;
+``release_kv`` frees the request's own pages and unlocks the tree's. Pages the tree releases (evicted
+or pruned nodes) go back to the allocator at once. A Mamba-only cache (``pages is None``) does none of it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from mambaserve.server.cache.host_tier import HostLock, HostTier
+from mambaserve.server.cache.hybrid_radix_tree import HybridRadixCache
+from mambaserve.server.cache.pages import KVHold, PageAllocator, pages_for
 from mambaserve.server.cache.radix_tree import MambaRadixCache, TreeNode
 from mambaserve.server.cache.slots import SlotAllocator
 from mambaserve.server.cache.storage_tier import MAX_INFLIGHT_WRITES, StorageTier
@@ -81,8 +90,9 @@ class DisabledCache:
     host: HostTier | None = None  # the host tier, where evicted snapshots go (PrefixCache with one)
     storage: StorageTier | None = None  # the storage tier below it (PrefixCache with a host tier)
 
-    def __init__(self, allocator: SlotAllocator):
+    def __init__(self, allocator: SlotAllocator, pages: PageAllocator | None = None):
         self.allocator = allocator
+        self.pages = pages  # hybrid models' KV pages (None: a Mamba-only model)
         self.pending = StateOps()
         self.evictions = 0
 
@@ -159,9 +169,37 @@ class DisabledCache:
     def evictable_slots(self) -> int:
         return 0
 
+    # ---- KV pages (hybrid models) ----------------------------------------------------------------
+    def admit_kv(self, owner, node, cached: int, tokens: int) -> KVHold | None:
+        """The KV pages of a request of ``tokens`` tokens whose first ``cached`` come from the matched
+        ``node`` (locked by ``match``; None on a miss): the tree's pages for those, read-only and pinned
+        until ``release_kv``, and its own for the rest under ``owner``. None (nothing held) when too
+        few pages are free or evictable."""
+        if not self.pages.ensure(owner, tokens):
+            return None
+        return KVHold(owner)
+
+    def keep_kv(self, hold: KVHold, tokens: Sequence[int], slot: int | None = None, speculative: bool = False) -> bool:
+        """Give the cache the KV of ``tokens`` (a page-aligned prefix of what ``hold``'s request wrote) and,
+        with ``slot``, the state after them; True if it took the slot. The request reads the cache's
+        pages for that prefix from now on."""
+        return False
+
+    def release_kv(self, hold: KVHold | None) -> None:
+        """A request's (or session's) pages given up: its own freed, the tree's unpinned."""
+        if hold is not None:
+            self.pages.release(hold.owner)
+
+    def block_table(self, hold: KVHold) -> list[int]:
+        return hold.prefix + self.pages.pages(hold.owner)
+
     def evictable_pages(self) -> int:
-        """KV pages the cache holds that eviction could free (hybrids; none without a tree)."""
+        """KV pages the cache could free now (metrics, admission)."""
         return 0
+
+    def tree_pages(self) -> list[int]:
+        """The KV pages the cache holds (the accounting check)."""
+        return []
 
     def flush(self) -> int:
         return 0
@@ -174,9 +212,11 @@ class PrefixCache(DisabledCache):
     enabled = True
 
     def __init__(self, allocator: SlotAllocator, page_size: int = 1, ghosts: int | None = None,
-                 host: HostTier | None = None):
-        super().__init__(allocator)
-        self.tree = MambaRadixCache(page_size)
+                 host: HostTier | None = None, pages: PageAllocator | None = None):
+        super().__init__(allocator, pages)
+        if pages is not None and host is not None:
+            raise ValueError("the host tier holds Mamba snapshots only: not for hybrid models")
+        self.tree = MambaRadixCache(page_size) if pages is None else HybridRadixCache(page_size)
         self.host = host  # evicted snapshots go there first (None: they are dropped)
         # Keys of evicted snapshots, LRU-bounded (a tree with ids for slots): a later prompt that would
         # have matched one of them missed for lack of space, a miss more slots would have turned into a
@@ -184,6 +224,7 @@ class PrefixCache(DisabledCache):
         self.ghosts = MambaRadixCache(page_size)
         self.ghost_limit = ghosts if ghosts is not None else 4 * allocator.capacity
         self._ghost_ids = itertools.count()
+        self.page_evictions = 0  # leaves removed for their KV pages (hybrids; counted in `evictions` too)
 
     def alloc(self, unused_since: int | None = None, speculative: bool = False) -> int | None:
         slot = self.allocator.alloc()
@@ -200,8 +241,15 @@ class PrefixCache(DisabledCache):
                         self._on_host(self.host.tree._owner[h], key)
                 self.free(s)
                 self._remember_evicted(key)
+            if self.pages is not None:
+                self._drain()
             slot = self.allocator.alloc()
         return slot
+
+    def _drain(self) -> None:
+        """Pages of nodes the tree removed, back to the allocator (hybrid models)."""
+        if self.tree.released:
+            self.pages.free(self.tree.take_released())
 
     def _remember_evicted(self, key: tuple[int, ...]) -> None:
         if self.ghost_limit <= 0:
@@ -308,9 +356,16 @@ class PrefixCache(DisabledCache):
             self.host.unlock(lock)
         elif lock is not None:
             self.tree.unlock(lock)
+            if self.pages is not None:
+                self._drain()
 
     def take(self, lock) -> int | None:
-        return self.tree.take(lock) if isinstance(lock, TreeNode) else None
+        if not isinstance(lock, TreeNode):
+            return None
+        slot = self.tree.take(lock)
+        if self.pages is not None:
+            self._drain()
+        return slot
 
     def sole_reader_of_leaf(self, lock) -> bool:
         """``lock`` (matched and locked by the caller) is a device leaf nobody else reads: taking its slot
@@ -326,10 +381,73 @@ class PrefixCache(DisabledCache):
     def keep(self, tokens: Sequence[int], slot: int, speculative: bool = False) -> bool:
         if not tokens:
             return False
-        r = self.tree.insert(tokens, slot, speculative)
+        r = self.tree.insert(tokens, slot, speculative)  # (hybrid: only where the tree has the KV)
         if r.stored and not speculative and self.storage is not None:
             self.write_through(tokens, slot)
         return r.stored
+
+    # ---- KV pages (hybrid models) ----------------------------------------------------------------
+    def admit_kv(self, owner, node, cached: int, tokens: int) -> KVHold | None:
+        hold = KVHold(owner)
+        if isinstance(node, TreeNode) and cached:
+            self.tree.kv_lock(node)
+            hold.node, hold.prefix = node, self.tree.pages_to(node)
+        if not self._ensure_pages(owner, tokens - len(hold.prefix) * self.pages.page_size):
+            self.release_kv(hold)
+            return None
+        return hold
+
+    def _ensure_pages(self, owner, tokens: int) -> bool:
+        """Pages for ``owner``'s first ``tokens`` tokens, evicting the cache's least recently used leaves
+        when too few are free (only when that makes enough)."""
+        if self.pages.ensure(owner, tokens):
+            return True
+        short = pages_for(tokens, self.pages.page_size) - len(self.pages.pages(owner)) - self.pages.num_free
+        if short > self.tree.evictable_pages():
+            return False
+        keys: list = []
+        for s in self.tree.evict_pages(short, keys):
+            self.free(s)
+        self.evictions += len(keys)
+        self.page_evictions += len(keys)
+        for key in keys:
+            self._remember_evicted(key)
+        self._drain()
+        return self.pages.ensure(owner, tokens)
+
+    def keep_kv(self, hold: KVHold, tokens: Sequence[int], slot: int | None = None, speculative: bool = False) -> bool:
+        ps = self.pages.page_size
+        n = len(tokens)
+        if n % ps:
+            raise ValueError(f"KV of {n} tokens is not a whole number of pages of {ps}")
+        k, have = n // ps, len(hold.prefix)
+        if k > have:
+            mine = self.pages.pages(hold.owner)[:k - have]
+            node, dup = self.tree.insert_pages(tokens, hold.prefix + mine)
+            self.pages.detach(hold.owner, k - have)  # now the tree's, or duplicates of the tree's
+            self.pages.free(dup)
+            self.tree.kv_lock(node)
+            if hold.node is not None:
+                self.tree.kv_unlock(hold.node)  # an ancestor of `node`: nothing is pruned
+            hold.node, hold.prefix = node, self.tree.pages_to(node)
+        stored = slot is not None and self.keep(tokens, slot, speculative)
+        self._drain()
+        return stored
+
+    def release_kv(self, hold: KVHold | None) -> None:
+        if hold is None:
+            return
+        self.pages.release(hold.owner)
+        if hold.node is not None:
+            self.tree.kv_unlock(hold.node)  # its path's leaf goes if no snapshot ended up there
+            hold.node, hold.prefix = None, []
+        self._drain()
+
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_pages() if self.pages is not None else 0
+
+    def tree_pages(self) -> list[int]:
+        return self.tree.all_pages() if self.pages is not None else []
 
     def write_through(self, tokens: Sequence[int], slot: int) -> None:
         """``write_through``: the snapshot the tree just took at ``tokens`` (device ``slot``) goes to storage
@@ -351,6 +469,8 @@ class PrefixCache(DisabledCache):
         slots = self.tree.flush()
         for s in slots:
             self.free(s)
+        if self.pages is not None:
+            self._drain()
         return len(slots) + (self.host.flush() if self.host is not None else 0)
 
     def check_invariants(self) -> None:

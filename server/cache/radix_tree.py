@@ -61,7 +61,7 @@ class TreeNode:
     """
 
     __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access", "speculative", "hits",
-                 "stored", "from_storage")
+                 "stored", "from_storage", "pages", "kv_ref")
 
     def __init__(self, key: tuple[int, ...], parent: TreeNode | None, depth: int, last_access: int = 0):
         self.key = key
@@ -77,6 +77,10 @@ class TreeNode:
         self.hits = 0
         self.stored = False
         self.from_storage = False
+        # (hybrid models, HybridRadixCache) the KV pages of the edge's tokens, and the requests / sessions
+        # reading them (on this node and its descendants); empty and 0 in a Mamba-only tree
+        self.pages: tuple[int, ...] = ()
+        self.kv_ref = 0
 
     def __repr__(self) -> str:
         return (f"TreeNode(depth={self.depth}, edge={len(self.key)}, slot={self.slot}, "
@@ -187,6 +191,9 @@ class MambaRadixCache:
             if m < len(child.key):
                 child = self._split(child, m)
             node, pos = child, pos + m
+        return self._attach(node, slot, speculative)
+
+    def _attach(self, node: TreeNode, slot: int, speculative: bool) -> InsertResult:
         self._touch(node)
         if node.slot is not None:
             return InsertResult(node, existed=True, stored=False)
@@ -312,7 +319,7 @@ class MambaRadixCache:
             _require(node.lock_ref >= child_locks,
                      f"{node!r} has fewer locks than its children together ({child_locks})")
             if node is not r and node.slot is None and not node.children:
-                _require(node.lock_ref > 0, f"tombstone leaf left in the tree: {node!r}")
+                _require(node.lock_ref > 0 or node.kv_ref > 0, f"tombstone leaf left in the tree: {node!r}")
             if node.slot is not None:
                 _require(node.slot not in seen, f"slot {node.slot} held by two nodes")
                 _require(self._owner.get(node.slot) is node, f"slot index out of date for {node!r}")

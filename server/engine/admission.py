@@ -72,6 +72,8 @@ class Admission:
             n = min(n, req.prefill_len - req.in_state)  # the real hit, not the estimate, decides
             if req.logits_from is not None:
                 n = min(n, PROMPT_LOGITS_PER_STEP)
+            if self.pages is not None and self.cache.enabled and n > 0:
+                n = self._page_aligned(req, n)
             if n > 0:
                 chunks.append((req, n))
         _count_overtaken(arrivals, admitted)
@@ -113,7 +115,7 @@ class Admission:
             # The prompt's last chunk samples its first token, and the state before its last token is kept
             # (the same prompt sent again has that token left to run). Such a chunk never starts at `last`:
             # a request with only that token left decodes it (Req.prefill_len).
-            snaps = self.cache.enabled and s + n == last + 1
+            snaps = self.cache.enabled and s + n == last + 1 and (self.pages is None or last % self.pages.page_size == 0)
             if snaps:
                 slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
                 if slot is not None:
@@ -132,7 +134,25 @@ class Admission:
                             pages=self._pages([r for r, _ in chunks]))
 
     def _pages(self, reqs: list[Req]) -> list[list[int]] | None:
-        return None if self.pages is None else [self.pages.pages(r.rid) for r in reqs]
+        return None if self.pages is None else [self.cache.block_table(r.kv) for r in reqs]
+
+    def _page_aligned(self, req: Req, n: int) -> int:
+        """Hybrid models with the radix cache: a prefill chunk that leaves the prompt unfinished ends on a
+        page boundary (its end state is donated with its pages: the tree keeps page-aligned prefixes
+        only), and the prompt's last page boundary before its last token ends a chunk, so the same prompt
+        sent again (or a chat's next turn) hits there. That boundary costs one more prefill step where
+        the rest of the prompt would have fit the chunk; a boundary at the last token itself needs none
+        (the pass that samples snapshots the state before that token)."""
+        ps, s = self.pages.page_size, req.in_state
+        end = s + n
+        if end >= req.prefill_len:
+            last = len(req.prompt_ids) - 1
+            if last % ps == 0:
+                return n
+            cut = last - last % ps
+        else:
+            cut = end - end % ps
+        return cut - s if cut > s else n
 
     def _reserved_tokens(self, req: Req) -> int:
         """KV tokens a request may write: its prompt and every token it may sample (the last one runs once
@@ -140,15 +160,6 @@ class Admission:
         return len(req.prompt_ids) + req.params.max_new_tokens
 
     def _admit(self, req: Req) -> bool:
-        if self.pages is not None and not self.pages.ensure(req.rid, self._reserved_tokens(req)):
-            return False  # waits for running requests to release pages
-        if not self._admit_slot(req):
-            if self.pages is not None:
-                self.pages.release(req.rid)
-            return False
-        return True  # (a request that ended inside released its pages with its slot)
-
-    def _admit_slot(self, req: Req) -> bool:
         live = self.sessions.take_live_slot(req.session) if req.session is not None else None
         if live is not None:  # a streaming session's turn continues from its live state
             req.slot, req.in_state = live
@@ -162,6 +173,13 @@ class Admission:
         if req.logits_from is not None:
             limit = min(limit, req.logits_from)
         cached, node, tier = self.cache.match(req.prompt_ids[:limit])
+        if self.pages is not None:
+            # hybrid models: the matched prefix's pages are the tree's (read-only); the request's own pages,
+            # reserved for what it may write (so decode never runs out), start at the page after it
+            req.kv = self.cache.admit_kv(req.rid, node, cached, self._reserved_tokens(req))
+            if req.kv is None:
+                self.cache.unlock(node)
+                return False  # waits for running requests to release pages
         # A hit copies its snapshot into a free slot: the snapshot stays for others. With no slot free,
         # a leaf snapshot only this request reads is taken over (its slot changes hands, no copy) rather
         # than evicting another conversation's snapshot to copy into: this request's own state
@@ -178,6 +196,8 @@ class Admission:
             self.cache.unlock(node)
             slot = self.cache.take(node)
             if slot is None:
+                self.cache.release_kv(req.kv)
+                req.kv = None
                 return False
         req.slot = slot
         self._started(req)
@@ -213,7 +233,7 @@ class Admission:
             if not self.cache.keep(plan[i][0].prompt_ids[:pos], slot, speculative=True):
                 self.cache.free(slot)
         for i, slot in batch.snap:
-            if not self.cache.keep(plan[i][0].prompt_ids[:-1], slot, speculative=True):
+            if not self._keep(plan[i][0], plan[i][0].prompt_ids[:-1], slot):
                 self.cache.free(slot)
             elif self.cache.storage is not None:  # what the same prompt sent again (or after a restart) matches
                 self.cache.write_through(plan[i][0].prompt_ids[:-1], slot)
@@ -245,12 +265,20 @@ class Admission:
         oldest = self.queues.waiting[0].arrival_tick if self.queues.waiting else req.arrival_tick
         return min(oldest, req.arrival_tick) - 1
 
+    def _keep(self, req: Req, tokens: list[int], slot: int) -> bool:
+        """A speculative snapshot of ``req``'s state after ``tokens`` to the tree (hybrids: with its KV pages)."""
+        if req.kv is not None:
+            return self.cache.keep_kv(req.kv, tokens, slot, speculative=True)
+        return self.cache.keep(tokens, slot, speculative=True)
+
     def _donate(self, req: Req) -> None:
         """Give the request's state to the tree and continue in a fresh slot filled by a deferred copy."""
+        if req.kv is not None and req.in_state % self.pages.page_size:
+            return  # (hybrids) the tree keeps page-aligned prefixes only
         fresh = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
         if fresh is None:
             return
-        if self.cache.keep(req.tokens(req.in_state), req.slot, speculative=True):
+        if self._keep(req, req.tokens(req.in_state), req.slot):
             if req.prefill_done and self.cache.storage is not None:
                 self.cache.write_through(req.tokens(req.in_state), req.slot)  # what a resent prompt matches
             self.cache.copy_into(req.slot, fresh)

@@ -44,8 +44,6 @@ HYBRID_PAGE_SIZE = 16  # KV tokens per page for hybrids unless --page-size says 
 def hybrid_refusals(cfg: ServerConfig) -> list[str]:
     """The features a hybrid model cannot run with yet, as the flags that ask for them (empty: none asked)."""
     out = []
-    if not cfg.disable_radix_cache:
-        out.append("the radix cache (KV pages + Mamba snapshots in one tree is not built): pass --disable-radix-cache")
     if cfg.host_cache_size:
         out.append("--host-cache-size (the host tier holds Mamba snapshots only)")
     if cfg.mamba_cache_strategy != "no_buffer" or cfg.mamba_track_interval:
@@ -163,7 +161,8 @@ class Engine:
                            per_page=per_page, reserve=reserve, page_size=cfg.page_size,
                            context_length=self.context_length, slots=cfg.mamba_cache_size,
                            running=cfg.max_running_requests, default_running=default_running,
-                           pages=-(-cfg.max_total_tokens // cfg.page_size) if cfg.max_total_tokens else None)
+                           pages=-(-cfg.max_total_tokens // cfg.page_size) if cfg.max_total_tokens else None,
+                           cached=not cfg.disable_radix_cache)
 
     def _host_pool(self, is_cuda: bool) -> HostStatePool | None:
         """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache).

@@ -117,7 +117,7 @@ class HybridPlan:
 
 def plan_hybrid(*, total: int, in_use: int, fraction: float, per_slot: int, per_page: int, reserve: int,
                 page_size: int, context_length: int, slots: int | None, running: int | None,
-                default_running: int, pages: int | None = None) -> HybridPlan:
+                default_running: int, pages: int | None = None, cached: bool = False) -> HybridPlan:
     """State slots, KV pages and the running limit of a hybrid model, from one budget (as ``plan_pool``).
 
     Without a radix cache or sessions only running requests hold state, so the state pool gets one slot
@@ -125,7 +125,9 @@ def plan_hybrid(*, total: int, in_use: int, fraction: float, per_slot: int, per_
     request reserves pages for its whole prompt + max_new_tokens at admission, at most a context), and at
     least one full context. When both do not fit, fewer requests run. Raises ValueError, one line with the
     numbers, when even one request with a full context cannot. ``pages``: an explicit KV pool size
-    (``--max-total-tokens``), refused when below one context or beyond the budget."""
+    (``--max-total-tokens``), refused when below one context or beyond the budget. ``cached`` (the radix
+    cache is on): the state pool gets up to two slots per running request (the second for snapshots) and
+    the KV pool up to twice what the running requests could fill (the rest holds cached prefixes)."""
     budget = int(fraction * total) - in_use - reserve
     context_pages = -(-context_length // page_size)
     how = (f"{fraction:g} x {total / GiB:.1f} GiB (--mem-fraction-static) - {in_use / GiB:.1f} GiB in use "
@@ -148,8 +150,9 @@ def plan_hybrid(*, total: int, in_use: int, fraction: float, per_slot: int, per_
                          f"GiB of KV pages but the pools have {how}")
     running = running or default_running
     room = (budget - (pages or context_pages) * per_page) // per_slot if pages else fit
-    slots = min(slots or running, room)
+    slots = min(slots or (2 * running if cached else running), room)
     running = min(running, slots)
     if pages is None:
-        pages = max(min((budget - slots * per_slot) // per_page, running * context_pages), context_pages)
+        cap = (2 if cached else 1) * running * context_pages
+        pages = max(min((budget - slots * per_slot) // per_page, cap), context_pages)
     return HybridPlan(slots, running, pages, per_slot, per_page, budget)

@@ -109,16 +109,24 @@ class OutputProcessor:
                 req.slot = None  # the session holds it until the next turn
         if req.slot is not None:
             # the state covers in_state tokens of prompt + output: the next turn starts there
-            if error or not self.cache.keep(req.tokens(req.in_state), req.slot):
+            if error or not self._keep(req):
                 self.cache.free(req.slot)
             req.slot = None
-        if self.pages is not None:
-            self.pages.release(req.rid)
+        if req.kv is not None:  # its own pages freed, the tree's unpinned
+            self.cache.release_kv(req.kv)
+            req.kv = None
         self.sampler.forget(req.rid)
         self.metrics.requests.labels("error" if error else reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - req.created)
         if emit:
             self._emit_final(req, reason, error, error_code)
+
+    def _keep(self, req: Req) -> bool:
+        """The final state to the tree; hybrids: with the KV of its tokens, where they end on a page."""
+        tokens = req.tokens(req.in_state)
+        if req.kv is None:
+            return self.cache.keep(tokens, req.slot)
+        return req.in_state % self.pages.page_size == 0 and self.cache.keep_kv(req.kv, tokens, req.slot)
 
     def refuse(self, req: Req, error: Exception) -> None:
         """A request that never ran: one output carrying the HTTP status and code of ``error``."""

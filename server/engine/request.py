@@ -153,6 +153,7 @@ class Req:
     arrival_tick: int = 0  # the cache's recency clock when it arrived (admission._speculative_horizon)
     overtaken: int = 0  # admission rounds in which a later request was admitted while it waited
     locked_node: object | None = None  # radix node whose snapshot is being copied in (unlocked after the copy)
+    kv: object | None = None  # cache.pages.KVHold: its KV pages, from admission to its end (hybrid models)
     session_id: str | None = None
     turn_params: object | None = None  # sessions.table.TurnParams
     session: object | None = None  # sessions.table.Session, once the turn is accepted

@@ -62,10 +62,11 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         page_size = cfg.page_size or 1
         host = HostTier(runner.host_pool.capacity, page_size) if runner.host_pool is not None else None
-        self.cache = (DisabledCache(self.slots) if cfg.disable_radix_cache
-                      else PrefixCache(self.slots, page_size, host=host))
-        # hybrid models: KV pages, reserved per request at admission and released at its end
+        # hybrid models: KV pages, reserved per request at admission and released at its end (the page-aligned
+        # prefix of what it wrote goes to the radix tree)
         self.pages = runner.kv_pool.allocator if runner.kv_pool is not None else None
+        self.cache = (DisabledCache(self.slots, self.pages) if cfg.disable_radix_cache
+                      else PrefixCache(self.slots, page_size, host=host, pages=self.pages))
         self.storage = None  # the storage tier (engine/tiering.py), with --storage-dir
         if cfg.storage_dir is not None and host is not None:
             self.storage = self.cache.storage = build_storage_tier(
@@ -344,10 +345,22 @@ class Scheduler:
             "a session waits for a turn that no longer exists"
         assert self.stalled_steps <= 1, f"requests wait while nothing runs ({self.stalled_steps} steps): admission is stuck"
         self.cache.check_invariants()
-        if self.pages is not None:  # every KV page is free or held by exactly one running request
-            self.pages.check()
-            assert set(self.pages.owners()) <= {r.rid for r in running}, \
-                f"KV pages held by requests that ended: {set(self.pages.owners()) - {r.rid for r in running}}"
+        if self.pages is not None:
+            self._check_pages(running)
+
+    def _check_pages(self, running: list[Req]) -> None:
+        """Every KV page is free, owned by exactly one running request, or owned by the radix tree; a
+        request reads the tree's pages only on the path it holds pinned."""
+        self.pages.check(self.cache.tree_pages())
+        assert set(self.pages.owners()) <= {r.rid for r in running}, \
+            f"KV pages held by requests that ended: {set(self.pages.owners()) - {r.rid for r in running}}"
+        for r in running:
+            assert r.kv is not None and r.kv.owner == r.rid, f"running request {r.rid} without its KV pages"
+            if r.kv.node is not None:
+                assert r.kv.prefix == self.cache.tree.pages_to(r.kv.node) and r.kv.node.kv_ref > 0, \
+                    f"request {r.rid} reads tree pages it does not hold"
+            else:
+                assert not r.kv.prefix, f"request {r.rid} reads tree pages without a pinned node"
 
     def accounting(self) -> dict:
         q = self.queues
@@ -360,7 +373,9 @@ class Scheduler:
                 "held_by_tree": self.cache.tree_slots, "held_by_sessions": len(self.sessions.held_slots),
                 "evictable": self.cache.evictable_slots, "running": len(q.running), "waiting": len(q.waiting),
                 "sessions": len(self.sessions.table.sessions),
-                **({"kv_pages": self.pages.capacity, "kv_pages_free": self.pages.num_free} if self.pages else {})}
+                **({"kv_pages": self.pages.capacity, "kv_pages_free": self.pages.num_free,
+                    "kv_pages_tree": len(self.cache.tree_pages()), "kv_pages_evictable": self.cache.evictable_pages()}
+                   if self.pages else {})}
 
     def load(self) -> dict:
         """Requests running and waiting, and the tokens (prompt + output so far) they hold: what

@@ -1,4 +1,4 @@
-"""Hybrid models through the engine without the radix cache: continuous batching, chunked prefill and
+"""Hybrid models through the engine without the radix cache (tests/server/test_hybrid_radix.py has it): continuous batching, chunked prefill and
 decode give transformers' greedy outputs; KV pages and slots all come back; the features not built
 for hybrids are refused with the reason, before anything runs."""
 
@@ -79,10 +79,8 @@ def test_pages_scarce_requests_wait_not_fail(tmp_path):
 
 def test_features_not_built_for_hybrids_are_refused(tmp_path):
     path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
-    with pytest.raises(ValueError, match="NemotronHForCausalLM is a hybrid model.*--disable-radix-cache"):
-        _engine(path, disable_radix_cache=False)
-    with pytest.raises(ValueError, match="--host-cache-size"):
-        _engine(path, host_cache_size=2**20)
+    with pytest.raises(ValueError, match="NemotronHForCausalLM is a hybrid model.*--host-cache-size"):
+        _engine(path, host_cache_size=2**20, disable_radix_cache=False)
     with pytest.raises(ValueError, match=r"--max-total-tokens \(13 pages of 16 tokens\) holds less than one request of --context-length 256"):
         _engine(path, max_total_tokens=200)
     engine = _engine(path)

@@ -1,6 +1,6 @@
-"""`mambaserve serve --model <hybrid checkpoint>` as a user starts it: refused in one line without
---disable-radix-cache; with it, /generate answers transformers' greedy tokens and /get_model_info names
-the architecture."""
+"""`mambaserve serve --model <hybrid checkpoint>` as a user starts it: refused in one line with a flag not
+built for hybrids; without, /generate answers transformers' greedy tokens (and the same prompt sent again
+hits the radix cache at its last page boundary), /get_model_info names the architecture."""
 
 import time
 
@@ -14,13 +14,13 @@ from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 def test_serve_a_hybrid_checkpoint(tmp_path):
     path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
-    proc = _serve(path, free_port(), "--device", "cpu")
+    proc = _serve(path, free_port(), "--device", "cpu", "--host-cache-size", "1000000")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "Traceback" not in err
-    assert "NemotronHForCausalLM is a hybrid model; not built for hybrids yet" in err and "--disable-radix-cache" in err
+    assert "NemotronHForCausalLM is a hybrid model; not built for hybrids yet" in err and "--host-cache-size" in err
 
     port = free_port()
-    proc = _serve(path, port, "--device", "cpu", "--disable-radix-cache", "--context-length", "256")
+    proc = _serve(path, port, "--device", "cpu", "--context-length", "256")
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -31,8 +31,11 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
                 pass
             time.sleep(0.1)
         params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+        prompt = list(range(11, 31))
         gen = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
-                         json={"input_ids": [11, 12, 13, 14, 15], "sampling_params": params})
+                         json={"input_ids": prompt, "sampling_params": params})
+        again = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
+                           json={"input_ids": prompt, "sampling_params": params})
         info = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=10).json()
         server = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10).json()
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
@@ -42,10 +45,13 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ref = hf.generate(torch.tensor([[11, 12, 13, 14, 15]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                      eos_token_id=None)[0, 5:].tolist()
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                      eos_token_id=None)[0, len(prompt):].tolist()
     assert gen.status_code == 200 and gen.json()["output_ids"] == ref
+    assert again.json()["output_ids"] == ref and again.json()["meta_info"]["cached_tokens"] == 16
     assert info["architecture"] == "NemotronHForCausalLM"
     state = server["internal_states"][0]
-    assert server["page_size"] == 16 and state["kv_pages"] == state["kv_pages_free"] > 0  # all back after /generate
+    # after /generate every page is free or the cache's, and the cache's may all be evicted
+    assert server["page_size"] == 16 and state["kv_pages"] == state["kv_pages_free"] + state["kv_pages_tree"]
+    assert state["kv_pages_tree"] == state["kv_pages_evictable"] > 0
     assert f"mambaserve_kv_pages_total {float(state['kv_pages'])}" in metrics

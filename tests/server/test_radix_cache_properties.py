@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from mambaserve.server.cache.hybrid_radix_tree import HybridRadixCache
 from mambaserve.server.cache.radix_tree import CacheBusyError, MambaRadixCache
 
 # Three token values and short keys give lots of shared prefixes, splits and tombstones.
@@ -175,3 +176,114 @@ TestRadixCache = RadixCacheMachine.TestCase
 TestRadixCache.settings = SETTINGS
 TestPagedRadixCache = PagedRadixCacheMachine.TestCase
 TestPagedRadixCache.settings = SETTINGS
+
+
+class HybridRadixCacheMachine(RadixCacheMachine):
+    """The same rules on the hybrids' tree, where every node carries the KV pages of its edge: a snapshot
+    is inserted with the pages of its key (fresh ones; where the tree has the tokens already its pages
+    stay and the fresh ones come back as duplicates), readers pin paths' pages (``kv_lock``), and KV
+    eviction removes leaves whole. Oracle: the tree holds exactly one page per page-aligned prefix of
+    every stored or pinned key, and every page handed out is in the tree, returned or released, once."""
+
+    page_size = 2
+
+    @initialize()
+    def setup(self):
+        super().setup()
+        self.cache = HybridRadixCache(page_size=self.page_size)
+        self.kv_locks: list[tuple] = []  # (node, key)
+        self.next_page = 0
+        self.handed: set[int] = set()  # pages given to insert_pages
+        self.back: list[int] = []  # duplicates returned by insert_pages and pages released by the tree
+
+    def _insert(self, key):
+        if len(key) % self.page_size == 0:
+            pages = list(range(self.next_page, self.next_page + len(key) // self.page_size))
+            self.next_page += len(pages)
+            self.handed.update(pages)
+            node, dup = self.cache.insert_pages(key, pages)
+            assert node.depth == len(key)
+            self.back += dup
+            # the tree kept its own pages for the tokens it had; the caller's came back for exactly those
+            assert set(dup) | (set(self.cache.pages_to(node)) & set(pages)) == set(pages)
+            if not key:
+                return
+            self.cache.kv_lock(node)  # (the request's hold while it inserts its snapshot)
+            self.tick += 1  # insert_pages touched the node
+            self.events.append((self.tick, key))
+            super()._insert(key)
+            self.cache.kv_unlock(node)
+        else:
+            super()._insert(key)
+        self.back += self.cache.take_released()
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def kv_lock(self, data):
+        key = data.draw(st.sampled_from(sorted(self.model)), label="key")
+        node = self.cache.match_prefix(key).node
+        self.tick += 1
+        self.events.append((self.tick, key))
+        self.cache.kv_lock(node)
+        self.kv_locks.append((node, key))
+
+    @precondition(lambda self: self.kv_locks)
+    @rule(data=st.data())
+    def kv_unlock(self, data):
+        node, _ = self.kv_locks.pop(data.draw(st.integers(0, len(self.kv_locks) - 1), label="kv lock"))
+        self.cache.kv_unlock(node)
+        self.back += self.cache.take_released()
+
+    @rule(n=st.integers(0, 6))
+    def evict_pages(self, n):
+        before = self.cache.tree_pages
+        can = self.cache.evictable_pages()
+        slots = self.cache.evict_pages(n)
+        released = self.cache.take_released()
+        self.back += released
+        assert len(released) == before - self.cache.tree_pages
+        assert len(released) >= min(n, can), (n, can, released)
+        gone = [k for k, s in self.model.items() if s in slots]
+        read = [k for _, k in self.kv_locks]
+        assert not any(r[:len(k)] == k for k in gone for r in read), "evicted a leaf whose KV is being read"
+        for k in gone:
+            del self.model[k]
+        self.returned += slots
+        assert not any(n.slot in slots for n, _, _ in self.locks), "a locked snapshot was evicted"
+
+    @rule()
+    def evict(self, n=1):
+        super().evict(n)
+        self.back += self.cache.take_released()
+
+    @rule()
+    def flush(self):
+        if self.locks or self.kv_locks:
+            try:
+                self.cache.flush()
+            except CacheBusyError:
+                return
+            raise AssertionError("flush succeeded while nodes were locked")
+        super().flush()
+        self.back += self.cache.take_released()
+
+    @invariant()
+    def page_accounting(self):
+        ps = self.page_size
+        keys = [*self.model, *(k for _, k in self.kv_locks), *(k for _, k, _ in self.locks)]
+        prefixes = {k[:j * ps] for k in keys for j in range(1, len(k) // ps + 1)}
+        in_tree = self.cache.all_pages()
+        assert len(in_tree) == self.cache.tree_pages == len(prefixes), (len(in_tree), sorted(prefixes))
+        assert not self.cache.released, "released pages not taken"
+        assert len(self.back) == len(set(self.back)), "a page came back twice"
+        assert not set(self.back) & set(in_tree), "a page came back while the tree holds it"
+        assert set(self.back) | set(in_tree) == self.handed, "a page leaked"
+        for node, key in self.kv_locks:
+            assert len(self.cache.pages_to(node)) == len(key) // ps and node.kv_ref > 0
+        pinned = {k[:j * ps] for k in [*(k for _, k in self.kv_locks), *(k for _, k, _ in self.locks)]
+                  for j in range(1, len(k) // ps + 1)}
+        assert self.cache.evictable_pages() == len(prefixes - pinned)
+
+
+TestHybridRadixCache = HybridRadixCacheMachine.TestCase
+TestHybridRadixCache.settings = SETTINGS

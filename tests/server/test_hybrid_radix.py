@@ -1,0 +1,133 @@
+"""The radix cache of hybrid models (KV pages + Mamba snapshots in one tree) through the engine: hits give
+exactly the cold engine's greedy outputs and logprobs at page sizes 1, 4 and 16, chat turns and resent
+prompts hit page-aligned prefixes, and with pages and slots both scarce every request finishes and
+every page and slot is accounted for (the invariant check runs after every step)."""
+
+import asyncio
+import random
+
+import pytest
+
+from mambaserve.server.config import ServerConfig
+from mambaserve.server.engine.engine import Engine
+from mambaserve.server.engine.request import SamplingParams
+from tests.server.tiny_hybrids import make_hybrid_checkpoint
+
+
+def _engine(path, **kw):
+    cfg = dict(model=str(path), device="cpu", context_length=256, debug_cache_invariants=True,
+               chunked_prefill_size=16, max_running_requests=4, mamba_cache_size=16)
+    return Engine(ServerConfig(**{**cfg, **kw}))
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    return make_hybrid_checkpoint(tmp_path_factory.mktemp("granite"), "granite_dense_rope")
+
+
+async def _one(engine, prompt, n):
+    ids, lps, cached = [], [], None
+    async for o in engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                                   return_logprob=True):
+        ids += o.token_ids
+        lps += o.logprobs
+        cached = o.cached_tokens
+    return ids, lps, cached
+
+
+def _run(engine, coro_fn):
+    engine.start()
+    try:
+        return asyncio.run(coro_fn())
+    finally:
+        engine.stop()
+
+
+def _accounting(engine):
+    engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
+    return engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
+
+
+def _words(n, seed):
+    return [(seed * 31 + 7 * k * k + k) % 94 + 1 for k in range(n)]
+
+
+def _chat(engine):
+    """A prompt sent twice, then three chat turns (history + answer + new words), then a prompt and two
+    branches of it (sharing 40 tokens), run concurrently."""
+    async def go():
+        p1 = _words(37, 1)
+        first = await _one(engine, p1, 6)
+        again = await _one(engine, p1, 6)
+        history, turns = p1 + first[0], []
+        for i in range(3):
+            history += _words(5 + 4 * i, 10 + i)
+            t = await _one(engine, history, 5)
+            turns.append(t)
+            history += t[0]
+        shared = _words(40, 3)
+        lead = await _one(engine, shared + _words(9, 4), 4)
+        branches = await asyncio.gather(_one(engine, shared + _words(3, 5), 4), _one(engine, shared + _words(7, 6), 4))
+        return [first, again, *turns, lead, *branches], _accounting(engine)
+    return go
+
+
+@pytest.mark.parametrize("family,page_size", [("granite_dense_rope", 1), ("nemotron_h", 4), ("bamba", 16)])
+def test_hits_give_the_cold_outputs_and_logprobs(tmp_path, granite, family, page_size):
+    path = granite if family == "granite_dense_rope" else make_hybrid_checkpoint(tmp_path / family, family)
+    warm = _engine(path, page_size=page_size)
+    cold = _engine(path, page_size=page_size, disable_radix_cache=True)
+    got, acct = _run(warm, _chat(warm))
+    ref, _ = _run(cold, _chat(cold))
+    for (ids, lps, _), (rids, rlps, rcached) in zip(got, ref):
+        assert ids == rids
+        assert lps == pytest.approx(rlps, abs=1e-4)
+        assert rcached == 0
+    cached = [c for _, _, c in got]
+    aligned = lambda n: n - n % page_size  # noqa: E731
+    assert cached[0] == 0
+    # the resent prompt hits at its last page boundary before its last token
+    assert cached[1] == aligned(37 - 1)
+    # every turn reuses at least the previous turn's prompt up to that boundary (its answer too where the
+    # final state ended on a page)
+    prompts = [37, 37 + 6 + 5]
+    prompts += [prompts[-1] + 5 + 9, prompts[-1] + 5 + 9 + 5 + 13]
+    for i in range(3):
+        assert cached[2 + i] >= aligned(prompts[i] - 1), (i, cached)
+    assert cached[6] == cached[7] == 32  # the branches share 40 tokens with the lead: its chunk end at 32
+    assert acct["running"] == 0 and acct["free"] + acct["held_by_tree"] == acct["capacity"]
+    assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"] and acct["kv_pages_tree"] > 0
+    assert acct["kv_pages_evictable"] == acct["kv_pages_tree"]  # nothing runs: every cached page may go
+
+
+def test_scarce_pages_and_slots_evict_and_never_leak(tmp_path, granite):
+    """Thirty requests (many sharing prefixes, some resent) on 4 state slots and a KV pool of two contexts,
+    prefill chunks of 5 tokens, page size 4: both kinds of eviction happen, every request gives the cold
+    engine's outputs, and afterwards every page and slot is free or the tree's."""
+    rng = random.Random(3)
+    bases = [_words(rng.randrange(8, 30), s) for s in range(4)]
+    prompts = [rng.choice(bases)[:rng.randrange(5, 30)] + _words(rng.randrange(1, 12), 50 + i) for i in range(24)]
+    prompts += prompts[:6]
+    jobs = [(p, rng.randrange(1, 9)) for p in prompts]
+    kw = dict(page_size=4, context_length=48, max_total_tokens=96, chunked_prefill_size=5, mamba_cache_size=4,
+              max_running_requests=3)
+
+    def go(engine):
+        async def run():
+            outs = await asyncio.gather(*[_one(engine, p, n) for p, n in jobs])
+            return outs, _accounting(engine)
+        return run
+
+    warm = _engine(granite, **kw)
+    got, acct = _run(warm, go(warm))
+    cold = _engine(granite, **{**kw, "disable_radix_cache": True})
+    ref, _ = _run(cold, go(cold))
+    assert [o[0] for o in got] == [o[0] for o in ref]
+    for (_, lps, _), (_, rlps, _) in zip(got, ref):
+        assert lps == pytest.approx(rlps, abs=1e-4)
+    assert sum(c for _, _, c in got) > 0  # hits happened under the pressure
+    evicted = warm.metrics.registry.get_sample_value("mambaserve_cache_evictions_total", {"tier": "gpu"})
+    assert 0 < warm.scheduler.cache.page_evictions < evicted  # leaves for their pages, and snapshots for slots
+    assert acct["running"] == acct["waiting"] == 0
+    assert acct["free"] + acct["held_by_tree"] == acct["capacity"]
+    assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"] == 24

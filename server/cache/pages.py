@@ -70,12 +70,15 @@ class PageAllocator:
         """Pages nobody holds any more (the radix tree's, or detached duplicates) back to the free list."""
         self._free.extend(reversed(pages))
 
-    def rename(self, owner, new_owner) -> None:
-        """Hand ``owner``'s pages to ``new_owner`` (which holds none): a session keeps its turn's pages."""
-        if new_owner in self._owned:
-            raise ValueError(f"{new_owner!r} holds pages already")
-        if owner in self._owned:
-            self._owned[new_owner] = self._owned.pop(owner)
+    def shrink(self, owner, tokens: int) -> None:
+        """Free ``owner``'s pages past its first ``tokens`` tokens (what it reserved and did not write)."""
+        have = self._owned.get(owner, [])
+        keep = pages_for(max(tokens, 0), self.page_size)
+        if len(have) > keep:
+            self.free(have[keep:])
+            del have[keep:]
+            if not have:
+                del self._owned[owner]
 
     def owners(self) -> list:
         return list(self._owned)
@@ -94,12 +97,12 @@ class PageAllocator:
             f"{len(owned)} owned + {len(elsewhere)} in the tree + {len(self._free)} free != {self.capacity} pages")
 
 
-@dataclass
+@dataclass(eq=False)
 class KVHold:
     """The KV pages a running request (or an idle streaming session) reads, in token order: ``prefix``,
     the radix tree's pages of a page-aligned prefix (shared, never written; ``node`` is kv-locked while
-    held), then its own pages in the allocator under ``owner``, from the page boundary after the prefix."""
+    held), then its own pages, from the page boundary after the prefix: the allocator's, under this
+    object as their owner (a hold passes from a session's turn to the session and back as it is)."""
 
-    owner: object
     prefix: list[int] = field(default_factory=list)
     node: object | None = None  # radix_tree.TreeNode

@@ -170,14 +170,22 @@ class DisabledCache:
         return 0
 
     # ---- KV pages (hybrid models) ----------------------------------------------------------------
-    def admit_kv(self, owner, node, cached: int, tokens: int) -> KVHold | None:
+    def admit_kv(self, node, cached: int, tokens: int) -> KVHold | None:
         """The KV pages of a request of ``tokens`` tokens whose first ``cached`` come from the matched
         ``node`` (locked by ``match``; None on a miss): the tree's pages for those, read-only and pinned
-        until ``release_kv``, and its own for the rest under ``owner``. None (nothing held) when too
-        few pages are free or evictable."""
-        if not self.pages.ensure(owner, tokens):
-            return None
-        return KVHold(owner)
+        until ``release_kv``, and its own for the rest. None (nothing held) when too few pages are free
+        or evictable."""
+        hold = KVHold()
+        return hold if self.pages.ensure(hold, tokens) else None
+
+    def extend_kv(self, hold: KVHold, tokens: int) -> bool:
+        """Grow ``hold`` to ``tokens`` tokens (a session's next turn); False (nothing changed) if too few
+        pages are free or evictable."""
+        return self.pages.ensure(hold, tokens - len(hold.prefix) * self.pages.page_size)
+
+    def trim_kv(self, hold: KVHold, tokens: int) -> None:
+        """Free ``hold``'s own pages past its first ``tokens`` tokens (a session keeps what it wrote)."""
+        self.pages.shrink(hold, tokens - len(hold.prefix) * self.pages.page_size)
 
     def keep_kv(self, hold: KVHold, tokens: Sequence[int], slot: int | None = None, speculative: bool = False) -> bool:
         """Give the cache the KV of ``tokens`` (a page-aligned prefix of what ``hold``'s request wrote) and,
@@ -188,10 +196,10 @@ class DisabledCache:
     def release_kv(self, hold: KVHold | None) -> None:
         """A request's (or session's) pages given up: its own freed, the tree's unpinned."""
         if hold is not None:
-            self.pages.release(hold.owner)
+            self.pages.release(hold)
 
     def block_table(self, hold: KVHold) -> list[int]:
-        return hold.prefix + self.pages.pages(hold.owner)
+        return hold.prefix + self.pages.pages(hold)
 
     def evictable_pages(self) -> int:
         """KV pages the cache could free now (metrics, admission)."""
@@ -387,15 +395,18 @@ class PrefixCache(DisabledCache):
         return r.stored
 
     # ---- KV pages (hybrid models) ----------------------------------------------------------------
-    def admit_kv(self, owner, node, cached: int, tokens: int) -> KVHold | None:
-        hold = KVHold(owner)
+    def admit_kv(self, node, cached: int, tokens: int) -> KVHold | None:
+        hold = KVHold()
         if isinstance(node, TreeNode) and cached:
             self.tree.kv_lock(node)
             hold.node, hold.prefix = node, self.tree.pages_to(node)
-        if not self._ensure_pages(owner, tokens - len(hold.prefix) * self.pages.page_size):
+        if not self.extend_kv(hold, tokens):
             self.release_kv(hold)
             return None
         return hold
+
+    def extend_kv(self, hold: KVHold, tokens: int) -> bool:
+        return self._ensure_pages(hold, tokens - len(hold.prefix) * self.pages.page_size)
 
     def _ensure_pages(self, owner, tokens: int) -> bool:
         """Pages for ``owner``'s first ``tokens`` tokens, evicting the cache's least recently used leaves
@@ -422,9 +433,9 @@ class PrefixCache(DisabledCache):
             raise ValueError(f"KV of {n} tokens is not a whole number of pages of {ps}")
         k, have = n // ps, len(hold.prefix)
         if k > have:
-            mine = self.pages.pages(hold.owner)[:k - have]
+            mine = self.pages.pages(hold)[:k - have]
             node, dup = self.tree.insert_pages(tokens, hold.prefix + mine)
-            self.pages.detach(hold.owner, k - have)  # now the tree's, or duplicates of the tree's
+            self.pages.detach(hold, k - have)  # now the tree's, or duplicates of the tree's
             self.pages.free(dup)
             self.tree.kv_lock(node)
             if hold.node is not None:
@@ -437,7 +448,7 @@ class PrefixCache(DisabledCache):
     def release_kv(self, hold: KVHold | None) -> None:
         if hold is None:
             return
-        self.pages.release(hold.owner)
+        self.pages.release(hold)
         if hold.node is not None:
             self.tree.kv_unlock(hold.node)  # its path's leaf goes if no snapshot ended up there
             hold.node, hold.prefix = None, []

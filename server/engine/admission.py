@@ -160,9 +160,13 @@ class Admission:
         return len(req.prompt_ids) + req.params.max_new_tokens
 
     def _admit(self, req: Req) -> bool:
-        live = self.sessions.take_live_slot(req.session) if req.session is not None else None
-        if live is not None:  # a streaming session's turn continues from its live state
-            req.slot, req.in_state = live
+        s = req.session
+        if s is not None and s.kv is not None and not self._pages_for(req, lambda: self.cache.extend_kv(
+                s.kv, self._reserved_tokens(req))):
+            return False  # (hybrids) the live state's KV pages cannot grow to this turn's yet: it waits
+        live = self.sessions.take_live_slot(s) if s is not None else None
+        if live is not None:  # a streaming session's turn continues from its live state (and its KV pages)
+            req.slot, req.in_state, req.kv = live
             req.cached_tokens = req.in_state
             self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier="session")
             self._started(req)
@@ -176,7 +180,7 @@ class Admission:
         if self.pages is not None:
             # hybrid models: the matched prefix's pages are the tree's (read-only); the request's own pages,
             # reserved for what it may write (so decode never runs out), start at the page after it
-            req.kv = self.cache.admit_kv(req.rid, node, cached, self._reserved_tokens(req))
+            req.kv = self._pages_for(req, lambda: self.cache.admit_kv(node, cached, self._reserved_tokens(req)))
             if req.kv is None:
                 self.cache.unlock(node)
                 return False  # waits for running requests to release pages
@@ -214,6 +218,14 @@ class Admission:
         if req.prefill_done and req.params.max_new_tokens == 0:
             self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
         return True
+
+    def _pages_for(self, req: Req, get):
+        """``get()`` (KV pages for ``req``), again after each idle streaming session that gives its live
+        state up to the cache while it fails: sessions' pages never starve requests."""
+        got = get()
+        while not got and self.sessions.spill_idle(exclude=req.session):
+            got = get()
+        return got
 
     def _started(self, req: Req) -> None:
         self.queues.start(req)

@@ -335,14 +335,8 @@ class Engine:
         return await self.run_in_scheduler(self.scheduler.load)
 
     # ---- sessions -----------------------------------------------------------------------------------
-    def _no_hybrid_sessions(self) -> None:
-        if self.hybrid:
-            raise SessionError(400, f"sessions are not built for hybrid models ({self.architecture.name}) yet: "
-                               "send each turn as a whole request", "unsupported_for_hybrid")
-
     async def open_session(self, session_id: str | None, streaming: bool, timeout: float | None,
                            capacity: int | None) -> str:
-        self._no_hybrid_sessions()
         return await self.run_in_scheduler(lambda: self.scheduler.sessions.open(session_id, streaming, timeout,
                                                                                 capacity))
 
@@ -360,7 +354,6 @@ class Engine:
         raise SessionError(503, f"session {session_id!r} did not become idle", "session_busy")
 
     async def restore_session(self, name: str, session_id: str | None) -> dict:
-        self._no_hybrid_sessions()
         return await self.run_in_scheduler(lambda: self.scheduler.session_files.restore(name, session_id))
 
     # ---- info ---------------------------------------------------------------------------------------

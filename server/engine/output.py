@@ -105,8 +105,10 @@ class OutputProcessor:
             if completed and self.persist_turn is not None and not req.session.closing:
                 self.persist_turn(req)
             if self.sessions.end_turn(req.session, req.rid, req.prompt_ids + req.output_ids, completed,
-                                      req.slot, req.in_state):
-                req.slot = None  # the session holds it until the next turn
+                                      req.slot, req.in_state, req.kv):
+                if req.kv is not None:  # (hybrids) the pages it reserved and did not write are freed
+                    self.cache.trim_kv(req.kv, req.in_state)
+                req.slot = req.kv = None  # the session holds them until the next turn
         if req.slot is not None:
             # the state covers in_state tokens of prompt + output: the next turn starts there
             if error or not self._keep(req):

@@ -74,12 +74,12 @@ class Scheduler:
         persist = cfg.session_persist and self.storage is not None
         self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout),
                                        session_slot_limit(cfg.session_slot_fraction, self.slots.capacity),
-                                       self.cache.free, self._keep_or_free,
+                                       self._free_session_state, self._keep_or_free,
                                        lambda reason: metrics.sessions_closed.labels(reason).inc(),
                                        self.storage.forget_session if persist else lambda sid: None)
         self.session_files = SessionFiles(self.sessions, self.cache, runner, metrics, Path(cfg.session_snapshot_dir),
                                           compat or {}, cfg.session_snapshot_max_bytes,
-                                          cfg.session_snapshot_max_per_session)
+                                          cfg.session_snapshot_max_per_session, states=self.pages is None)
         self.queues = RequestQueues()
         self.sampler = Sampler(runner.device, cfg.seed)
         self.output = OutputProcessor(self.queues, self.cache, self.sessions, self.sampler, metrics, context_length,
@@ -278,10 +278,21 @@ class Scheduler:
         elif req is not None and not req.finished:
             self.output.finish(req, FinishReason.ABORT)
 
-    def _keep_or_free(self, tokens: list[int], slot: int) -> None:
-        """A state nobody holds any more: a snapshot in the cache if it takes it, else a free slot."""
-        if not self.cache.keep(tokens, slot):
+    def _keep_or_free(self, tokens: list[int], slot: int, kv=None) -> None:
+        """A state nobody holds any more: a snapshot in the cache if it takes it, else a free slot. Hybrids:
+        with its KV pages (``kv``) where it ends on a page; its other pages are freed, the tree's unpinned."""
+        if kv is None:
+            if not self.cache.keep(tokens, slot):
+                self.cache.free(slot)
+            return
+        if len(tokens) % self.pages.page_size or not self.cache.keep_kv(kv, tokens, slot):
             self.cache.free(slot)
+        self.cache.release_kv(kv)
+
+    def _free_session_state(self, slot: int, kv=None) -> None:
+        """A closed session's live state: its slot freed; hybrids: its own pages freed, the tree's unpinned."""
+        self.cache.free(slot)
+        self.cache.release_kv(kv)
 
     def _reap(self) -> None:
         """Twice a second: close idle sessions past their timeout, end requests past --request-timeout."""
@@ -352,15 +363,21 @@ class Scheduler:
         """Every KV page is free, owned by exactly one running request, or owned by the radix tree; a
         request reads the tree's pages only on the path it holds pinned."""
         self.pages.check(self.cache.tree_pages())
-        assert set(self.pages.owners()) <= {r.rid for r in running}, \
-            f"KV pages held by requests that ended: {set(self.pages.owners()) - {r.rid for r in running}}"
-        for r in running:
-            assert r.kv is not None and r.kv.owner == r.rid, f"running request {r.rid} without its KV pages"
-            if r.kv.node is not None:
-                assert r.kv.prefix == self.cache.tree.pages_to(r.kv.node) and r.kv.node.kv_ref > 0, \
-                    f"request {r.rid} reads tree pages it does not hold"
+        sessions = [s for s in self.sessions.table.sessions.values() if s.kv is not None]
+        holds = [(r.rid, r.kv) for r in running] + [(s.id, s.kv) for s in sessions]
+        assert all(s.slot is not None for s in sessions), "a session holds KV pages without its live state"
+        assert not [s for s in self.sessions.table.sessions.values() if s.slot is not None and s.kv is None], \
+            "a session holds a live state without its KV pages"
+        ids = {id(h) for _, h in holds}
+        assert len(ids) == len(holds), "two requests or sessions share a KV hold"
+        assert {id(o) for o in self.pages.owners()} <= ids, "KV pages held by a request or session that ended"
+        for who, h in holds:
+            assert h is not None, f"running request {who} without its KV pages"
+            if h.node is not None:  # a page-aligned prefix of the tree's, pinned
+                assert h.prefix == self.cache.tree.pages_to(h.node) and h.node.kv_ref > 0, \
+                    f"{who} reads tree pages it does not hold"
             else:
-                assert not r.kv.prefix, f"request {r.rid} reads tree pages without a pinned node"
+                assert not h.prefix, f"{who} reads tree pages without a pinned node"
 
     def accounting(self) -> dict:
         q = self.queues

@@ -19,8 +19,11 @@ from mambaserve.server.sessions.table import SessionError
 
 class SessionFiles:
     def __init__(self, sessions: SessionManager, cache: DisabledCache, runner: ModelRunner, metrics: ServerMetrics,
-                 directory: Path, compat: dict, max_bytes: int, max_per_session: int):
+                 directory: Path, compat: dict, max_bytes: int, max_per_session: int, states: bool = True):
         self.sessions, self.cache, self.runner, self.metrics = sessions, cache, runner, metrics
+        # hybrid models: a file keeps the tokens only (a live state is worthless without its KV pages, which
+        # stay on the device); the restored session's next turn prefills its history through the cache
+        self.states = states
         self.directory, self.compat = directory, compat
         self.max_bytes, self.max_per_session = max_bytes, max_per_session
 
@@ -38,7 +41,9 @@ class SessionFiles:
             raise SessionError(429, f"session {sid!r} has {self.max_per_session} snapshots already "
                                "(--session-snapshot-max-per-session); overwrite one by its name", "snapshot_quota")
         state = None
-        if s.slot is not None:
+        if not self.states:
+            meta = {**meta, "in_state": 0}
+        elif s.slot is not None:
             self.runner.apply_state_ops(self.cache.take_pending())
             state = self.runner.read_slot(s.slot)
         size = snapshot.estimate_bytes(tokens, state)
@@ -51,6 +56,8 @@ class SessionFiles:
     def restore(self, name: str, session_id: str | None) -> dict:
         meta, tokens, state = snapshot.read(snapshot.snapshot_path(self.directory, name), self.compat)
         slot = None
+        if not self.states:
+            state = None
         if state is not None:
             if not self.runner.fits_slot(state):
                 raise SessionError(409, "snapshot state shapes do not match this model", "snapshot_incompatible")

@@ -18,12 +18,15 @@ log = logging.getLogger(__name__)
 
 class SessionManager:
     """``max_held_slots`` bounds the slots idle streaming sessions hold between turns: past it, the least
-    recently active one gives its live state up (``give_up(tokens, slot)``: the cache keeps it as an
+    recently active one gives its live state up (``give_up(tokens, slot, kv)``: the cache keeps it as an
     ordinary snapshot, or frees it) and its next turn starts from the cache. So sessions can never hold
-    the slots that waiting requests need, whatever their number."""
+    the slots that waiting requests need, whatever their number. Hybrid models: a live state comes with
+    the KV pages of its tokens (``kv``, opaque here), held and given up with it; ``free_slot(slot, kv)``
+    releases both when a session closes."""
 
-    def __init__(self, table: SessionTable, max_held_slots: int, free_slot: Callable[[int], None],
-                 give_up: Callable[[list[int], int], None], on_close: Callable[[str], None] = lambda reason: None,
+    def __init__(self, table: SessionTable, max_held_slots: int, free_slot: Callable[[int, object], None],
+                 give_up: Callable[[list[int], int, object], None],
+                 on_close: Callable[[str], None] = lambda reason: None,
                  on_release: Callable[[str], None] = lambda sid: None):
         self.table = table
         self._on_release = on_release  # called with the session id once it is gone (its persisted record too)
@@ -45,8 +48,8 @@ class SessionManager:
 
     def _release(self, s: Session, reason: str) -> None:
         if s.slot is not None:
-            self._free_slot(s.slot)
-            s.slot = None
+            self._free_slot(s.slot, s.kv)
+            s.slot = s.kv = None
         self.table.remove(s.id)
         self._on_close(reason)
         self._on_release(s.id)
@@ -67,12 +70,12 @@ class SessionManager:
         return s
 
     @staticmethod
-    def take_live_slot(s: Session) -> tuple[int, int] | None:
-        """At admission: a streaming session's live ``(slot, in_state)``, handed to its turn (no copy, no
+    def take_live_slot(s: Session) -> tuple[int, int, object] | None:
+        """At admission: a streaming session's live ``(slot, in_state, kv)``, handed to its turn (no copy, no
         re-prefill), or None when the turn must start from the cache."""
         if not s.streaming or s.slot is None:
             return None
-        live, s.slot = (s.slot, s.in_state), None
+        live, s.slot, s.kv = (s.slot, s.in_state, s.kv), None, None
         return live
 
     def turn_answered(self, s: Session, rid: str, tokens: list[int]) -> None:
@@ -82,9 +85,9 @@ class SessionManager:
         s.awaiting_fold = rid
 
     def end_turn(self, s: Session, rid: str, tokens: list[int], completed: bool, slot: int | None,
-                 in_state: int) -> bool:
-        """The turn ended with its state in ``slot`` covering ``in_state`` tokens; returns True if the
-        session took the slot (else the caller still owns it)."""
+                 in_state: int, kv: object | None = None) -> bool:
+        """The turn ended with its state in ``slot`` covering ``in_state`` tokens (hybrids: their KV pages in
+        ``kv``); returns True if the session took the slot and ``kv`` (else the caller still owns them)."""
         if s.awaiting_fold == rid:
             s.awaiting_fold = None  # history was committed when the answer went out
         else:
@@ -93,7 +96,7 @@ class SessionManager:
             return False  # closed meanwhile: the slot goes back to the cache
         took = s.streaming and completed and slot is not None and in_state == len(tokens) and self._make_room()
         if took:
-            s.slot, s.in_state = slot, in_state
+            s.slot, s.in_state, s.kv = slot, in_state, kv
         if s.closing:
             self._release(s, s.closing)
         return took
@@ -113,14 +116,15 @@ class SessionManager:
         return len(holders) - 1 < self.max_held_slots
 
     def _spill(self, s: Session) -> None:
-        self._give_up(s.history[:s.in_state], s.slot)
-        s.slot, s.in_state = None, 0
+        self._give_up(s.history[:s.in_state], s.slot, s.kv)
+        s.slot, s.in_state, s.kv = None, 0, None
 
-    def spill_idle(self) -> bool:
-        """Under memory pressure (a request finds no slot): the least recently active idle session gives
-        its live state to the cache, from where eviction moves it down to the host (and storage) tier;
-        its next turn finds it there by prefix. False when no session holds a slot."""
-        holders = [x for x in self.table.sessions.values() if x.slot is not None]
+    def spill_idle(self, exclude: Session | None = None) -> bool:
+        """Under memory pressure (a request finds no slot, or no KV pages): the least recently active idle
+        session but ``exclude`` gives its live state to the cache, from where eviction moves it down to
+        the host (and storage) tier or frees it; its next turn finds it there by prefix. False when no
+        such session holds a slot."""
+        holders = [x for x in self.table.sessions.values() if x.slot is not None and x is not exclude]
         if not holders:
             return False
         self._spill(min(holders, key=lambda x: x.last_active))

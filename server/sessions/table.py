@@ -48,6 +48,7 @@ class Session:
     history: list[int] = field(default_factory=list)  # committed tokens of finished turns (streaming)
     slot: int | None = None  # live state after history[:in_state] (streaming, between turns)
     in_state: int = 0
+    kv: object | None = None  # hybrids: the KV pages of history[:in_state] with the live state (cache.pages.KVHold)
     in_flight: str | None = None  # rid of the running turn
     closing: str | None = None  # close reason, deferred until the in-flight turn ends
     awaiting_fold: str | None = None  # rid of an answered turn whose last token is still being folded in

@@ -59,3 +59,41 @@ def test_hybrid_plan_explicit_kv_tokens():
         plan_hybrid(**kw, pages=100)
     with pytest.raises(ValueError, match="needs .* GiB of KV pages"):
         plan_hybrid(**kw, pages=10**6)
+
+
+def test_hybrid_plan_with_the_radix_cache_keeps_room_for_snapshots_and_prefixes():
+    kw = dict(total=80 * GiB, in_use=20 * GiB, fraction=0.9, per_slot=2 * 2**20, per_page=64 * 2**10, reserve=GiB,
+              page_size=16, context_length=8192, slots=None, running=None, default_running=256)
+    plain, cached = plan_hybrid(**kw), plan_hybrid(**kw, cached=True)
+    assert cached.max_running == plain.max_running == 256
+    assert cached.slots == 2 * plain.slots  # a snapshot slot per running request
+    assert cached.pages == 2 * plain.pages  # cached prefixes beside what the running requests may fill
+    assert cached.slots * kw["per_slot"] + cached.pages * kw["per_page"] <= cached.budget
+
+
+def test_holds_share_the_trees_pages_and_give_back_exactly_their_own():
+    """A request's pages through the cache: admitted on a miss, its prompt's page-aligned prefix kept with a
+    snapshot, a second request hits it (reading the tree's pages, its own from the next page), both end:
+    every page is free or the tree's, and the tree's go when evicted."""
+    from mambaserve.server.cache.prefix_cache import PrefixCache
+    from mambaserve.server.cache.slots import SlotAllocator
+
+    pages = PageAllocator(12, 4)
+    cache = PrefixCache(SlotAllocator(4), 4, pages=pages)
+    prompt = list(range(1, 11))  # 10 tokens: 2 whole pages and a partial one
+    a = cache.admit_kv(None, 0, 14)
+    assert len(cache.block_table(a)) == 4 and pages.num_free == 8
+    slot = cache.allocator.alloc()
+    assert cache.keep_kv(a, prompt[:8], slot)  # the state after 8 tokens, with its 2 pages
+    assert a.prefix == cache.block_table(a)[:2] and len(pages.pages(a)) == 2
+    cached, node, _ = cache.match(prompt[:9])
+    assert cached == 8
+    b = cache.admit_kv(node, cached, 14)
+    cache.unlock(node)  # (the snapshot's copy has run)
+    assert b.prefix == a.prefix and len(pages.pages(b)) == 2  # tokens 8..13 in its own pages
+    cache.release_kv(a)
+    cache.release_kv(b)
+    pages.check(cache.tree_pages())
+    assert pages.num_free == 10 and cache.evictable_pages() == 2
+    assert cache.admit_kv(None, 0, 48) is not None  # the whole pool: the cached prefix is evicted for it
+    assert cache.tree_pages() == [] and cache.allocator.num_free == 4

@@ -210,3 +210,28 @@ def test_timeout_and_the_held_slot_bound_release_exactly_what_sessions_hold(nemo
     assert reaped["sessions"] == 1 and reaped["held_by_sessions"] == 1
     assert closed["sessions"] == closed["held_by_sessions"] == 0
     assert closed["kv_pages_free"] + closed["kv_pages_tree"] == closed["kv_pages"]
+
+
+def test_a_hybrid_session_file_keeps_its_tokens_and_the_restored_session_goes_on(nemotron, tmp_path):
+    """A hybrid session's snapshot file holds its tokens only (its KV stays on the device): restored, its next
+    turn prefills the history through the cache and answers as the resent history does."""
+    engine = _engine(nemotron, session_snapshot_dir=str(tmp_path))
+
+    async def go():
+        sid = await engine.open_session(None, True, None, None)
+        first = await _gen(engine, _words(10, 1), 5, sid)
+        saved = await engine.snapshot_session(sid, None)
+        await engine.close_session(sid)
+        restored = await engine.restore_session(saved["name"], "again")
+        second = await _gen(engine, _words(4, 2), 4, "again")
+        await engine.close_session("again")
+        return first, saved, restored, second, _idle(engine)
+
+    first, saved, restored, second, acct = _run(engine, go)
+    history = _words(10, 1) + first[0] + _words(4, 2)
+    (ref,) = _resent(nemotron, [(history, 4)])
+    assert saved["has_state"] is False and saved["tokens"] == 15
+    assert restored == {"session_id": "again", "tokens": 15, "has_state": False}
+    assert second[0] == ref[0] and second[1] == pytest.approx(ref[1], abs=1e-4)
+    assert 0 < second[2] < 15  # from the cache: the first prompt's last page boundary (its state is not on one)
+    assert acct["sessions"] == 0 and acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]

@@ -242,7 +242,7 @@ class Admission:
             self.cache.unlock(req.locked_node)
             req.locked_node = None
         for i, pos, slot in batch.track:
-            if not self.cache.keep(plan[i][0].prompt_ids[:pos], slot, speculative=True):
+            if not self._keep(plan[i][0], plan[i][0].prompt_ids[:pos], slot):
                 self.cache.free(slot)
         for i, slot in batch.snap:
             if not self._keep(plan[i][0], plan[i][0].prompt_ids[:-1], slot):

@@ -46,8 +46,6 @@ def hybrid_refusals(cfg: ServerConfig) -> list[str]:
     out = []
     if cfg.host_cache_size:
         out.append("--host-cache-size (the host tier holds Mamba snapshots only)")
-    if cfg.mamba_cache_strategy != "no_buffer" or cfg.mamba_track_interval:
-        out.append("--mamba-cache-strategy extra_buffer / --mamba-track-interval (radix cache snapshots)")
     if cfg.storage_dir:
         out.append("--storage-dir (the storage tier holds Mamba snapshots only)")
     return out
@@ -214,6 +212,9 @@ class Engine:
         n = cfg.mamba_track_interval or max(q, round(256 / q) * q)
         if n <= 0 or n % q:
             raise ValueError(f"--mamba-track-interval {n} must be a positive multiple of the model's chunk size {q}")
+        if self.hybrid and n % cfg.page_size:  # a tracked state is kept with the KV pages of its tokens
+            raise ValueError(f"--mamba-track-interval {n} must be a multiple of --page-size {cfg.page_size} for "
+                             f"{self.architecture.name}: the radix cache keeps states on page boundaries only")
         return n
 
     def _default_context_length(self) -> int:

@@ -131,3 +131,28 @@ def test_scarce_pages_and_slots_evict_and_never_leak(tmp_path, granite):
     assert acct["running"] == acct["waiting"] == 0
     assert acct["free"] + acct["held_by_tree"] == acct["capacity"]
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"] == 24
+
+
+def test_tracked_snapshots_come_with_their_pages(granite):
+    """extra_buffer on a hybrid: the scan's states every 8 tokens inside a chunk go to the tree with the KV
+    pages of their tokens, so a branch that leaves a prompt inside its only chunk hits the last tracked
+    position before it, with the cold engine's outputs; an interval that is not a page multiple is refused."""
+    kw = dict(page_size=4, chunked_prefill_size=64, mamba_cache_strategy="extra_buffer", mamba_track_interval=8)
+    shared = _words(27, 7)
+    prompts = [shared + _words(9, 8), shared + _words(5, 9)]
+
+    def go(engine):
+        async def run():
+            return [await _one(engine, p, 4) for p in prompts], _accounting(engine)
+        return run
+
+    warm = _engine(granite, **kw)
+    got, acct = _run(warm, go(warm))
+    cold = _engine(granite, page_size=4, disable_radix_cache=True)
+    ref, _ = _run(cold, go(cold))
+    assert [o[0] for o in got] == [o[0] for o in ref]
+    assert got[1][1] == pytest.approx(ref[1][1], abs=1e-4)
+    assert got[1][2] == 24  # the tracked state at 24 (the prompt's own snapshots lie past the shared 27)
+    assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
+    with pytest.raises(ValueError, match="--mamba-track-interval 8 must be a multiple of --page-size 16"):
+        _engine(granite, page_size=16, mamba_cache_strategy="extra_buffer", mamba_track_interval=8)

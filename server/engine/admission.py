@@ -115,7 +115,8 @@ class Admission:
             # The prompt's last chunk samples its first token, and the state before its last token is kept
             # (the same prompt sent again has that token left to run). Such a chunk never starts at `last`:
             # a request with only that token left decodes it (Req.prefill_len).
-            snaps = self.cache.enabled and s + n == last + 1 and (self.pages is None or last % self.pages.page_size == 0)
+            snaps = (self.cache.enabled and s + n == last + 1  # (hybrids: where it is on a page)
+                     and (self.pages is None or last % self.pages.page_size == 0))
             if snaps:
                 slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
                 if slot is not None:

@@ -278,3 +278,31 @@ def test_speculative_eviction_spares_used_and_conversation_snapshots():
     assert t.evict(3, speculative_only=True) == [1]
     keys: list = []
     assert sorted(t.evict(3, keys=keys)) == [0, 2] and sorted(keys) == [(1, 2, 3), (7, 8)]
+
+
+def test_hybrid_tree_pages_split_pin_and_go_with_their_leaves():
+    """Hybrids' tree (page size 2): a node's pages split with its edge; a reader's pin keeps a path whose
+    snapshot is evicted (a tombstone leaf) until it lets go; KV eviction removes least recently used
+    unpinned leaves whole, then a parent that became a leaf."""
+    from mambaserve.server.cache.hybrid_radix_tree import HybridRadixCache
+
+    t = HybridRadixCache(page_size=2)
+    node, dup = t.insert_pages([1, 2, 3, 4, 5, 6], [10, 11, 12])
+    assert dup == [] and t.insert([1, 2, 3, 4, 5, 6], 0).stored
+    node2, dup = t.insert_pages([1, 2, 3, 4, 7, 8], [20, 21, 22])  # shares 2 pages: the tree keeps its own
+    assert dup == [20, 21] and t.pages_to(node2) == [10, 11, 22]
+    assert t.insert([1, 2, 3, 4, 7, 8], 1).stored and t.insert([1, 2, 3, 4], 2).stored  # the split point
+    assert node.parent.key == (1, 2, 3, 4) and node.parent.pages == (10, 11) and node.pages == (12,)
+    assert not t.insert([9, 9], 3).stored  # no KV for those tokens in the tree: refused
+    t.kv_lock(node2)
+    assert t.evictable_pages() == 1  # node's page; node2 and their parent are read
+    assert t.evict(3) == [0, 1, 2]  # snapshots, LRU: node2 stays, pinned, as a tombstone leaf
+    assert sorted(t.take_released()) == [12] and t.all_pages() == [10, 11, 22] and t.evictable_pages() == 0
+    t.kv_unlock(node2)  # the reader is done: its snapshot-less leaf goes, then its bare parent
+    assert sorted(t.take_released()) == [10, 11, 22] and t.root.children == {}
+    for key, pages, slot in (([1, 2], [30], 4), ([1, 2, 3, 4], [30, 31], 5), ([5, 6], [32], 6)):
+        n, _ = t.insert_pages(key, pages)
+        t.insert(key, slot)
+    assert t.evict_pages(2) == [5, 4]  # the oldest leaf, then its parent once a leaf; [5, 6] is newer
+    assert sorted(t.take_released()) == [30, 31] and t.all_pages() == [32]
+    t.check_invariants()

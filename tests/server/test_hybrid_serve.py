@@ -36,6 +36,15 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
                          json={"input_ids": prompt, "sampling_params": params})
         again = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
                            json={"input_ids": prompt, "sampling_params": params})
+        # a streaming session of two turns, then its history resent whole: the same answer
+        sid = httpx.post(f"http://127.0.0.1:{port}/open_session", timeout=10, json={"streaming": True}).json()
+        turns = [httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
+                            json={"input_ids": new, "sampling_params": params, "session_params": {"id": sid}}).json()
+                 for new in ([40, 41, 42], [43, 44, 45, 46, 47])]
+        closed = httpx.post(f"http://127.0.0.1:{port}/close_session", timeout=10, json={"session_id": sid})
+        history = [40, 41, 42] + turns[0]["output_ids"] + [43, 44, 45, 46, 47]
+        resent = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
+                            json={"input_ids": history, "sampling_params": params}).json()
         info = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=10).json()
         server = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10).json()
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
@@ -49,6 +58,8 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
                       eos_token_id=None)[0, len(prompt):].tolist()
     assert gen.status_code == 200 and gen.json()["output_ids"] == ref
     assert again.json()["output_ids"] == ref and again.json()["meta_info"]["cached_tokens"] == 16
+    assert closed.status_code == 200 and turns[1]["meta_info"]["cached_tokens"] == 9  # the live state: 3 + 6
+    assert turns[1]["output_ids"] == resent["output_ids"]
     assert info["architecture"] == "NemotronHForCausalLM"
     state = server["internal_states"][0]
     # after /generate every page is free or the cache's, and the cache's may all be evicted

@@ -66,3 +66,4 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
     assert server["page_size"] == 16 and state["kv_pages"] == state["kv_pages_free"] + state["kv_pages_tree"]
     assert state["kv_pages_tree"] == state["kv_pages_evictable"] > 0
     assert f"mambaserve_kv_pages_total {float(state['kv_pages'])}" in metrics
+    assert f"mambaserve_kv_pages_evictable {float(state['kv_pages_evictable'])}" in metrics  # the cache's pages

@@ -360,8 +360,8 @@ class Scheduler:
             self._check_pages(running)
 
     def _check_pages(self, running: list[Req]) -> None:
-        """Every KV page is free, owned by exactly one running request, or owned by the radix tree; a
-        request reads the tree's pages only on the path it holds pinned."""
+        """Every KV page is free, owned by exactly one running request or idle streaming session, or owned by
+        the radix tree; a request or session reads the tree's pages only on the path it holds pinned."""
         self.pages.check(self.cache.tree_pages())
         sessions = [s for s in self.sessions.table.sessions.values() if s.kv is not None]
         holds = [(r.rid, r.kv) for r in running] + [(s.id, s.kv) for s in sessions]

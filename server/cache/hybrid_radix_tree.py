@@ -107,11 +107,7 @@ class HybridRadixCache(MambaRadixCache):
     def insert(self, key: Sequence[int], slot: int, speculative: bool = False) -> InsertResult:
         """Attach a snapshot where the tree holds the KV of ``key``'s tokens (splitting an edge if the key
         ends inside it); elsewhere it is refused (``stored=False``): a state without its KV serves no match."""
-        if slot < 0:
-            raise ValueError(f"slot {slot} is not a pool slot (negative slots mark padding rows)")
-        if slot in self._owner:
-            raise ValueError(f"slot {slot} is already held by the tree at depth {self._owner[slot].depth}")
-        key = tuple(key)
+        key = self._insert_key(key, slot)
         n = len(key)
         if n == 0 or n % self.page_size:
             return InsertResult(None, existed=False, stored=False)

@@ -167,14 +167,18 @@ class MambaRadixCache:
             best.speculative = False  # used: kept like any other from now on
         return MatchResult(best, best.depth)
 
-    def insert(self, key: Sequence[int], slot: int, speculative: bool = False) -> InsertResult:
-        """Store ``slot`` as the snapshot after ``len(key)`` tokens; see the module docstring for ownership.
-        ``speculative``: kept in case it is needed (``evict(..., speculative_only=True)`` may take it)."""
+    def _insert_key(self, key: Sequence[int], slot: int) -> tuple[int, ...]:
+        """``key`` as a tuple, once ``slot`` is known to be a pool slot the tree does not hold yet."""
         if slot < 0:
             raise ValueError(f"slot {slot} is not a pool slot (negative slots mark padding rows)")
         if slot in self._owner:
             raise ValueError(f"slot {slot} is already held by the tree at depth {self._owner[slot].depth}")
-        key = tuple(key)
+        return tuple(key)
+
+    def insert(self, key: Sequence[int], slot: int, speculative: bool = False) -> InsertResult:
+        """Store ``slot`` as the snapshot after ``len(key)`` tokens; see the module docstring for ownership.
+        ``speculative``: kept in case it is needed (``evict(..., speculative_only=True)`` may take it)."""
+        key = self._insert_key(key, slot)
         n = len(key)
         if n == 0 or n % self.page_size:
             return InsertResult(None, existed=False, stored=False)

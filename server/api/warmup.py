@@ -13,6 +13,8 @@ import asyncio
 import json
 import logging
 
+from mambaserve.server.cache.radix_tree import CacheBusyError
+
 log = logging.getLogger(__name__)
 
 PROMPT = list(range(1, 17))  # token ids every vocabulary has
@@ -55,5 +57,12 @@ async def warm_up(app, engine, api_key: str | None = None) -> None:
                                              request(app, "/generate", sampled, api_key)):
         if status != 200:
             raise RuntimeError(f"the server's warm-up request failed ({status}): {body[:300].decode(errors='replace')}")
-    await engine.flush_cache()
+    for _ in range(50):  # a host tier's snapshot still being written to storage holds the cache a moment
+        try:
+            await engine.flush_cache()
+            break
+        except CacheBusyError:
+            await asyncio.sleep(0.02)
+    else:
+        log.info("warm-up: the radix cache stayed busy; its snapshot of the warm-up prompt stays cached")
     log.info("warm-up requests done")

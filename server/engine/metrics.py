@@ -46,7 +46,8 @@ class ServerMetrics:
         self.kv_pages_total = Gauge("mambaserve_kv_pages_total", "KV pages of the attention layers (hybrid models)",
                                     registry=r)
         self.kv_pages_used = Gauge("mambaserve_kv_pages_used",
-                                   "KV pages in use: held by running requests, or cached by the radix cache", registry=r)
+                                   "KV pages in use: held by running requests and idle sessions, or cached by the radix "
+                                   "cache", registry=r)
         self.kv_pages_evictable = Gauge("mambaserve_kv_pages_evictable",
                                         "Used KV pages that eviction could free (cached prefixes not in use)",
                                         registry=r)

@@ -202,9 +202,10 @@ def openai_routes(engine: Engine) -> APIRouter:
             ids = await engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(body, name)
         explicit = max_tokens is not None
-        params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS), explicit)
+        params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS, name), explicit)
         gens = engine.generate_n(ids, params, n, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                                  session_id=session_id, turn_params=turn, stream=body.stream)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -102,13 +102,15 @@ class _OpenAISampling(_Body):
             raise BadRequest("response_format other than text is not supported by this server",
                              code="unsupported_parameter")
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, max_tokens_name: str = "max_tokens") -> SamplingParams:
+        """The engine's parameters; ``max_tokens_name``: the field the token limit came in (chat has two)."""
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
-                              min_new_tokens=self.min_tokens)
+                              min_new_tokens=self.min_tokens,
+                              names={"max_new_tokens": max_tokens_name, "min_new_tokens": "min_tokens"})
 
     def session(self, headers) -> tuple[str | None, TurnParams | None]:
         """The session this request is a turn of: ``session_params`` (the one form sglang-router forwards),
@@ -190,7 +192,8 @@ class NativeSampling(_Body):
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
-                              min_new_tokens=self.min_new_tokens)
+                              min_new_tokens=self.min_new_tokens,
+                              names={"seed": "sampling_seed"} if self.sampling_seed is not None else {})
 
 
 class GenerateRequest(_Body):

@@ -8,7 +8,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.engine.timeline import Timeline
@@ -47,36 +47,44 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this once a token was generated
     repetition_penalty: float = 1.0  # logits of tokens in the prompt or the output: / it if positive, x it if not
     min_new_tokens: int = 0  # stop tokens and EOS cannot end the answer before this many tokens
+    # the request's own spelling of fields its API names differently (OpenAI's max_tokens for max_new_tokens):
+    # an error names the field the client sent, not ours
+    names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def name(self, attr: str) -> str:
+        """The client's name for the field ``attr``."""
+        return self.names.get(attr, attr)
 
     @property
     def penalized(self) -> bool:
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-            value = getattr(self, name)
+        name = self.name
+        for attr in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            value = getattr(self, attr)
             if not math.isfinite(value):
-                raise BadRequest(f"{name} must be a finite number, got {value}")
+                raise BadRequest(f"{name(attr)} must be a finite number, got {value}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise BadRequest(f"seed must be in [0, 2**63), got {self.seed}")
+            raise BadRequest(f"{name('seed')} must be in [0, 2**63), got {self.seed}")
         if self.max_new_tokens < 0:
-            raise BadRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise BadRequest(f"{name('max_new_tokens')} must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise BadRequest(f"temperature must be >= 0, got {self.temperature}")
+            raise BadRequest(f"{name('temperature')} must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
+            raise BadRequest(f"{name('top_p')} must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
-            raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}")
+            raise BadRequest(f"{name('min_p')} must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
-            raise BadRequest("stop strings must be non-empty")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise BadRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+            raise BadRequest(f"{name('stop')} strings must be non-empty")
+        for attr in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, attr) <= 2:
+                raise BadRequest(f"{name(attr)} must be in [-2, 2], got {getattr(self, attr)}")
         if not 0 < self.repetition_penalty <= 2:
-            raise BadRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise BadRequest(f"{name('repetition_penalty')} must be in (0, 2], got {self.repetition_penalty}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                             f"got {self.min_new_tokens}")
+            raise BadRequest(f"{name('min_new_tokens')} must be in [0, {name('max_new_tokens')}="
+                             f"{self.max_new_tokens}], got {self.min_new_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -93,8 +101,9 @@ def fit_to_context(prompt_len: int, params: SamplingParams, context_length: int,
                          code="context_length_exceeded")
     if params.max_new_tokens > room:
         if max_tokens_explicit:
-            raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_new_tokens}) exceeds "
-                             f"the context length {context_length}", code="context_length_exceeded")
+            raise BadRequest(f"prompt ({prompt_len} tokens) + {params.name('max_new_tokens')} "
+                             f"({params.max_new_tokens}) exceeds the context length {context_length}",
+                             code="context_length_exceeded")
         params = dataclasses.replace(params, max_new_tokens=room)
     return params
 

@@ -20,7 +20,20 @@ CASES = [
     ("/v1/completions", {"max_tokens": 3}, 422, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": []}, 400, "empty"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_new_tokens must be >= 0"),
+    # an error names the field the client sent (OpenAI's max_tokens, vLLM's min_tokens), not the engine's
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens must be >= 0, got -1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -2}, 400,
+     "max_tokens must be >= 0, got -2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, 400,
+     "max_completion_tokens must be >= 0, got -3"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 60}, 400,
+     "+ max_completion_tokens (60) exceeds the context length 64"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, 400,
+     "min_tokens must be in [0, max_tokens=3], got 5"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens must be >= 0"),
+    ("/generate", {"text": "y" * 30, "sampling_params": {"max_new_tokens": 50}}, 400,
+     "+ max_new_tokens (50) exceeds the context length"),
+    ("/generate", {"text": "x", "sampling_params": {"sampling_seed": -1}}, 400, "sampling_seed must be in"),
     ("/v1/completions", {"prompt": "y" * 80}, 400, "context length"),
     ("/v1/completions", {"prompt": "y" * 30, "max_tokens": 50}, 400, "exceeds the context length"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "does not exist"),
@@ -69,7 +82,7 @@ def test_bad_requests_get_clear_errors_and_nothing_leaks(engine):
         assert err["type"] == "invalid_request_error" and err["code"]
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     assert_idle(acc)
-    assert 'mambaserve_requests_rejected_total{reason="too_long"} 2.0' in metrics
+    assert 'mambaserve_requests_rejected_total{reason="too_long"} 4.0' in metrics
 
 
 def test_unknown_routes_and_methods(engine):

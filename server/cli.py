@@ -13,13 +13,30 @@ from pathlib import Path
 from mambaserve.server.config import ServerConfig
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown once: not for a help text that explains its own default, a flag without a value, or
+    one whose default is "not set" (``(default: None)`` says nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.required or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mambaserve", description="Serve Mamba2 language models over HTTP.")
+    p = argparse.ArgumentParser(prog="mambaserve",
+                                description="Serve Mamba2 and hybrid Mamba2+attention language models over HTTP.")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="start the HTTP server", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Start an OpenAI- and SGLang-compatible server for a Mamba2 checkpoint.")
+    # a short usage: a mistyped flag's error is two lines, not the whole list of flags
+    s = sub.add_parser("serve", help="start the HTTP server", formatter_class=_HelpFormatter,
+                       usage="mambaserve serve --model MODEL [options]  (every option: mambaserve serve --help)",
+                       description="Start an OpenAI- and SGLang-compatible server for a Mamba2 or hybrid "
+                                   "(Nemotron-H, Granite 4.0-H, Bamba) checkpoint.")
     s.add_argument("--model", required=True, help="checkpoint directory: Hugging Face Mamba2ForCausalLM (config.json, "
-                   "*.safetensors, tokenizer) or mamba_ssm (config.json with d_model/n_layer/ssm_cfg, pytorch_model.bin)")
+                   "*.safetensors, tokenizer) or mamba_ssm (config.json with d_model/n_layer/ssm_cfg, pytorch_model.bin), "
+                   "or a hybrid's Hugging Face checkpoint (NemotronHForCausalLM, GraniteMoeHybridForCausalLM, "
+                   "BambaForCausalLM)")
     s.add_argument("--served-model-name", help="model name in /v1/models and requests (default: directory name)")
     s.add_argument("--tokenizer", help="tokenizer directory or tokenizer.json file, if not the model's (mamba_ssm "
                    "checkpoints ship none)")
@@ -29,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations dtype; auto = bfloat16 on CUDA, float32 on CPU")
     s.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="SSM state pool dtype (bfloat16 doubles capacity at some accuracy cost)")
-    s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    s.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     s.add_argument("--context-length", type=int, help="longest prompt + output accepted (default: from the model, "
                    "else 8192)")
     s.add_argument("--max-running-requests", type=int,
@@ -86,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--session-snapshot-dir", default="mambaserve-sessions",
                    help="directory where /sessions/{id}/snapshot writes and /sessions/restore reads session files "
                         "(share it between servers to migrate sessions)")
-    s.add_argument("--session-snapshot-max-bytes", type=int, default=16 * 2**30,
-                   help="total size of the snapshot directory; a snapshot that would exceed it gets 507")
+    s.add_argument("--session-snapshot-max-bytes", type=byte_size, default="16GiB",
+                   help="total size of the snapshot directory, e.g. 4GiB; a snapshot that would exceed it gets 507")
     s.add_argument("--session-snapshot-max-per-session", type=int, default=8,
                    help="snapshot files one session may keep (overwriting its own by name is always allowed)")
     s.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (CUDA only; for debugging)")
@@ -108,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key-file", help="read the API key from this file (a mounted Secret)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     s.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own seed")
-    s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
-                   help="largest request body accepted; larger ones get 413 before they are parsed")
+    s.add_argument("--max-request-bytes", type=byte_size, default="8MiB",
+                   help="largest request body accepted, e.g. 512KiB; larger ones get 413 before they are parsed")
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting beyond the running ones; past it new requests get 503 with Retry-After")
     s.add_argument("--max-prompts-per-request", type=int, default=64,

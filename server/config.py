@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 
@@ -55,6 +56,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         """Values no model is needed to judge are refused here, before anything loads (ValueError, one line)."""
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.mamba_track_interval is not None and self.mamba_cache_strategy != "extra_buffer":
+            raise ValueError("--mamba-track-interval needs --mamba-cache-strategy extra_buffer")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--state-dtype must be float32 or bfloat16, got {self.state_dtype!r}")
         if not 0 <= self.port <= 65535:

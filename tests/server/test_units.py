@@ -152,6 +152,28 @@ def test_cli_help_explains_every_flag():
     for action in serve._actions:
         if action.option_strings and action.dest != "help":
             assert action.help and len(action.help) > 10, action.dest
+    text = " ".join(serve.format_help().split())
+    # each default said once, and never as "(default: None)"
+    assert "(default: None)" not in text and "(default: False)" not in text
+    fmt = serve._get_formatter()
+    twice = [a.help for a in serve._actions if "default" in (a.help or "") and fmt._get_help_string(a) != a.help]
+    assert not twice, twice  # a help text that explains its default gets no second one
+    assert "(default: 30000)" in text and "(default: 16GiB)" in text and "(default: 8MiB)" in text
+
+
+def test_cli_errors_are_short_and_sizes_take_units(capsys):
+    from mambaserve.server.cli import build_parser, config_from_args
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--dtype", "int8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "--help" in err[0] and "invalid choice: 'int8'" in err[1]  # not the list of all flags
+    args = build_parser().parse_args(["serve", "--model", "m", "--session-snapshot-max-bytes", "1GiB",
+                                      "--max-request-bytes", "512KiB"])
+    cfg = config_from_args(args)
+    assert cfg.session_snapshot_max_bytes == 2**30 and cfg.max_request_bytes == 512 * 2**10
+    defaults = config_from_args(build_parser().parse_args(["serve", "--model", "m"]))
+    assert defaults.session_snapshot_max_bytes == 16 * 2**30 and defaults.max_request_bytes == 8 * 2**20
 
 
 def test_lazy_detokenization_gives_the_same_text_as_incremental():
@@ -177,7 +199,10 @@ def test_lazy_detokenization_gives_the_same_text_as_incremental():
 @pytest.mark.parametrize("bad,needle", [(dict(session_slot_fraction=1.0), "session-slot-fraction"),
                                         (dict(request_timeout=float("nan")), "request-timeout"),
                                         (dict(max_queued_requests=0), "max-queued-requests"),
-                                        (dict(state_dtype="int8"), "state-dtype")])
+                                        (dict(state_dtype="int8"), "state-dtype"),
+                                        (dict(device="tpu"), "--device must be auto, cpu, cuda or cuda:N"),
+                                        (dict(device="cuda:x"), "--device must be"),
+                                        (dict(mamba_track_interval=256), "needs --mamba-cache-strategy extra_buffer")])
 def test_config_refuses_bad_values_before_anything_loads(bad, needle):
     from mambaserve.server.config import ServerConfig
 

@@ -67,7 +67,14 @@ def create_app(engine: Engine) -> FastAPI:
         parts = []
         for err in errors[:5]:
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {err.get('msg')}")
+            kind, msg = err.get("type", ""), str(err.get("msg", ""))
+            if not loc and kind == "missing":
+                msg = "the request needs a JSON body"
+            elif not loc and kind in ("dict_type", "model_attributes_type"):
+                msg = "the request body must be a JSON object"
+            elif kind == "value_error":  # our validators' own sentences, which name their field
+                msg = msg.removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}" if loc else msg)
         return error_response(422, "; ".join(parts), "invalid_field")
 
     @app.exception_handler(StarletteHTTPException)

@@ -57,6 +57,10 @@ CASES = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 422, "well-formed"),
     ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', 422, "well-formed"),
     ("/open_session", b'{"timeout": NaN}', 422, "timeout"),
+    # the body as a whole: said in words, not as pydantic's "body: Field required"
+    ("/v1/completions", b'', 422, "the request needs a JSON body"),
+    ("/v1/completions", b'[1, 2]', 422, "the request body must be a JSON object"),
+    ("/generate", b'"text"', 422, "the request body must be a JSON object"),
     ("/open_session", {"timeout": 1e300}, 400, "timeout must be in"),
 ]
 
@@ -92,6 +96,18 @@ def test_unknown_routes_and_methods(engine):
 
     missing, wrong_method = run(go())
     assert missing.status_code == 404 and wrong_method.status_code == 405
+
+
+def test_validation_messages_are_sentences_not_pydantic_internals(engine):
+    """A validator's own sentence comes as it is written (no "body: Value error, " before it)."""
+    async def go():
+        async with serving(engine) as c:
+            return await c.post("/generate", content=b'{"text": "\\ud800"}',
+                                headers={"content-type": "application/json"})
+
+    r = run(go())
+    assert r.status_code == 422
+    assert r.json()["error"]["message"] == "text is not well-formed unicode (a lone surrogate?)"
 
 
 def test_json_bodies_are_read_whatever_the_content_type_says(engine):

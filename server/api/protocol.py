@@ -165,6 +165,13 @@ class ChatRequest(_OpenAISampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        # (OpenAI refuses it too: answering without the alternatives asked for would drop them silently)
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
 
 class NativeSampling(_Body):
     model_config = ConfigDict(extra="allow")  # (to see the fields refused by GenerateRequest.check_supported)

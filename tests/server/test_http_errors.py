@@ -57,6 +57,8 @@ CASES = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 422, "well-formed"),
     ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', 422, "well-formed"),
     ("/open_session", b'{"timeout": NaN}', 422, "timeout"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 422,
+     "top_logprobs needs logprobs: true"),
     # the body as a whole: said in words, not as pydantic's "body: Field required"
     ("/v1/completions", b'', 422, "the request needs a JSON body"),
     ("/v1/completions", b'[1, 2]', 422, "the request body must be a JSON object"),

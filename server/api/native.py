@@ -77,7 +77,7 @@ def native_routes(engine: Engine) -> APIRouter:
                                     turn_params=sp.turn() if sp else None, **kw)]
         payload = _Payload(engine.tokenizer if body.return_text_in_logprobs else None, body.return_logprob, n)
         if body.stream:
-            streams = await admitted_all(gens)
+            streams = await admitted_all(request, gens)
             return StreamingResponse(_native_stream(streams, payload, many), media_type="text/event-stream")
         results = await collect(request, *gens)
         answers = [payload(outs, results, i) for i, outs in enumerate(results)]

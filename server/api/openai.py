@@ -130,7 +130,7 @@ def openai_routes(engine: Engine) -> APIRouter:
             return text, lp
 
         if body.stream:
-            streams = await admitted_all(gens)
+            streams = await admitted_all(request, gens)
 
             async def events():
                 outs: list[list[StepOutput]] = [[] for _ in gens]
@@ -210,7 +210,7 @@ def openai_routes(engine: Engine) -> APIRouter:
                                  session_id=session_id, turn_params=turn, stream=body.stream)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            streams = await admitted_all(gens)
+            streams = await admitted_all(request, gens)
 
             async def events():
                 lasts: list[StepOutput | None] = [None] * n

@@ -54,18 +54,47 @@ async def admitted(stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutpu
     return chained()
 
 
-async def admitted_all(streams: list[AsyncIterator[StepOutput]]) -> list[AsyncIterator[StepOutput]]:
+async def admitted_all(request: Request, streams: list[AsyncIterator[StepOutput]]) -> list[AsyncIterator[StepOutput]]:
     """``admitted`` for each of a request's streams (its n choices); one refusal closes them all (their
-    requests are aborted) and is raised."""
+    requests are aborted) and is raised. The wait (in the queue, then the prefill) watches the client as
+    ``collect`` does: one that disconnects before the first token closes them all and raises ClientGone
+    (a streamed response notices a gone client only when it writes, and nothing is written before this)."""
     ready: list[AsyncIterator[StepOutput]] = []
-    try:
+
+    async def first_outputs():
         for st in streams:
             ready.append(await admitted(st))
+
+    try:
+        await _unless_client_goes(request, first_outputs())
     except BaseException:
         for st in [*ready, *streams[len(ready):]]:
             await st.aclose()
         raise
     return ready
+
+
+async def _unless_client_goes(request: Request, work) -> None:
+    """Await ``work``, or raise ClientGone (cancelling it) as soon as the client disconnects. The
+    disconnect is awaited (``receive()`` until ``http.disconnect``), not polled."""
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    job, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    done: set = set()
+    try:
+        done, _ = await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (job, watch):
+            t.cancel()
+        for t in (job, watch):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+    if job not in done:  # (a cancelled gather need not report cancelled(): test membership, not state)
+        raise ClientGone()
+    job.result()
 
 
 async def merged(streams: list[AsyncIterator[StepOutput]]) -> AsyncIterator[tuple[int, StepOutput]]:
@@ -116,24 +145,7 @@ async def collect(request: Request, *streams: AsyncIterator[StepOutput]) -> list
             async for out in it:
                 outs[i].append(out)
 
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(asyncio.gather(*(consume(i, st) for i, st in enumerate(streams))))
-    watch = asyncio.ensure_future(disconnected())
-    done: set = set()
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (work, watch):
-            t.cancel()
-        for t in (work, watch):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-    if work not in done:  # (a cancelled gather need not report cancelled(): test membership, not state)
-        raise ClientGone()
-    work.result()
+    await _unless_client_goes(request, asyncio.gather(*(consume(i, st) for i, st in enumerate(streams))))
     for o in outs:
         _raise_refusal(o[0])
     return outs

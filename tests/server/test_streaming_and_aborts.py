@@ -165,3 +165,41 @@ def test_a_non_streamed_request_is_aborted_when_its_client_goes_away(engine, pat
 
 async def accounting_now(c):
     return (await c.get("/get_server_info")).json()["internal_states"][0]
+
+
+def test_a_queued_stream_whose_client_goes_away_leaves_the_queue(tiny_ckpt):
+    """A streamed response writes nothing before its first token, so while the request waits in the queue
+    only the connection tells that its client left: it must leave the queue then, not be prefilled later
+    (and hold a queue place meanwhile) only to be aborted at its first write."""
+    one = make_engine(tiny_ckpt, max_running_requests=1, mamba_cache_size=4, context_length=8192)
+    streams = [("/generate", {"input_ids": PROMPTS[2], "stream": True, "sampling_params": {"max_new_tokens": 4}}),
+               ("/v1/completions", {"prompt": PROMPTS[3], "stream": True, "max_tokens": 4, "n": 2}),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                         "max_tokens": 4})]
+    with uvicorn_server(one) as url:
+        async def go():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                blocker = asyncio.ensure_future(c.post("/generate", json={
+                    "input_ids": PROMPTS[0], "rid": "blocker",
+                    "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}))
+                while (await accounting_now(c))["running"] == 0:
+                    await asyncio.sleep(0.02)
+                for path, body in streams:
+                    with pytest.raises(httpx.ReadTimeout):  # queued behind the blocker: no first token
+                        async with c.stream("POST", path, json=body, timeout=0.5) as r:
+                            async for _ in r.aiter_lines():
+                                pass
+                deadline = asyncio.get_running_loop().time() + 2
+                while (await accounting_now(c))["waiting"] and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.05)
+                queued = await accounting_now(c)
+                await c.post("/abort_request", json={"rid": "blocker"})
+                return queued, (await blocker).json(), await accounting(one)
+
+        try:
+            queued, blocker, acc = run(go())
+        finally:
+            one.stop()
+    assert queued["waiting"] == 0 and queued["running"] == 1  # the blocker alone: the gone streams left
+    assert blocker["meta_info"]["finish_reason"]["type"] == "abort"
+    assert_idle(acc)

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting beyond the running ones; past it new requests get 503 with Retry-After")
     s.add_argument("--max-prompts-per-request", type=int, default=64,
-                   help="prompts in one /v1/completions request (a list of prompts) at most")
+                   help="answers one request may ask for at most: its prompts (a list or a batch) x n")
     return p
 
 

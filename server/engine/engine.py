@@ -247,8 +247,8 @@ class Engine:
         """Refuse more work than the queue bound allows: 400 for too many prompts in one request, 503
         (Overloaded) while running + queued requests would exceed ``--max-queued-requests`` beyond the running."""
         if prompts > self.cfg.max_prompts_per_request:
-            raise BadRequest(f"{prompts} prompts in one request; at most {self.cfg.max_prompts_per_request} "
-                             "(--max-prompts-per-request)")
+            raise BadRequest(f"{prompts} answers asked for in one request (prompts x n); at most "
+                             f"{self.cfg.max_prompts_per_request} (--max-prompts-per-request)")
         if self._active + prompts > self.scheduler.max_running + self.cfg.max_queued_requests:
             raise Overloaded(f"the server has {self._active} requests in progress (at most "
                              f"{self.scheduler.max_running} running and {self.cfg.max_queued_requests} queued); "

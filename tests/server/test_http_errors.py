@@ -40,6 +40,7 @@ CASES = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": ["x", "y"], "session_id": "s"}, 400, "single prompt"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 422, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, 400, "1000 answers asked for in one request (prompts x n)"),
     ("/generate", {"text": ["a", "b"], "rid": "r"}, 400, "rid take a single prompt"),
     ("/v1/chat/completions", {"messages": []}, 422, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 422, "role"),

@@ -24,13 +24,20 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistyped flag is one line that names it and where the flags are listed, not the usage block."""
+
+    def error(self, message: str):
+        # (unknown flags are reported by the top parser, whose --help lists only the commands)
+        self.exit(2, f"{self.prog}: error: {message} (every flag: mambaserve serve --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mambaserve",
+    p = _Parser(prog="mambaserve",
                                 description="Serve Mamba2 and hybrid Mamba2+attention language models over HTTP.")
     sub = p.add_subparsers(dest="command", required=True)
-    # a short usage: a mistyped flag's error is two lines, not the whole list of flags
     s = sub.add_parser("serve", help="start the HTTP server", formatter_class=_HelpFormatter,
-                       usage="mambaserve serve --model MODEL [options]  (every option: mambaserve serve --help)",
+                       usage="mambaserve serve --model MODEL [options]",
                        description="Start an OpenAI- and SGLang-compatible server for a Mamba2 or hybrid "
                                    "(Nemotron-H, Granite 4.0-H, Bamba) checkpoint.")
     s.add_argument("--model", required=True, help="checkpoint directory: Hugging Face Mamba2ForCausalLM (config.json, "

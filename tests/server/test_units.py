@@ -167,7 +167,11 @@ def test_cli_errors_are_short_and_sizes_take_units(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "m", "--dtype", "int8"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "--help" in err[0] and "invalid choice: 'int8'" in err[1]  # not the list of all flags
+    assert len(err) == 1 and "invalid choice: 'int8'" in err[0] and "mambaserve serve --help" in err[0]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--bogus", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unrecognized arguments: --bogus 1" in err[0] and "mambaserve serve --help" in err[0]
     args = build_parser().parse_args(["serve", "--model", "m", "--session-snapshot-max-bytes", "1GiB",
                                       "--max-request-bytes", "512KiB"])
     cfg = config_from_args(args)

@@ -101,7 +101,7 @@ def fit_to_context(prompt_len: int, params: SamplingParams, context_length: int,
                          code="context_length_exceeded")
     if params.max_new_tokens > room:
         if max_tokens_explicit:
-            raise BadRequest(f"prompt ({prompt_len} tokens) + {params.name('max_new_tokens')} "
+            raise BadRequest(f"prompt ({prompt_len} token{'s' * (prompt_len != 1)}) + {params.name('max_new_tokens')} "
                              f"({params.max_new_tokens}) exceeds the context length {context_length}",
                              code="context_length_exceeded")
         params = dataclasses.replace(params, max_new_tokens=room)

@@ -36,6 +36,7 @@ CASES = [
     ("/generate", {"text": "x", "sampling_params": {"sampling_seed": -1}}, 400, "sampling_seed must be in"),
     ("/v1/completions", {"prompt": "y" * 80}, 400, "context length"),
     ("/v1/completions", {"prompt": "y" * 30, "max_tokens": 50}, 400, "exceeds the context length"),
+    ("/v1/completions", {"prompt": [7], "max_tokens": 64}, 400, "prompt (1 token) + max_tokens (64) exceeds"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "does not exist"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": ["x", "y"], "session_id": "s"}, 400, "single prompt"),
@@ -89,7 +90,7 @@ def test_bad_requests_get_clear_errors_and_nothing_leaks(engine):
         assert err["type"] == "invalid_request_error" and err["code"]
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     assert_idle(acc)
-    assert 'mambaserve_requests_rejected_total{reason="too_long"} 4.0' in metrics
+    assert 'mambaserve_requests_rejected_total{reason="too_long"} 5.0' in metrics
 
 
 def test_unknown_routes_and_methods(engine):

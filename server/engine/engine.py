@@ -66,6 +66,8 @@ class Engine:
         if not self.hybrid and cfg.max_total_tokens:
             raise ValueError(f"--max-total-tokens sizes a hybrid model's KV pool; {self.architecture.name} has no "
                              "attention layers")
+        # the tokenizer first: a checkpoint without one (mamba_ssm's) is refused before minutes of weights load
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.model, self.hf_config = load_model(cfg.model, self.dtype, self.device)
         is_cuda = self.device.type == "cuda"
         if self.hybrid:
@@ -76,7 +78,6 @@ class Engine:
         self.cfg = cfg = dataclasses.replace(cfg, page_size=cfg.page_size or (HYBRID_PAGE_SIZE if self.hybrid else 1))
         self.dims = self.model.dims
         d = self.model.state_dims
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.context_length = cfg.context_length or self._default_context_length()
         plan = self._plan_hybrid(is_cuda) if self.hybrid else self._plan_pool(is_cuda)

@@ -92,6 +92,9 @@ def test_mamba_ssm_checkpoints_that_cannot_serve_say_why(hf_dir, tmp_path):
     (tmp_path / "m3" / "pytorch_model.bin").write_bytes(b"not a checkpoint")
     with pytest.raises(ModelLoadError, match="cannot read .*pytorch_model.bin"):
         Engine(ServerConfig(model=str(tmp_path / "m3"), tokenizer=str(hf_dir / "tokenizer.json")))
+    # a missing tokenizer is said before the weights are read (a 2.7b checkpoint's take a minute)
+    with pytest.raises(ModelLoadError, match="pass --tokenizer"):
+        Engine(ServerConfig(model=str(tmp_path / "m3")))
 
 
 def test_codestral_group_shape_matches_transformers(tmp_path):

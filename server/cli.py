@@ -33,8 +33,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mambaserve",
-                                description="Serve Mamba2 and hybrid Mamba2+attention language models over HTTP.")
+    p = _Parser(prog="mambaserve", description="Serve Mamba2 and hybrid Mamba2+attention language models over HTTP.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start the HTTP server", formatter_class=_HelpFormatter,
                        usage="mambaserve serve --model MODEL [options]",

@@ -40,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start an OpenAI- and SGLang-compatible server for a Mamba2 or hybrid "
                                    "(Nemotron-H, Granite 4.0-H, Bamba) checkpoint.")
     s.add_argument("--model", required=True, help="checkpoint directory: Hugging Face Mamba2ForCausalLM (config.json, "
-                   "*.safetensors, tokenizer) or mamba_ssm (config.json with d_model/n_layer/ssm_cfg, pytorch_model.bin), "
-                   "or a hybrid's Hugging Face checkpoint (NemotronHForCausalLM, GraniteMoeHybridForCausalLM, "
-                   "BambaForCausalLM)")
+                   "*.safetensors, tokenizer) or mamba_ssm (config.json with d_model/n_layer/ssm_cfg, "
+                   "pytorch_model.bin), or a hybrid's Hugging Face checkpoint (NemotronHForCausalLM, "
+                   "GraniteMoeHybridForCausalLM, BambaForCausalLM)")
     s.add_argument("--served-model-name", help="model name in /v1/models and requests (default: directory name)")
     s.add_argument("--tokenizer", help="tokenizer directory or tokenizer.json file, if not the model's (mamba_ssm "
                    "checkpoints ship none)")

@@ -205,7 +205,8 @@ def openai_routes(engine: Engine) -> APIRouter:
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, name)
         explicit = max_tokens is not None
-        params = engine.check_prompt(ids, body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS, name), explicit)
+        base = body.sampling(max_tokens if explicit else DEFAULT_CHAT_TOKENS, name)
+        params = engine.check_prompt(ids, base, explicit)
         gens = engine.generate_n(ids, params, n, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                                  session_id=session_id, turn_params=turn, stream=body.stream)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

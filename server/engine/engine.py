@@ -214,7 +214,8 @@ class Engine:
         if n <= 0 or n % q:
             raise ValueError(f"--mamba-track-interval {n} must be a positive multiple of the model's chunk size {q}")
         if self.hybrid and n % cfg.page_size:  # a tracked state is kept with the KV pages of its tokens
-            raise ValueError(f"--mamba-track-interval {n} must be a multiple of --page-size {cfg.page_size} for "
+            which = "" if cfg.mamba_track_interval else " (the default)"
+            raise ValueError(f"--mamba-track-interval {n}{which} must be a multiple of --page-size {cfg.page_size} for "
                              f"{self.architecture.name}: the radix cache keeps states on page boundaries only")
         return n
 

@@ -148,9 +148,12 @@ def plan_hybrid(*, total: int, in_use: int, fraction: float, per_slot: int, per_
     if pages is not None and pages * per_page + per_slot > budget:
         raise ValueError(f"--max-total-tokens ({pages} pages of {page_size} tokens) needs {pages * per_page / GiB:.2f} "
                          f"GiB of KV pages but the pools have {how}")
+    asked = running
     running = running or default_running
     room = (budget - (pages or context_pages) * per_page) // per_slot if pages else fit
     slots = min(slots or (2 * running if cached else running), room)
+    if cached and asked is None:  # as plan_pool: a quarter of a small pool stays for cached snapshots
+        running = max(1, min(running, slots * 3 // 4))
     running = min(running, slots)
     if pages is None:
         cap = (2 if cached else 1) * running * context_pages

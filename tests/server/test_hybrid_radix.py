@@ -156,3 +156,5 @@ def test_tracked_snapshots_come_with_their_pages(granite):
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
     with pytest.raises(ValueError, match="--mamba-track-interval 8 must be a multiple of --page-size 16"):
         _engine(granite, page_size=16, mamba_cache_strategy="extra_buffer", mamba_track_interval=8)
+    with pytest.raises(ValueError, match=r"--mamba-track-interval \d+ \(the default\) must be a multiple of --page-size 3"):
+        _engine(granite, page_size=3, mamba_cache_strategy="extra_buffer")

@@ -36,11 +36,15 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
                          json={"input_ids": prompt, "sampling_params": params})
         again = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
                            json={"input_ids": prompt, "sampling_params": params})
-        # a streaming session of two turns, then its history resent whole: the same answer
+        # a streaming session of two turns with another request between them (it would reuse pages the
+        # session gave up: freed pages go out first), then its history resent whole: the same answer
         sid = httpx.post(f"http://127.0.0.1:{port}/open_session", timeout=10, json={"streaming": True}).json()
-        turns = [httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
-                            json={"input_ids": new, "sampling_params": params, "session_params": {"id": sid}}).json()
-                 for new in ([40, 41, 42], [43, 44, 45, 46, 47])]
+        turns = []
+        for new in ([40, 41, 42], [43, 44, 45, 46, 47]):
+            turns.append(httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60, json={
+                "input_ids": new, "sampling_params": params, "session_params": {"id": sid}}).json())
+            httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
+                       json={"input_ids": list(range(60, 100)), "sampling_params": params})
         closed = httpx.post(f"http://127.0.0.1:{port}/close_session", timeout=10, json={"session_id": sid})
         history = [40, 41, 42] + turns[0]["output_ids"] + [43, 44, 45, 46, 47]
         resent = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,

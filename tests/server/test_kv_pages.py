@@ -69,6 +69,12 @@ def test_hybrid_plan_with_the_radix_cache_keeps_room_for_snapshots_and_prefixes(
     assert cached.slots == 2 * plain.slots  # a snapshot slot per running request
     assert cached.pages == 2 * plain.pages  # cached prefixes beside what the running requests may fill
     assert cached.slots * kw["per_slot"] + cached.pages * kw["per_page"] <= cached.budget
+    # an explicit small pool: three quarters run, the rest holds snapshots (as for pure Mamba2); an explicit
+    # running limit is kept
+    few = plan_hybrid(**{**kw, "slots": 8}, cached=True)
+    assert (few.slots, few.max_running) == (8, 6)
+    assert plan_hybrid(**{**kw, "slots": 8, "running": 8}, cached=True).max_running == 8
+    assert plan_hybrid(**{**kw, "slots": 8}).max_running == 8  # no cache: nothing else needs a slot
 
 
 def test_holds_share_the_trees_pages_and_give_back_exactly_their_own():

@@ -84,6 +84,15 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def run_started(engine: Engine, coro_fn):
+    """``asyncio.run(coro_fn())`` with ``engine``'s scheduler running, stopped afterwards whatever happens."""
+    engine.start()
+    try:
+        return asyncio.run(coro_fn())
+    finally:
+        engine.stop()
+
+
 def assert_idle(acc: dict) -> None:
     """No request holds a slot; every slot is free or a cached snapshot."""
     assert acc["running"] == 0 and acc["waiting"] == 0 and acc["held_by_requests"] == 0, acc

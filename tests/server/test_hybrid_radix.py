@@ -11,6 +11,7 @@ import pytest
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
+from tests.server.conftest import run_started
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 
@@ -33,14 +34,6 @@ async def _one(engine, prompt, n):
         lps += o.logprobs
         cached = o.cached_tokens
     return ids, lps, cached
-
-
-def _run(engine, coro_fn):
-    engine.start()
-    try:
-        return asyncio.run(coro_fn())
-    finally:
-        engine.stop()
 
 
 def _accounting(engine):
@@ -77,8 +70,8 @@ def test_hits_give_the_cold_outputs_and_logprobs(tmp_path, granite, family, page
     path = granite if family == "granite_dense_rope" else make_hybrid_checkpoint(tmp_path / family, family)
     warm = _engine(path, page_size=page_size)
     cold = _engine(path, page_size=page_size, disable_radix_cache=True)
-    got, acct = _run(warm, _chat(warm))
-    ref, _ = _run(cold, _chat(cold))
+    got, acct = run_started(warm, _chat(warm))
+    ref, _ = run_started(cold, _chat(cold))
     for (ids, lps, _), (rids, rlps, rcached) in zip(got, ref):
         assert ids == rids
         assert lps == pytest.approx(rlps, abs=1e-4)
@@ -119,9 +112,9 @@ def test_scarce_pages_and_slots_evict_and_never_leak(tmp_path, granite):
         return run
 
     warm = _engine(granite, **kw)
-    got, acct = _run(warm, go(warm))
+    got, acct = run_started(warm, go(warm))
     cold = _engine(granite, **{**kw, "disable_radix_cache": True})
-    ref, _ = _run(cold, go(cold))
+    ref, _ = run_started(cold, go(cold))
     assert [o[0] for o in got] == [o[0] for o in ref]
     for (_, lps, _), (_, rlps, _) in zip(got, ref):
         assert lps == pytest.approx(rlps, abs=1e-4)
@@ -147,9 +140,9 @@ def test_tracked_snapshots_come_with_their_pages(granite):
         return run
 
     warm = _engine(granite, **kw)
-    got, acct = _run(warm, go(warm))
+    got, acct = run_started(warm, go(warm))
     cold = _engine(granite, page_size=4, disable_radix_cache=True)
-    ref, _ = _run(cold, go(cold))
+    ref, _ = run_started(cold, go(cold))
     assert [o[0] for o in got] == [o[0] for o in ref]
     assert got[1][1] == pytest.approx(ref[1][1], abs=1e-4)
     assert got[1][2] == 24  # the tracked state at 24 (the prompt's own snapshots lie past the shared 27)

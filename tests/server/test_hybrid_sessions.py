@@ -12,6 +12,7 @@ from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
 from mambaserve.server.sessions.table import TurnParams
+from tests.server.conftest import run_started
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 
@@ -47,21 +48,13 @@ def _idle(engine):
     return engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
 
 
-def _run(engine, fn):
-    engine.start()
-    try:
-        return asyncio.run(fn())
-    finally:
-        engine.stop()
-
-
 def _resent(path, prompts_and_n):
     """Each prompt sent whole to an engine without a cache (sequentially: the same batch shapes as a session)."""
     cold = _engine(path, disable_radix_cache=True)
 
     async def go():
         return [await _gen(cold, p, n) for p, n in prompts_and_n]
-    return _run(cold, go)
+    return run_started(cold, go)
 
 
 def test_streaming_session_twenty_turns_page_size_4(nemotron):
@@ -83,7 +76,7 @@ def test_streaming_session_twenty_turns_page_size_4(nemotron):
         await engine.flush_cache()
         return outs, held, closed, _idle(engine)
 
-    outs, held, closed, flushed = _run(engine, go)
+    outs, held, closed, flushed = run_started(engine, go)
     history, prompts = [], []
     for (new, n), (out, _, _) in zip(turns, outs):
         history += new
@@ -128,7 +121,7 @@ def test_sessions_give_their_pages_up_under_pressure(nemotron):
         got = await asyncio.gather(*[session(k) for k in range(3)], *[_gen(engine, p, n) for p, n in others])
         return got, _idle(engine)
 
-    got, acct = _run(engine, go)
+    got, acct = run_started(engine, go)
     prompts = []
     for k in range(3):
         history = []
@@ -170,7 +163,7 @@ def test_non_streaming_session_branches_through_the_cache(nemotron):
         await engine.close_session(sid)
         return [a, b, c, d], _idle(engine)
 
-    (a, b, c, d), acct = _run(engine, go)
+    (a, b, c, d), acct = run_started(engine, go)
     p_a = _words(17, 1)
     prompts = [(p_a, 5), (p_a + a[0] + _words(6, 2), 4), ((p_a + a[0])[:12] + _words(9, 3), 4),
                (p_a + _words(5, 4), 3)]
@@ -199,7 +192,7 @@ def test_timeout_and_the_held_slot_bound_release_exactly_what_sessions_hold(nemo
         await engine.close_session(a)
         return outs, mid, reaped, _idle(engine)
 
-    outs, mid, reaped, closed = _run(engine, go)
+    outs, mid, reaped, closed = run_started(engine, go)
     pa = _words(9, 1)
     ref = _resent(nemotron, [(pa, 4), (_words(7, 2), 3), (pa + outs[0][0] + _words(5, 3), 3)])
     assert [o[0] for o in outs] == [r[0] for r in ref]
@@ -227,7 +220,7 @@ def test_a_hybrid_session_file_keeps_its_tokens_and_the_restored_session_goes_on
         await engine.close_session("again")
         return first, saved, restored, second, _idle(engine)
 
-    first, saved, restored, second, acct = _run(engine, go)
+    first, saved, restored, second, acct = run_started(engine, go)
     history = _words(10, 1) + first[0] + _words(4, 2)
     (ref,) = _resent(nemotron, [(history, 4)])
     assert saved["has_state"] is False and saved["tokens"] == 15

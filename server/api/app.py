@@ -93,6 +93,9 @@ def create_app(engine: Engine) -> FastAPI:
             return error_response(503, "scheduler is not running", "unavailable", "server_error")
         return PlainTextResponse("OK")
 
+    # HEAD too: some load balancers' health checks send it
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
     @app.get("/health_generate", response_class=PlainTextResponse, responses={**PLAIN_TEXT, **ERRORS})
     async def health_generate():
         params = SamplingParams(max_new_tokens=1, temperature=0)

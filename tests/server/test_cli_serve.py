@@ -48,16 +48,18 @@ def test_requests_get_503_loading_until_the_engine_is_ready(tiny_ckpt):
             while app.app is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             after = await c.get("/health")
+            head = await c.head("/health")
             gen = await c.post("/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
         await startup.put({"type": "lifespan.shutdown"})
         await lifespan
-        return sent, before, after, gen
+        return sent, before, after, head, gen
 
-    sent, before, after, gen = asyncio.run(scenario())
+    sent, before, after, head, gen = asyncio.run(scenario())
     assert sent[0] == {"type": "lifespan.startup.complete"}  # startup does not wait for the load
     assert before.status_code == 503 and before.json()["error"]["code"] == "loading"
     assert before.headers["retry-after"] == "5"
     assert after.status_code == 200 and gen.status_code == 200
+    assert head.status_code == 200 and head.content == b""  # load balancers' HEAD checks
     assert not engines[0].healthy  # shutdown stopped the engine
 
 

@@ -39,6 +39,10 @@ class DecodeBuffers:
         self.model, self.pool, self.kv_pool, self.device = model, pool, kv_pool, device
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        # constant per bucket: sliced, not rebuilt inside every replay
+        self.zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        self.no_state = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self._uploaded_slots: tuple[int, list[int]] | None = None  # (bucket, slots) now in self.slots
         if kv_pool is not None:
             if context_length < 1:
@@ -103,10 +107,8 @@ class DecodeBuffers:
     def forward(self, b: int) -> torch.Tensor:
         """The model on the first ``b`` rows of the buffers: fp32 logits ``[b, V]``. What a decode graph captures:
         every shape depends on ``b`` (and the buffers' sizes) alone, nothing reads a value back to the host."""
-        z = torch.zeros(b, dtype=torch.long, device=self.device)
-        cu = torch.arange(b + 1, dtype=torch.int32, device=self.device)
-        bt = BatchTensors(mode=ForwardMode.DECODE, cu_seqlens=cu, slots=self.slots[:b], has_initial_state=z.bool(),
-                          start_pos=z)
+        bt = BatchTensors(mode=ForwardMode.DECODE, cu_seqlens=self.cu[:b + 1], slots=self.slots[:b],
+                          has_initial_state=self.no_state[:b], start_pos=self.zeros[:b])
         if self.kv_pool is None:
             return self.model(self.ids[:b], bt, self.pool.conv, self.pool.ssm, None)[0]
         ps = self.page_size

@@ -77,6 +77,9 @@ class Engine:
         # --page-size: KV page size for hybrids (default 16), radix-key alignment for pure Mamba2 (default 1)
         self.cfg = cfg = dataclasses.replace(cfg, page_size=cfg.page_size or (HYBRID_PAGE_SIZE if self.hybrid else 1))
         self.dims = self.model.dims
+        if len(self.tokenizer) > self.dims.vocab_size:  # (a padded vocabulary is larger, never smaller)
+            log.warning("the tokenizer has %d tokens but the model's vocabulary %d: text whose ids reach past it is "
+                        "refused; is --tokenizer the model's?", len(self.tokenizer), self.dims.vocab_size)
         d = self.model.state_dims
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.context_length = cfg.context_length or self._default_context_length()

@@ -4,6 +4,7 @@ for hybrids are refused with the reason, before anything runs."""
 
 import asyncio
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +179,14 @@ def test_random_traffic_with_aborts_on_scarce_pages(tmp_path):
         if out is not None:
             assert out == _hf_greedy(path, prompt, n)
     assert acct["kv_pages_free"] == 24 and acct["free"] == acct["capacity"] and not acct["running"]
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_warned_about(tmp_path, caplog):
+    """Pairing a model with another model's tokenizer: said at start, not only by each refused request."""
+    path = make_hybrid_checkpoint(tmp_path / "g", "granite_dense_rope")
+    with caplog.at_level("WARNING", logger="mambaserve.server.engine.engine"):
+        _engine(path)
+        assert not [r for r in caplog.records if "tokenizer has" in r.message]
+        bundled = Path(__file__).resolve().parents[2] / "models" / "mamba2-tiny-pystdlib"
+        _engine(path, tokenizer=str(bundled))
+    assert any("the tokenizer has 4096 tokens but the model's vocabulary 96" in r.message for r in caplog.records)

@@ -17,7 +17,18 @@ from mambaserve.server.cache.radix_tree import CacheBusyError
 
 log = logging.getLogger(__name__)
 
-PROMPT = list(range(1, 17))  # token ids every vocabulary has
+PROMPT_TOKENS, NEW_TOKENS = 16, 4
+
+
+def warm_up_prompt(vocab_size: int, context_length: int) -> tuple[list[int], int] | None:
+    """(prompt ids, new tokens) of the warm-up requests, inside the model's vocabulary and the served context
+    (``--context-length`` may be shorter than 16 + 4 tokens, a test model's vocabulary smaller than 17: a
+    warm-up refused for either would stop a server that serves); None where the context holds no answer."""
+    if context_length < 2:
+        return None
+    new = min(NEW_TOKENS, context_length - 1)  # decode steps first: the prompt is shortened before them
+    n = min(PROMPT_TOKENS, context_length - new)
+    return [(1 + i) % vocab_size for i in range(n)], new
 
 
 async def request(app, path: str, body: dict, api_key: str | None = None) -> tuple[int, bytes]:
@@ -51,8 +62,13 @@ async def request(app, path: str, body: dict, api_key: str | None = None) -> tup
 
 async def warm_up(app, engine, api_key: str | None = None) -> None:
     """Two generations through ``app`` at once, then the radix cache emptied; RuntimeError if one fails."""
-    greedy = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-    sampled = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.8, "top_p": 0.9}}
+    prompt = warm_up_prompt(engine.dims.vocab_size, engine.context_length)
+    if prompt is None:
+        log.info("warm-up skipped: a context of %d token(s) holds no answer", engine.context_length)
+        return
+    ids, new = prompt
+    greedy = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0}}
+    sampled = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0.8, "top_p": 0.9}}
     for status, body in await asyncio.gather(request(app, "/generate", greedy, api_key),
                                              request(app, "/generate", sampled, api_key)):
         if status != 200:

@@ -148,3 +148,30 @@ def test_the_warm_up_leaves_the_cache_empty_and_reports_a_failed_request(tiny_ck
     finally:
         engine.stop()
     assert acc["free"] == acc["capacity"] and acc["held_by_tree"] == 0, acc
+
+
+@pytest.mark.parametrize("context_length", [2, 16, 19])
+def test_the_warm_up_fits_a_short_context(tiny_ckpt, context_length):
+    """A legal --context-length shorter than the warm-up's 16-token prompt + 4 tokens does not fail the start:
+    the warm-up's requests fit the context (and the vocabulary) they are sent to."""
+    from mambaserve.server.api import warmup
+
+    engine = make_engine(tiny_ckpt, context_length=context_length)
+    engine.start()
+    try:
+        asyncio.run(warmup.warm_up(create_app(engine), engine))
+        acc = asyncio.run(engine.accounting())
+    finally:
+        engine.stop()
+    assert acc["free"] == acc["capacity"] and acc["held_by_tree"] == 0, acc
+
+
+def test_the_warm_up_prompt_fits_any_vocabulary_and_context():
+    from mambaserve.server.api.warmup import warm_up_prompt
+
+    assert warm_up_prompt(vocab_size=96, context_length=4096) == (list(range(1, 17)), 4)
+    ids, new = warm_up_prompt(vocab_size=5, context_length=4096)
+    assert len(ids) == 16 and max(ids) < 5 and new == 4
+    assert warm_up_prompt(vocab_size=96, context_length=18) == (list(range(1, 15)), 4)
+    assert warm_up_prompt(vocab_size=96, context_length=2) == ([1], 1)
+    assert warm_up_prompt(vocab_size=1, context_length=1) is None  # nothing fits: no warm-up

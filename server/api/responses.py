@@ -68,7 +68,8 @@ async def admitted_all(request: Request, streams: list[AsyncIterator[StepOutput]
     try:
         await _unless_client_goes(request, first_outputs())
     except BaseException:
-        for st in [*ready, *streams[len(ready):]]:
+        # the streams themselves: an admitted one's wrapper never started, and closing it would close nothing
+        for st in streams:
             await st.aclose()
         raise
     return ready

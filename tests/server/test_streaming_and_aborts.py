@@ -203,3 +203,37 @@ def test_a_queued_stream_whose_client_goes_away_leaves_the_queue(tiny_ckpt):
     assert queued["waiting"] == 0 and queued["running"] == 1  # the blocker alone: the gone streams left
     assert blocker["meta_info"]["finish_reason"]["type"] == "abort"
     assert_idle(acc)
+
+
+def test_a_stream_whose_client_goes_after_one_choice_was_admitted_aborts_every_choice(tiny_ckpt):
+    """n=2 streamed: the first choice has its first token, the second waits in the queue behind it, and the
+    client leaves. Both choices' requests are aborted at once (their Generations closed), not the first left
+    running until something drops the last reference to it (the endpoint holds them while it answers 499)."""
+    from starlette.requests import Request
+
+    from mambaserve.server.api.responses import ClientGone, admitted_all
+    from mambaserve.server.engine.request import SamplingParams
+
+    one = make_engine(tiny_ckpt, max_running_requests=1, mamba_cache_size=4, context_length=8192)
+
+    async def go():
+        gens = one.generate_n(PROMPTS[1], SamplingParams(max_new_tokens=4000, ignore_eos=True), 2)
+
+        async def receive():  # the client leaves once the first choice is decoding
+            while len(gens[0].req.output_ids) < 2:
+                await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+        with pytest.raises(ClientGone):
+            await admitted_all(request, gens)
+        closed = [g._open is False for g in gens]
+        return closed, await accounting(one)
+
+    one.start()
+    try:
+        closed, acc = run(go())
+    finally:
+        one.stop()
+    assert closed == [True, True]
+    assert_idle(acc)

@@ -116,13 +116,13 @@ def test_a_taken_port_or_a_bad_model_fails_in_one_line_without_the_banner(tiny_c
 def test_the_cli_makes_openmp_workers_wait_passively_unless_the_user_chose(tmp_path):
     """Set before torch loads libgomp: a model loaded on a thread that exits otherwise leaves CPU serving
     12-25x slower (cli.openmp_defaults)."""
-    code = ("import os, sys\nfrom mambaserve.server import cli\n"
+    code = ("import os, sys\nfrom mambaserve.server import cli\ntorch_first = 'torch' in sys.modules\n"
             "try:\n    cli.main(['serve', '--model', sys.argv[1], '--port', '99999'])\nexcept SystemExit:\n    pass\n"
-            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+            "print(os.environ.get('OMP_WAIT_POLICY'), torch_first)")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=60)
-    assert out.stdout.split()[0] == "PASSIVE", out.stdout + out.stderr
+    assert out.stdout.split() == ["PASSIVE", "False"], out.stdout + out.stderr  # torch (libgomp) loads after it
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split()[0] == "ACTIVE", out.stdout + out.stderr

@@ -9,7 +9,7 @@ from mambaserve.kernels.moe import moe_align, moe_experts, moe_runs_triton
 from mambaserve.kernels.norm_linear import ConvStep, gated_rmsnorm_linear, rmsnorm_linear
 from mambaserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from mambaserve.kernels.rmsnorm import rmsnorm
-from mambaserve.kernels.selective_state_update import selective_state_update
+from mambaserve.kernels.selective_state_update import decode_runs_triton, selective_state_update
 from mambaserve.kernels.ssd_scan import BoundaryStates, scan_runs_triton, ssd_scan_varlen
 from mambaserve.kernels.state_ops import clear_slots, copy_slots, scatter_steps
 
@@ -22,6 +22,7 @@ __all__ = [
     "clear_slots",
     "conv_varlen_runs_triton",
     "copy_slots",
+    "decode_runs_triton",
     "gated_rmsnorm",
     "gated_rmsnorm_linear",
     "moe_align",

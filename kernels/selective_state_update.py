@@ -130,6 +130,13 @@ def selective_state_update_ref(
     return out
 
 
+def decode_runs_triton(t: torch.Tensor) -> bool:
+    """The decode step's kernels (this state update, the conv step, ``write_kv`` and the paged decode attention)
+    run Triton for tensors where ``t`` lives; their references index rows with boolean masks (``state_indices >=
+    0``, ``slot_mapping >= 0``), a host synchronisation, so only the Triton step can be captured in a CUDA graph."""
+    return use_triton(t, None)
+
+
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                            dt_limit=(0.0, float("inf")), *, state_indices, dst_state_indices=None,
                            force_triton: bool | None = None, block_p: int | None = None,

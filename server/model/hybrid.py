@@ -18,7 +18,7 @@ from mambaserve import kernels
 from mambaserve.server.model.attention import rope_cos_sin
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.inputs import BatchTensors, ForwardMode
-from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+from mambaserve.server.model.mamba2 import REFERENCE_DECODE, Mamba2Mixer, RMSNorm
 from mambaserve.server.model.weights import copy_into_parameters
 
 
@@ -107,11 +107,14 @@ class HybridForCausalLM(nn.Module):
 
     def capture_blocker(self, mode: ForwardMode) -> str | None:
         """Why a forward of ``mode`` cannot be captured in a CUDA graph, or None. Decode can, given its KV view
-        in static buffers (``engine/decode_buffers.py``), MoE layers included where their experts run the Triton
-        kernel; not where they run the torch expert loop (``MAMBASERVE_KERNELS=ref``, no Triton), which copies
-        each expert's row count to the host."""
+        in static buffers (``engine/decode_buffers.py``), where its kernels run Triton (not their references, which
+        synchronise with the host), MoE layers included where their experts run the Triton kernel; not where they
+        run the torch expert loop (``MAMBASERVE_KERNELS=ref``, no Triton), which copies each expert's row count to
+        the host."""
         if mode is ForwardMode.EXTEND:
             return "prefill graphs are not built for hybrid models (their packed KV view is built per step)"
+        if not kernels.decode_runs_triton(self.embed.weight):
+            return REFERENCE_DECODE
         if self.dims.moe is not None and not kernels.moe_runs_triton(self.embed.weight):
             return ("the model's MoE layers run the torch expert loop (no Triton, or MAMBASERVE_KERNELS=ref), which "
                     "copies each expert's row count to the host every step (kernels.moe.moe_experts_ref)")

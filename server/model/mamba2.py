@@ -145,6 +145,10 @@ class Backbone(nn.Module):
         self.norm_f = RMSNorm(d.hidden_size, d.eps, d.residual_in_fp32)
 
 
+REFERENCE_DECODE = ("decode runs the kernels' torch references (no Triton, or MAMBASERVE_KERNELS=ref), which "
+                    "index rows with boolean masks: a host synchronisation every layer")
+
+
 class Mamba2ForCausalLM(nn.Module):
     def __init__(self, d: Mamba2Dims, kernel_config: kernels.KernelConfig | None = None):
         super().__init__()
@@ -183,8 +187,10 @@ class Mamba2ForCausalLM(nn.Module):
 
     def capture_blocker(self, mode: ForwardMode) -> str | None:
         """Why a forward of ``mode`` cannot be captured in a CUDA graph (it would synchronise with the host),
-        or None. Decode always can; prefill when the Triton scan and conv run, not their references."""
+        or None: where the Triton kernels run (decode and prefill), not their references."""
         w = self.lm_head.weight
+        if mode is ForwardMode.DECODE and not kernels.decode_runs_triton(w):
+            return REFERENCE_DECODE
         if mode is ForwardMode.EXTEND and not (kernels.scan_runs_triton(self.dims.chunk_size, w)
                                                and kernels.conv_varlen_runs_triton(self.dims.conv_kernel, w)):
             return (f"this model's prefill runs reference kernels (chunk size {self.dims.chunk_size}, conv width "

@@ -142,11 +142,21 @@ def test_a_row_the_buffers_cannot_hold_is_refused_before_anything_runs(granite):
     assert buffers.block_table[:2, :1].tolist() == [[9], [5]] and buffers.view[:, :2].tolist() == [[1, 2], [2, 3]]
 
 
-def test_decode_capture_is_blocked_only_by_the_torch_expert_loop(model, monkeypatch):
+def test_decode_capture_is_blocked_by_reference_kernels_and_the_torch_expert_loop(model, monkeypatch, tmp_path):
+    """Decode is captured only where its kernels run Triton: the references (CPU, no Triton, or
+    MAMBASERVE_KERNELS=ref on CUDA) index with boolean masks (a host synchronisation, which a capture refuses),
+    and a MoE hybrid's torch expert loop copies row counts to the host. Pure Mamba2 as well as the hybrids."""
+    from tests.server.tiny_models import make_checkpoint
+
+    mamba2 = load_model(make_checkpoint(tmp_path / "m2"), torch.float32, CPU)[0]
     assert model.capture_blocker(Mode.EXTEND) is not None  # prefill graphs are not built for hybrids
+    for m in (model, mamba2):  # here on the CPU: the references run
+        assert "reference" in m.capture_blocker(Mode.DECODE)
+    monkeypatch.setattr(kernels, "decode_runs_triton", lambda t: True)
+    assert mamba2.capture_blocker(Mode.DECODE) is None
     if model.dims.moe is None:
         assert model.capture_blocker(Mode.DECODE) is None
-    else:  # on the CPU the experts run the torch loop, which syncs with the host; the Triton kernel does not
+    else:  # the experts still run the torch loop, which syncs with the host; the Triton kernel does not
         assert "expert loop" in model.capture_blocker(Mode.DECODE)
         monkeypatch.setattr(kernels, "moe_runs_triton", lambda t: True)
         assert model.capture_blocker(Mode.DECODE) is None

@@ -3,8 +3,10 @@ through the whole app (routing, validation, the scheduler, sampling, the answer)
 
 Whatever runs only on a first request (first validation, first pass through the scheduler's paths, the
 sampler's kernels) is paid here instead of by the first clients: the first 8-request burst through HTTP
-on an H100 was 3% slower than the next. The radix cache is emptied afterwards, so the warm-up leaves no
-snapshot behind; the request counters do count its two requests. ``--skip-server-warmup`` turns it off.
+on an H100 was 3% slower than the next. The radix cache (device and host tiers) is emptied afterwards, so
+the warm-up leaves no snapshot in memory; a storage tier keeps the warm-up prompt's snapshots it wrote (a few
+entries, the same each start), and the request counters count its two requests. ``--skip-server-warmup`` turns
+it off.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from mambaserve.server.cache.radix_tree import CacheBusyError, InsertResult, MambaRadixCache, TreeNode, _require
+from mambaserve.server.cache.radix_tree import InsertResult, MambaRadixCache, TreeNode, _require
 
 
 class HybridRadixCache(MambaRadixCache):
@@ -202,9 +202,13 @@ class HybridRadixCache(MambaRadixCache):
                 and node.lock_ref == 0 and node.kv_ref == 0)
 
     def flush(self) -> list[int]:
-        if self.root.kv_ref:
-            raise CacheBusyError(f"cannot flush the radix cache: {self.root.kv_ref} request(s) or session(s) "
-                                 "read its KV pages")
+        """Empty the tree but the paths idle streaming sessions read (kv-locked, with no lock: nothing
+        runs): those stay as tombstones holding their pages, as a session's live state stays outside a
+        Mamba-only tree. Refused while a snapshot is locked."""
+        if self.root.kv_ref and not self.root.lock_ref:
+            slots = self.evict(len(self._owner))
+            self.evict_pages(self._pages_held)
+            return slots
         pending = self.released + self.all_pages()
         slots = super().flush()
         self.released = pending

@@ -1,0 +1,154 @@
+"""Edge cases of the hybrid radix cache through the engine (a review's probes): prompt lengths around
+page boundaries, max_new_tokens 0 and 1, page size 1, several answers to one prompt, prompt logprobs,
+aborts at every stage and flush_cache with an idle streaming session. Every request gives the cold
+engine's outputs; after each the invariant check (slots and pages) passes and nothing leaks."""
+
+import asyncio
+
+import pytest
+
+from mambaserve.server.cache.radix_tree import CacheBusyError
+from mambaserve.server.config import ServerConfig
+from mambaserve.server.engine.engine import Engine
+from mambaserve.server.engine.request import SamplingParams
+from tests.server.conftest import run_started
+from tests.server.tiny_hybrids import make_hybrid_checkpoint
+
+
+def _engine(path, **kw):
+    cfg = dict(model=str(path), device="cpu", context_length=128, debug_cache_invariants=True, page_size=4,
+               chunked_prefill_size=8, max_running_requests=4, mamba_cache_size=12)
+    return Engine(ServerConfig(**{**cfg, **kw}))
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    return make_hybrid_checkpoint(tmp_path_factory.mktemp("nh"), "nemotron_h")
+
+
+def _words(n, seed):
+    return [(seed * 17 + 3 * k * k + 5 * k) % 91 + 2 for k in range(n)]
+
+
+async def _one(engine, prompt, n, **kw):
+    ids, lps, cached, inp = [], [], None, None
+    async for o in engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                                   return_logprob=True, **kw):
+        assert o.error is None, o.error
+        ids += o.token_ids
+        lps += o.logprobs
+        cached = o.cached_tokens
+        inp = o.input_logprobs if o.input_logprobs is not None else inp
+    return ids, lps, cached, inp
+
+
+def _idle(engine):
+    engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
+    acct = engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
+    assert acct["running"] == acct["waiting"] == 0
+    assert acct["free"] + acct["held_by_tree"] + acct["held_by_sessions"] == acct["capacity"], acct
+    return acct
+
+
+def _sweep(engine, jobs):
+    async def go():
+        out = []
+        for p, n in jobs:
+            out.append(await _one(engine, p, n))
+            _idle(engine)
+        return out
+    return run_started(engine, go)
+
+
+@pytest.mark.parametrize("page_size,overlap", [(4, True), (4, False), (1, True)])
+def test_prompts_around_page_boundaries_and_tiny_answers(nemotron, page_size, overlap):
+    """Prompts of 1 to 13 tokens (shorter than a page, a page multiple, one past it) with 0, 1 or 3 new
+    tokens, each sent twice: the second hits where the first left a page-aligned snapshot."""
+    jobs = [(_words(L, L), n) for L in (1, 2, 3, 4, 5, 8, 9, 12, 13) for n in (0, 1, 3)]
+    jobs = [j for j in jobs for _ in range(2)]
+    kw = dict(page_size=page_size, disable_overlap_schedule=not overlap)
+    warm = _engine(nemotron, **kw)
+    got = _sweep(warm, jobs)
+    ref = _sweep(_engine(nemotron, disable_radix_cache=True, **kw), jobs)
+    for (p, n), g, r in zip(jobs, got, ref):
+        assert g[0] == r[0], (len(p), n)
+        assert g[1] == pytest.approx(r[1], abs=1e-4)
+        assert len(g[0]) == n
+    acct = warm.scheduler.accounting()
+    assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
+    assert sum(1 for g in got if g[2]) >= 9  # resent prompts of two tokens or more hit
+
+
+def test_several_answers_and_prompt_logprobs(nemotron):
+    """generate_n over prompts ending anywhere in a page, and prompt logprobs from positions around page
+    boundaries (the match stops before them): the cold engine's numbers."""
+    def go(engine):
+        async def run():
+            out = []
+            for L in (9, 10, 13):
+                p = _words(L, 40 + L)
+                params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+                gens = engine.generate_n(p, params, 3, return_logprob=True)
+                for g in gens:
+                    toks = []
+                    async for o in g:
+                        assert o.error is None, o.error
+                        toks += o.token_ids
+                    out.append(toks)
+                _idle(engine)
+            for start in (0, 3, 4, 5, 8, 12):
+                p = _words(13, 7)
+                out.append(await _one(engine, p, 2, logprob_start_len=start))
+                out.append(await _one(engine, p, 2, logprob_start_len=start))
+                _idle(engine)
+            return out
+        return run
+    warm = _engine(nemotron)
+    got = run_started(warm, go(warm))
+    cold = _engine(nemotron, disable_radix_cache=True)
+    ref = run_started(cold, go(cold))
+    for g, r in zip(got, ref):
+        if isinstance(g, list):
+            assert g == r
+        else:
+            assert g[0] == r[0]
+            assert g[1] == pytest.approx(r[1], abs=1e-4)
+            assert g[3] == pytest.approx(r[3], abs=1e-4)
+
+
+def test_flush_cache_with_an_idle_streaming_session(nemotron):
+    """An idle streaming session pins the page-aligned prefix of its history in the tree: flush_cache
+    empties the rest of the cache instead of refusing, the session goes on with the cold outputs, and
+    after it closes every page is free."""
+    engine = _engine(nemotron)
+
+    async def go():
+        sid = await engine.open_session(None, True, None, None)
+        a = await _one(engine, _words(11, 1), 4, session_id=sid)
+        await _one(engine, _words(13, 2), 3)  # another prompt's pages in the tree
+        freed = await engine.flush_cache()
+        acct = _idle(engine)
+        b = await _one(engine, _words(6, 3), 4, session_id=sid)
+        await engine.close_session(sid)
+        await engine.flush_cache()
+        return a, b, freed, acct, _idle(engine)
+
+    a, b, freed, acct, end = run_started(engine, go)
+    cold = _engine(nemotron, disable_radix_cache=True)
+    ref = run_started(cold, lambda: _cold_history(cold, [(_words(11, 1), 4), (_words(6, 3), 4)]))
+    assert [a[0], b[0]] == ref
+    assert freed > 0
+    assert acct["held_by_sessions"] == 1 and acct["held_by_tree"] == 0
+    # what stays in the tree is the session's page-aligned prefix (a chunk ended at 8), pinned
+    assert acct["kv_pages_tree"] == 2 and acct["kv_pages_evictable"] == 0
+    assert end["kv_pages_free"] == end["kv_pages"] and end["free"] == end["capacity"]
+
+
+async def _cold_history(engine, turns):
+    history, outs = [], []
+    for new, n in turns:
+        history += new
+        ids = (await _one(engine, history, n))[0]
+        history += ids
+        outs.append(ids)
+    return outs

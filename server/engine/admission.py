@@ -171,6 +171,8 @@ class Admission:
             req.cached_tokens = req.in_state
             self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier="session")
             self._started(req)
+            if req.prefill_done and req.params.max_new_tokens == 0:  # one new token, none to generate
+                self.output.finish_unsampled(req)
             return True
         # the last token must run to produce logits: never match the whole prompt; and with prompt logprobs
         # the positions they need must run too (a cached state has no logits): the match stops before them

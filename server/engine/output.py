@@ -83,6 +83,11 @@ class OutputProcessor:
         else:
             self.finish(req, finish)
 
+    def finish_unsampled(self, req: Req) -> None:
+        """A request with nothing to generate (``max_new_tokens`` 0) whose state covers its prompt but the
+        last token: it ends now; a streaming session's turn first folds that token into its live state."""
+        self._after_token(req, FinishReason.LENGTH)
+
     @staticmethod
     def _keeps_live_state(req: Req) -> bool:
         s = req.session

@@ -152,3 +152,85 @@ async def _cold_history(engine, turns):
         history += ids
         outs.append(ids)
     return outs
+
+
+def _settle(sched, limit=200):
+    for _ in range(limit):
+        sched._drain_inbox(block=False)
+        if not (sched.queues.running or sched.queues.waiting or sched.inflight):
+            return
+        sched.step()
+    raise AssertionError("the scheduler did not go idle")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_aborts_and_session_closes_at_every_step_leak_nothing(nemotron, overlap):
+    """The scheduler stepped by hand: a request of 21 tokens (chunks of 8, pages of 4), a second sharing
+    its first 16 tokens and a streaming session's second turn run together; after k steps (0 to 13: queued,
+    mid-prefill, mid-decode, answered, folding) one of them is aborted or the session closed. The
+    invariant check runs after every step; once idle (sessions closed, cache flushed) every page and slot
+    is free."""
+    engine = _engine(nemotron, disable_overlap_schedule=not overlap, max_running_requests=3)
+    sched = engine.scheduler
+    params = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    a_prompt = _words(21, 1)
+
+    async def scenario(k, action):
+        sid = sched.sessions.open(None, True, None, None)
+        first = engine.generate(_words(9, 2), params(3), session_id=sid)
+        _settle(sched)
+        a = engine.generate(a_prompt, params(6))
+        b = engine.generate(a_prompt[:16] + _words(3, 3), params(3))
+        turn = engine.generate(_words(6, 4), params(4), session_id=sid)
+        for _ in range(k):
+            sched._drain_inbox(block=False)
+            sched.step()
+        if action == "abort_a":
+            sched._abort(a.req.rid)
+        elif action == "abort_b":
+            sched._abort(b.req.rid)
+        elif action == "abort_turn":
+            sched._abort(turn.req.rid)
+        sched.sessions.close(sid)
+        sched.check_invariants()
+        _settle(sched)
+        sched.check_invariants()
+        acct = sched.accounting()
+        assert acct["held_by_sessions"] == 0 and acct["sessions"] == 0
+        assert acct["kv_pages_evictable"] == acct["kv_pages_tree"], (k, action, acct)
+        sched.flush_cache()
+        acct = sched.accounting()
+        assert acct["free"] == acct["capacity"] and acct["kv_pages_free"] == acct["kv_pages"], (k, action, acct)
+        del first
+
+    async def go():
+        for action in ("abort_a", "abort_b", "abort_turn", "close"):
+            for k in range(14):
+                await scenario(k, action)
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_one_token_session_turn_with_nothing_to_generate(nemotron, overlap):
+    """A streaming turn of one new token with max_new_tokens 0 starts from the live state with only that
+    token left: it answers no token (it sampled one), folds the token into the live state, and the
+    session goes on with the cold engine's outputs; a history of 15 tokens + 1 puts the token on a page's
+    last position (no decode row may run past the pages the turn reserved)."""
+    engine = _engine(nemotron, disable_overlap_schedule=not overlap)
+    turns = [(_words(9, 1), 6), (_words(1, 2), 0), (_words(2, 3), 0), (_words(1, 4), 2)]
+
+    async def go():
+        sid = await engine.open_session(None, True, None, None)
+        out = []
+        for new, n in turns:
+            out.append(await _one(engine, new, n, session_id=sid))
+            acct = _idle(engine)
+        await engine.close_session(sid)
+        return out, acct
+
+    out, acct = run_started(engine, go)
+    assert [len(o[0]) for o in out] == [n for _, n in turns]
+    assert [o[2] for o in out[1:]] == [15, 16, 18]  # every turn continued from the live state
+    assert acct["held_by_sessions"] == 1
+    cold = _engine(nemotron, disable_radix_cache=True)
+    assert [o[0] for o in out] == run_started(cold, lambda: _cold_history(cold, turns))

@@ -365,10 +365,10 @@ class Scheduler:
         self.pages.check(self.cache.tree_pages())
         sessions = [s for s in self.sessions.table.sessions.values() if s.kv is not None]
         holds = [(r.rid, r.kv) for r in running] + [(s.id, s.kv) for s in sessions]
-        ps = self.pages.page_size
-        for who, h, written in [(r.rid, r.kv, r.in_state) for r in running] + [(s.id, s.kv, s.in_state) for s in sessions]:
-            assert h is None or len(self.cache.block_table(h)) * ps >= written, \
-                f"{who} wrote {written} tokens of KV, past the {len(self.cache.block_table(h))} pages it holds"
+        written = [(r.rid, r.kv, r.in_state) for r in running] + [(s.id, s.kv, s.in_state) for s in sessions]
+        for who, h, n in written:
+            assert h is None or len(self.cache.block_table(h)) * self.pages.page_size >= n, \
+                f"{who} wrote {n} tokens of KV, past the {len(self.cache.block_table(h))} pages it holds"
         assert all(s.slot is not None for s in sessions), "a session holds KV pages without its live state"
         assert not [s for s in self.sessions.table.sessions.values() if s.slot is not None and s.kv is None], \
             "a session holds a live state without its KV pages"

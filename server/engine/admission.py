@@ -162,6 +162,8 @@ class Admission:
 
     def _admit(self, req: Req) -> bool:
         s = req.session
+        if s is not None and req.logits_from is not None and s.slot is not None and req.logits_from < s.in_state:
+            self.sessions.give_up_live(s)  # its prompt logprobs need positions the live state is past
         if s is not None and s.kv is not None and not self._pages_for(req, lambda: self.cache.extend_kv(
                 s.kv, self._reserved_tokens(req))):
             return False  # (hybrids) the live state's KV pages cannot grow to this turn's yet: it waits

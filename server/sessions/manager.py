@@ -119,6 +119,12 @@ class SessionManager:
         self._give_up(s.history[:s.in_state], s.slot, s.kv)
         s.slot, s.in_state, s.kv = None, 0, None
 
+    def give_up_live(self, s: Session) -> None:
+        """``s``'s live state (if it holds one) to the cache: its turn starts from there (it needs positions
+        the live state is past, e.g. for prompt logprobs)."""
+        if s.slot is not None:
+            self._spill(s)
+
     def spill_idle(self, exclude: Session | None = None) -> bool:
         """Under memory pressure (a request finds no slot, or no KV pages): the least recently active idle
         session but ``exclude`` gives its live state to the cache, from where eviction moves it down to

@@ -234,3 +234,47 @@ def test_a_one_token_session_turn_with_nothing_to_generate(nemotron, overlap):
     assert acct["held_by_sessions"] == 1
     cold = _engine(nemotron, disable_radix_cache=True)
     assert [o[0] for o in out] == run_started(cold, lambda: _cold_history(cold, turns))
+
+
+async def _prompt_logprobs(engine, new, start, **kw):
+    inp, ids = None, None
+    async for o in engine.generate(new, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
+                                   return_logprob=True, logprob_start_len=start, **kw):
+        assert o.error is None, o.error
+        if o.input_logprobs is not None:
+            inp, ids = o.input_logprobs, o.input_token_ids
+    return inp, ids
+
+
+def test_prompt_logprobs_of_a_streaming_turn_before_its_live_state(nemotron):
+    """A streaming turn asking for prompt logprobs from a position its live state already covers gets one
+    per prompt token from there (the session's state goes to the cache and the turn runs those
+    positions), the cold engine's values; the session goes on from its live state afterwards."""
+    engine = _engine(nemotron)
+    turns = [(_words(9, 1), -1), (_words(5, 2), 2), (_words(5, 3), 14), (_words(3, 4), 30)]
+
+    async def go():
+        sid = await engine.open_session(None, True, None, None)
+        out = []
+        for new, start in turns:
+            out.append(await _prompt_logprobs(engine, new, start, session_id=sid))
+            _idle(engine)
+        return out
+
+    got = run_started(engine, go)
+    cold = _engine(nemotron, disable_radix_cache=True)
+
+    async def ref():
+        history, out = [], []
+        for new, start in turns:
+            history += new
+            out.append(await _prompt_logprobs(cold, history, start))
+            history += (await _one(cold, history, 2))[0]
+        return out
+
+    want = run_started(cold, ref)
+    for (inp, ids), (rinp, rids), (_, start) in zip(got, want, turns):
+        assert ids == rids
+        if start >= 0:
+            assert len(inp) == len(ids)
+            assert inp[start == 0:] == pytest.approx(rinp[start == 0:], abs=1e-4)

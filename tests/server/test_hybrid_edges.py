@@ -246,11 +246,15 @@ async def _prompt_logprobs(engine, new, start, **kw):
     return inp, ids
 
 
-def test_prompt_logprobs_of_a_streaming_turn_before_its_live_state(nemotron):
+@pytest.mark.parametrize("model", ["nemotron", "tiny_ckpt"])
+def test_prompt_logprobs_of_a_streaming_turn_before_its_live_state(request, model):
     """A streaming turn asking for prompt logprobs from a position its live state already covers gets one
     per prompt token from there (the session's state goes to the cache and the turn runs those
-    positions), the cold engine's values; the session goes on from its live state afterwards."""
-    engine = _engine(nemotron)
+    positions), the cold engine's values; the session goes on from its live state afterwards. The same
+    on a pure Mamba2 model (page size 1)."""
+    path = request.getfixturevalue(model)
+    kw = {} if model == "nemotron" else {"page_size": 1}
+    engine = _engine(path, **kw)
     turns = [(_words(9, 1), -1), (_words(5, 2), 2), (_words(5, 3), 14), (_words(3, 4), 30)]
 
     async def go():
@@ -262,7 +266,7 @@ def test_prompt_logprobs_of_a_streaming_turn_before_its_live_state(nemotron):
         return out
 
     got = run_started(engine, go)
-    cold = _engine(nemotron, disable_radix_cache=True)
+    cold = _engine(path, disable_radix_cache=True, **kw)
 
     async def ref():
         history, out = [], []

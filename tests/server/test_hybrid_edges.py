@@ -60,13 +60,15 @@ def _sweep(engine, jobs):
     return run_started(engine, go)
 
 
-@pytest.mark.parametrize("page_size,overlap", [(4, True), (4, False), (1, True)])
-def test_prompts_around_page_boundaries_and_tiny_answers(nemotron, page_size, overlap):
+@pytest.mark.parametrize("page_size,overlap,chunk", [(4, True, 8), (4, False, 8), (1, True, 8), (4, True, 3),
+                                                     (16, True, 5)])
+def test_prompts_around_page_boundaries_and_tiny_answers(nemotron, page_size, overlap, chunk):
     """Prompts of 1 to 13 tokens (shorter than a page, a page multiple, one past it) with 0, 1 or 3 new
-    tokens, each sent twice: the second hits where the first left a page-aligned snapshot."""
+    tokens, each sent twice: the second hits where the first left a page-aligned snapshot. Prefill chunks
+    of two pages, or shorter than a page."""
     jobs = [(_words(L, L), n) for L in (1, 2, 3, 4, 5, 8, 9, 12, 13) for n in (0, 1, 3)]
     jobs = [j for j in jobs for _ in range(2)]
-    kw = dict(page_size=page_size, disable_overlap_schedule=not overlap)
+    kw = dict(page_size=page_size, disable_overlap_schedule=not overlap, chunked_prefill_size=chunk)
     warm = _engine(nemotron, **kw)
     got = _sweep(warm, jobs)
     ref = _sweep(_engine(nemotron, disable_radix_cache=True, **kw), jobs)
@@ -76,7 +78,8 @@ def test_prompts_around_page_boundaries_and_tiny_answers(nemotron, page_size, ov
         assert len(g[0]) == n
     acct = warm.scheduler.accounting()
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
-    assert sum(1 for g in got if g[2]) >= 9  # resent prompts of two tokens or more hit
+    if page_size < 16:
+        assert sum(1 for g in got if g[2]) >= 9  # resent prompts past a page hit
 
 
 def test_several_answers_and_prompt_logprobs(nemotron):

@@ -4,6 +4,7 @@ aborts at every stage and flush_cache with an idle streaming session. Every requ
 engine's outputs; after each the invariant check (slots and pages) passes and nothing leaks."""
 
 import asyncio
+import random
 
 import pytest
 
@@ -285,3 +286,61 @@ def test_prompt_logprobs_of_a_streaming_turn_before_its_live_state(request, mode
         if start >= 0:
             assert len(inp) == len(ids)
             assert inp[start == 0:] == pytest.approx(rinp[start == 0:], abs=1e-4)
+
+
+@pytest.mark.parametrize("page_size,chunk,overlap", [(4, 6, True), (16, 5, True), (1, 7, False), (4, 3, False)])
+def test_sessions_and_traffic_with_aborts_under_pressure(nemotron, page_size, chunk, overlap):
+    """Four streaming sessions (turns of 1 to 8 tokens, 0 to 4 answer tokens, some cut off by the client,
+    some with prompt logprobs) beside twelve requests sharing prefixes, on 5 state slots and 3 contexts
+    of KV pages. The interleavings vary with timing; for every one no request fails, and once the
+    sessions close and the cache is flushed every slot and page is free."""
+    rng = random.Random(page_size * 100 + chunk)
+    engine = _engine(nemotron, page_size=page_size, chunked_prefill_size=chunk, context_length=64,
+                     max_total_tokens=64 * 3, mamba_cache_size=5, max_running_requests=3,
+                     disable_overlap_schedule=not overlap, session_slot_fraction=0.5)
+    errors, done = [], []
+
+    async def one(ids, n, sid=None, cut=None):
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        gen = engine.generate(ids, params, session_id=sid, return_logprob=rng.random() < 0.2,
+                              logprob_start_len=rng.choice([-1, 0, 3, 9]))
+        async for k, o in _enumerate(gen):
+            errors.extend([o.error] if o.error else [])
+            done.extend([o] if o.finish_reason is not None else [])
+            if cut is not None and k + 1 >= cut:
+                await gen.aclose()
+                break
+
+    async def session(i):
+        sid = await engine.open_session(None, True, None, None)
+        for t in range(rng.randrange(2, 7)):
+            await one(_words(rng.randrange(1, 9), i * 10 + t), rng.choice([0, 1, 2, 4]), sid,
+                      cut=rng.choice([None, None, None, 1, 2]))
+            await asyncio.sleep(rng.random() * 0.02)
+        if rng.random() < 0.7:
+            await engine.close_session(sid)
+
+    async def plain(i):
+        base = _words(20, i % 3)
+        await one(base[:rng.randrange(1, 20)] + _words(rng.randrange(0, 6), i), rng.choice([0, 1, 3, 6]),
+                  cut=rng.choice([None, None, 1, 3]))
+
+    async def go():
+        await asyncio.gather(*[session(i) for i in range(4)], *[plain(i) for i in range(12)])
+        await asyncio.sleep(0.1)  # aborts of cut-off requests reach the scheduler
+        _idle(engine)
+        for sid in list(engine.scheduler.sessions.table.sessions):
+            await engine.close_session(sid)
+        await engine.flush_cache()
+        return _idle(engine)
+
+    acct = run_started(engine, go)
+    assert not errors and len(done) >= 10
+    assert acct["free"] == acct["capacity"] and acct["kv_pages_free"] == acct["kv_pages"], acct
+
+
+async def _enumerate(gen):
+    k = 0
+    async for o in gen:
+        yield k, o
+        k += 1

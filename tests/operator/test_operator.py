@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import re
 from typing import Any
@@ -104,6 +105,32 @@ async def test_session_lifecycle_create_update_scale_status_delete(cluster: Clus
     await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == [])
 
 
+@contextlib.asynccontextmanager
+async def metrics_stub(handler: Any):
+    """A server pod's /metrics stand-in on a free loopback port (yields the port)."""
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+async def create_ready_pods(cluster: Cluster, port: int, n: int = 2) -> None:
+    """``n`` ready server pods of session ``tiny`` whose http port is ``port`` on loopback."""
+    for i in range(n):
+        await cluster.create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"tiny-{i}", "labels": names.server_selector("tiny")},
+            "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+        })
+
+
 async def test_status_from_pod_metrics(cluster: Cluster, start_operator: Any) -> None:
     # A stand-in for a server pod's /metrics (documented metric names; the real server is not built here).
     async def metrics(request: aiohttp.web.Request) -> aiohttp.web.Response:
@@ -111,24 +138,11 @@ async def test_status_from_pod_metrics(cluster: Cluster, start_operator: Any) ->
         return aiohttp.web.Response(text=(
             "# TYPE mambaserve_cache_hit_rate gauge\nmambaserve_cache_hit_rate 0.8\n"
             "# TYPE mambaserve_sessions_open gauge\nmambaserve_sessions_open 3\n" + pod))
-    app = aiohttp.web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with metrics_stub(metrics) as port:
         await start_operator()
         await cluster.create(sample("inferencesession-minimal"))
         await eventually(lambda: cluster.get("Deployment", "tiny"))
-        for i in range(2):
-            await cluster.create({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": f"tiny-{i}", "labels": names.server_selector("tiny")},
-                "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
-                "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
-            })
+        await create_ready_pods(cluster, port)
         # A pod that is not ready is not scraped (and does not count).
         await cluster.create({"apiVersion": "v1", "kind": "Pod",
                               "metadata": {"name": "tiny-x", "labels": names.server_selector("tiny")},
@@ -140,8 +154,6 @@ async def test_status_from_pod_metrics(cluster: Cluster, start_operator: Any) ->
         assert st["cacheHitRate"] == 0.8
         await asyncio.sleep(0.7)  # two more ticks: the unready pod still does not count
         assert status(cluster, "InferenceSession", "tiny")["openSessions"] == 6
-    finally:
-        await runner.cleanup()
 
 
 async def test_missing_cache_tier_is_a_condition_and_is_retried(cluster: Cluster, start_operator: Any) -> None:
@@ -280,14 +292,7 @@ async def test_cache_tier_ready_once_its_storage_is_real_with_the_occupancy_pods
             'mambaserve_cache_tier_capacity_bytes{tier="storage"} 456340275200\n'
             "# TYPE mambaserve_cache_storage_degraded gauge\n"
             f"mambaserve_cache_storage_degraded {state['degraded']}\n"))
-    app = aiohttp.web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with metrics_stub(metrics) as port:
         await start_operator()
         await cluster.create(sample("cachetier-shared"))
         # The claim exists but no volume is bound yet: not Ready, and it says why.
@@ -301,13 +306,8 @@ async def test_cache_tier_ready_once_its_storage_is_real_with_the_occupancy_pods
         body = sample("inferencesession-minimal")
         body["spec"]["cacheTierRef"] = {"name": "shared-tier"}
         await cluster.create(body)
-        for i in range(2):  # two pods on the one shared claim: storage counted once, host memory twice
-            await cluster.create({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": f"tiny-{i}", "labels": names.server_selector("tiny")},
-                "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
-                "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
-            })
+        # two pods on the one shared claim: storage counted once, host memory twice
+        await create_ready_pods(cluster, port)
         occupancy = await eventually(lambda: (o := status(cluster, "CacheTier", "shared-tier").get("occupancy"))
                                      and o.get("reportingPods") == 2 and o)
         assert occupancy["host"] == {"usedBytes": 2 * 2**30, "capacityBytes": 64 * 2**30, "usedFraction": 0.0312}
@@ -322,5 +322,3 @@ async def test_cache_tier_ready_once_its_storage_is_real_with_the_occupancy_pods
                                     and c["status"] == "True" and c)
         assert degraded["reason"] == "StorageUnavailable" and "tiny-0, tiny-1" in degraded["message"]
         assert status(cluster, "CacheTier", "shared-tier")["phase"] == "Degraded"
-    finally:
-        await runner.cleanup()

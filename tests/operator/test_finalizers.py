@@ -21,15 +21,20 @@ def finalizers(cluster: Cluster, kind: str, name: str, namespace: str = "llm") -
     return list(((cluster.get(kind, name, namespace) or {}).get("metadata") or {}).get("finalizers") or [])
 
 
-async def test_without_finalizers_deletion_never_waits_for_the_operator(cluster: Cluster,
-                                                                        start_operator: Any) -> None:
-    await start_operator(finalizers=False)
+async def create_session_on_tier(cluster: Cluster) -> None:
+    """CacheTier ``shared-tier`` and InferenceSession ``tiny`` bound to it, in namespace llm."""
     tier = sample("cachetier-shared")
     tier["spec"].pop("compatibility")
     await cluster.create(tier)
     body = sample("inferencesession-minimal")
     body["spec"]["cacheTierRef"] = {"name": "shared-tier"}
     await cluster.create(body)
+
+
+async def test_without_finalizers_deletion_never_waits_for_the_operator(cluster: Cluster,
+                                                                        start_operator: Any) -> None:
+    await start_operator(finalizers=False)
+    await create_session_on_tier(cluster)
     await eventually(lambda: cluster.get("Deployment", "tiny"))
     await eventually(lambda: (cluster.get("CacheTier", "shared-tier") or {}).get("status", {}).get("boundSessions"))
     await asyncio.sleep(1.0)  # several status ticks: the timers add no finalizer either
@@ -77,12 +82,7 @@ async def _controller(kube: Kube, name: str, namespace: str) -> None:
 async def test_release_finalizers_stops_the_operator_then_frees_every_object(cluster: Cluster,
                                                                              start_operator: Any) -> None:
     op = await start_operator()  # finalizers on (the default)
-    tier = sample("cachetier-shared")
-    tier["spec"].pop("compatibility")
-    await cluster.create(tier)
-    body = sample("inferencesession-minimal")
-    body["spec"]["cacheTierRef"] = {"name": "shared-tier"}
-    await cluster.create(body)
+    await create_session_on_tier(cluster)
     elsewhere = sample("inferencesession-minimal")
     elsewhere["metadata"]["namespace"] = "other"
     await cluster.create(elsewhere)

@@ -381,20 +381,10 @@ def test_persisted_session_continues_after_a_restart_as_if_uninterrupted(tiny_ck
             await accounting(engine)
         return outs, metrics
 
-    async def uninterrupted(engine):
-        async with serving(engine) as c:
-            history, outs = [], []
-            for t in turns:
-                history += t
-                out, _ = await _generate(c, history)
-                history += out
-                outs.append(out)
-        return outs
-
     sid, before = run(first_half(_storage_engine(tiny_ckpt, tmp_path, session_persist=True)))
     assert sid == "chat-1" and len(list((tmp_path / "session-records").glob("*.json"))) == 1
     after, metrics = run(second_half(_storage_engine(tiny_ckpt, tmp_path, session_persist=True), sid))
-    ref = run(uninterrupted(make_engine(tiny_ckpt, disable_radix_cache=True)))
+    ref = run(_resent(make_engine(tiny_ckpt, disable_radix_cache=True), turns))
     assert [o for o, _ in before + after] == ref
     history = sum(len(t) for t in turns[:2]) + sum(len(o) for o, _ in before)
     assert after[0][1] == history  # the whole history came back from storage, nothing was prefilled again

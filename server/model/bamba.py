@@ -9,7 +9,7 @@ from torch import nn
 from mambaserve import kernels
 from mambaserve.server.model.attention import PagedAttention
 from mambaserve.server.model.feed_forward import SwiGLU
-from mambaserve.server.model.hybrid import HybridForCausalLM, Step, layer_indices, norm, run_mamba
+from mambaserve.server.model.hybrid import HybridForCausalLM, Step, norm, run_mamba
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
 
@@ -41,12 +41,4 @@ class BambaForCausalLM(HybridForCausalLM):
 
     def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
         super().__init__(d, kernel_config)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size)
-        mi, ai = layer_indices(d.mixers, "mamba"), layer_indices(d.mixers, "attention")
-        self.model.layers = nn.ModuleList(BambaLayer(d, k, mi[i], ai[i]) for i, k in enumerate(d.mixers))
-        self.model.final_layernorm = nn.Module()
-        self.model.final_layernorm.weight = nn.Parameter(torch.ones(d.hidden_size))
-        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
-        self.tie_weights()
-        self.use_kernel_config(self.kernel_config)
+        self.build(BambaLayer)

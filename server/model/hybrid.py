@@ -101,6 +101,23 @@ class HybridForCausalLM(nn.Module):
             if hasattr(m, "kernel_config"):
                 m.kernel_config = config
 
+    def build(self, layer) -> None:
+        """The embedding, ``layer(dims, kind, mamba_index, attention_index)`` for each layer and the final norm
+        under the names ``PARTS`` gives, then the LM head (tied if the config says so)."""
+        d = self.dims
+        setattr(self, self.PARTS[0].split(".")[0], nn.Module())
+        mi, ai = layer_indices(d.mixers, "mamba"), layer_indices(d.mixers, "attention")
+        final_norm = nn.Module()
+        final_norm.weight = nn.Parameter(torch.ones(d.hidden_size))
+        parts = (nn.Embedding(d.vocab_size, d.hidden_size),
+                 nn.ModuleList(layer(d, k, mi[i], ai[i]) for i, k in enumerate(d.mixers)), final_norm)
+        for path, module in zip(self.PARTS, parts):
+            parent, name = path.rsplit(".", 1)
+            setattr(self.get_submodule(parent), name, module)
+        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.tie_weights()
+        self.use_kernel_config(self.kernel_config)
+
     def tie_weights(self) -> None:
         if self.dims.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight

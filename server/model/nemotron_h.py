@@ -16,7 +16,7 @@ from mambaserve import kernels
 from mambaserve.server.model.attention import PagedAttention
 from mambaserve.server.model.config import ModelLoadError
 from mambaserve.server.model.feed_forward import NemotronMoE, Relu2MLP
-from mambaserve.server.model.hybrid import HybridForCausalLM, Step, layer_indices, norm, run_mamba
+from mambaserve.server.model.hybrid import HybridForCausalLM, Step, norm, run_mamba
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
 
@@ -50,15 +50,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
 
     def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
         super().__init__(d, kernel_config)
-        self.backbone = nn.Module()
-        self.backbone.embeddings = nn.Embedding(d.vocab_size, d.hidden_size)
-        mi, ai = layer_indices(d.mixers, "mamba"), layer_indices(d.mixers, "attention")
-        self.backbone.layers = nn.ModuleList(NemotronHBlock(d, k, mi[i], ai[i]) for i, k in enumerate(d.mixers))
-        self.backbone.norm_f = nn.Module()
-        self.backbone.norm_f.weight = nn.Parameter(torch.ones(d.hidden_size))
-        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
-        self.tie_weights()
-        self.use_kernel_config(self.kernel_config)
+        self.build(NemotronHBlock)
 
     def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # transformers' in-memory names start with "model."; checkpoints (and save_pretrained) with "backbone."

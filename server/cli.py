@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import re
@@ -200,13 +201,10 @@ def serve(cfg: ServerConfig) -> None:
         server.should_exit = True
 
     sock = listen(cfg.host, cfg.port)  # before anything loads: a taken port fails at once, in one line
-    warm_up = None
-    if not cfg.skip_server_warmup:
-        from mambaserve.server.api.warmup import warm_up as run_warm_up
+    from mambaserve.server.api.warmup import warm_up
 
-        async def warm_up(app, engine) -> None:
-            await run_warm_up(app, engine, cfg.api_key)
-    app = LoadingApp(load, ready, failure, warm_up)
+    app = LoadingApp(load, ready, failure,
+                     None if cfg.skip_server_warmup else functools.partial(warm_up, api_key=cfg.api_key))
     # Idle keep-alive connections live longer here than in the proxies and client pools in front (cloud
     # load balancers idle out at 60 s): the server is never the side that closes a connection a client
     # is about to reuse, which fails that request (uvicorn's default is 5 s, httpx's pools keep 5 s too).

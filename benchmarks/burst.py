@@ -76,9 +76,8 @@ async def http_burst(url: str, batch: list[list[int]], out: int) -> float:
 
 async def engine_burst(engine, batch: list[list[int]], out: int, spread_ms: float = 0.0) -> float:
     """``spread_ms``: the requests arrive evenly over that long instead of at once (as HTTP spreads them)."""
-    from mambaserve.server.engine.request import SamplingParams
-
     from mambaserve.server.engine import timeline
+    from mambaserve.server.engine.request import SamplingParams
 
     params = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
     lines: list[timeline.Timeline] = []

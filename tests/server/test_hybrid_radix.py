@@ -87,7 +87,10 @@ def test_hits_give_the_cold_outputs_and_logprobs(tmp_path, granite, family, page
     prompts += [prompts[-1] + 5 + 9, prompts[-1] + 5 + 9 + 5 + 13]
     for i in range(3):
         assert cached[2 + i] >= aligned(prompts[i] - 1), (i, cached)
-    assert cached[6] == cached[7] == 32  # the branches share 40 tokens with the lead: its chunk end at 32
+    # the branches share 40 tokens with the lead: its chunk end at 32. A branch admitted a step after the
+    # other may also hit the other's prompt snapshot at 40 (page-aligned at page size 4), so up to 40.
+    assert all(32 <= c <= 40 for c in cached[6:8]), cached
+    assert min(cached[6:8]) == 32
     assert acct["running"] == 0 and acct["free"] + acct["held_by_tree"] == acct["capacity"]
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"] and acct["kv_pages_tree"] > 0
     assert acct["kv_pages_evictable"] == acct["kv_pages_tree"]  # nothing runs: every cached page may go

@@ -11,6 +11,11 @@ filled from it, and the host entry stays.
 With a storage tier (``storage_tier``) the host pool is also its staging area: a write to storage reads
 a *locked* host entry, a read from storage fills a *reserved* slot (allocated, in no tree) that joins
 the tree when the read has landed (``commit``) or goes back (``release``).
+
+For a hybrid model the entries are Mamba snapshots whose KV pages stay in the device tree
+(``HybridRadixCache``, which marks the nodes they belong to): the tier records the keys of the entries
+it drops to make room (``dropped``) so the device tree unmarks them, and drops an entry whose KV the
+device tree evicted (``drop``).
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from mambaserve.server.cache.slots import SlotAllocator
 
 @dataclass(frozen=True)
 class HostLock:
-    """A matched host entry, locked until the load from it (or the write to storage) has run."""
+    """A matched host entry, locked until the load from it (or the write to storage) has run. Hybrids:
+    ``kv`` is the device tree's node at the entry's depth, locked with it (its pages are the prefix's KV)."""
 
     node: TreeNode
+    kv: TreeNode | None = None
 
     @property
     def slot(self) -> int:
@@ -39,11 +46,12 @@ class HostTier:
         self.tree = MambaRadixCache(page_size)
         self.reserved: set[int] = set()  # slots being filled from storage
         self.evictions = 0
+        self.dropped: list | None = None  # (hybrids) a list: the keys of entries dropped to make room go there
 
     def _alloc(self) -> int | None:
         slot = self.allocator.alloc()
         if slot is None:
-            freed = self.tree.evict(1, prefer=_stored)  # a copy in storage: nothing is lost
+            freed = self.tree.evict(1, keys=self.dropped, prefer=_stored)  # a copy in storage: nothing is lost
             self.evictions += len(freed)
             for s in freed:
                 self.allocator.free(s)
@@ -80,6 +88,20 @@ class HostTier:
             return None
         self.tree.lock(m.node)
         return HostLock(m.node)
+
+    def has(self, key: Sequence[int]) -> bool:
+        """An entry at exactly ``key`` (its recency refreshed)."""
+        return bool(key) and self.tree.match_prefix(key).length == len(key)
+
+    def drop(self, key: Sequence[int]) -> None:
+        """Drop the entry at exactly ``key`` (hybrids: the device tree evicted the KV it needs). Never a
+        locked one: a load from it holds the KV's node locked too."""
+        m = self.tree.match_prefix(key)
+        slot = self.tree.take(m.node) if m.length == len(key) else None
+        if slot is None:
+            raise RuntimeError(f"no unlocked host entry at {len(key)} tokens to drop")
+        self.allocator.free(slot)
+        self.evictions += 1
 
     def reserve(self) -> int | None:
         slot = self._alloc()

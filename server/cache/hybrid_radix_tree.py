@@ -23,6 +23,13 @@ Pure Python over page and slot ids, like ``MambaRadixCache``, which it extends. 
   least recently used unlocked leaves whole (pages and snapshot) until enough pages are released;
   their parents may become leaves and candidates in turn. ``evictable_pages`` counts the pages on
   nodes under no lock of either kind: removable by ``evict_pages`` one leaf after another.
+* **A host tier below** (``host_below``): a snapshot ``evict`` drops goes to the host tier, so its node
+  stays, with its pages, marked ``host`` (a leaf no longer goes with it): the host snapshot is usable
+  only while the tree holds the KV of every token before it. The tree mirrors the host tier's keys
+  that way; the owner (``PrefixCache``) keeps the two in step: ``drop_host`` unmarks a node whose
+  host entry went (it is pruned if bare), and a marked node ``evict_pages`` removes leaves its key in
+  ``host_dropped`` for the owner to drop the host entry. Marks never protect pages: KV eviction
+  decides, and takes the host snapshots it makes useless with it.
 """
 
 from __future__ import annotations
@@ -34,8 +41,13 @@ from mambaserve.server.cache.radix_tree import InsertResult, MambaRadixCache, Tr
 
 
 class HybridRadixCache(MambaRadixCache):
+    def __init__(self, page_size: int = 1, host_below: bool = False):
+        self.host_below = host_below  # evicted snapshots go to a host tier: their nodes keep their pages
+        super().__init__(page_size)
+
     def _reset(self) -> None:
         super()._reset()
+        self.host_dropped: list[tuple[int, ...]] = []  # keys of marked nodes removed with their KV
         self.released: list[int] = []  # pages of removed nodes, not yet handed to the allocator's owner
         self._pages_held = 0
         self._evictable_pages = 0
@@ -162,6 +174,53 @@ class HybridRadixCache(MambaRadixCache):
                 self._evictable_pages += len(n.pages)
         self._prune(node)
 
+    # ---------------------------------------------------------------- host tier marks
+
+    def _evict_one(self, node: TreeNode) -> int:
+        node.host = node.host or self.host_below  # the snapshot goes to the host: its KV stays for it
+        return self._drop(node)
+
+    def host_node(self, key: Sequence[int]) -> TreeNode | None:
+        """The node ending exactly at ``key`` if it is marked (the host tier's snapshot there is usable),
+        its recency refreshed (a hit from the host uses its KV)."""
+        node = self._node_at(key)
+        if node is None or not node.host:
+            return None
+        self._touch(node)
+        return node
+
+    def drop_host(self, key: Sequence[int]) -> None:
+        """The host tier's entry at ``key`` went: unmark its node, pruned if nothing else keeps it."""
+        node = self._node_at(key)
+        if node is None or not node.host:
+            raise RuntimeError(f"no host mark at {len(key)} tokens: the host tier and the tree disagree")
+        node.host = False
+        self._prune(node)
+
+    def host_marks(self) -> list[tuple[int, ...]]:
+        """The keys of every marked node (the invariant check compares them with the host tier's)."""
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            stack += node.children.values()
+            if node.host:
+                out.append(self.key_of(node))
+        return out
+
+    def take_host_dropped(self) -> list[tuple[int, ...]]:
+        out, self.host_dropped = self.host_dropped, []
+        return out
+
+    def _node_at(self, key: Sequence[int]) -> TreeNode | None:
+        key = tuple(key)
+        node, pos, n = self.root, 0, len(key)
+        while pos < n:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None or self._common_len(child.key, key, pos, n) != len(child.key):
+                return None
+            node, pos = child, pos + len(child.key)
+        return node if node is not self.root else None
+
     # ---------------------------------------------------------------- eviction
 
     def evict_pages(self, num_pages: int, keys: list | None = None) -> list[int]:
@@ -186,6 +245,9 @@ class HybridRadixCache(MambaRadixCache):
             path = self._path_to_root(leaf)[1:]
             if keys is not None:
                 keys.append(self.key_of(leaf))
+            if leaf.host:  # its host snapshot is useless without this KV: the owner drops it
+                leaf.host = False
+                self.host_dropped.append(self.key_of(leaf))
             before = len(self.released)
             if leaf.slot is not None:
                 slots.append(self._drop(leaf))  # removes the leaf with its pages, and its bare ancestors
@@ -206,8 +268,11 @@ class HybridRadixCache(MambaRadixCache):
         runs): those stay as tombstones holding their pages, as a session's live state stays outside a
         Mamba-only tree. Refused while a snapshot is locked."""
         if self.root.kv_ref and not self.root.lock_ref:
-            slots = self.evict(len(self._owner))
+            slots = [self._drop(node) for node in list(self._owner.values())]  # nothing is locked
+            for key in self.host_marks():  # the host tier is flushed with the tree
+                self.drop_host(key)
             self.evict_pages(self._pages_held)
+            self.host_dropped = []
             return slots
         pending = self.released + self.all_pages()
         slots = super().flush()
@@ -225,7 +290,7 @@ class HybridRadixCache(MambaRadixCache):
 
     def _prune(self, node: TreeNode) -> None:
         while (node is not self.root and node.slot is None and not node.children
-               and node.lock_ref == 0 and node.kv_ref == 0):
+               and node.lock_ref == 0 and node.kv_ref == 0 and not node.host):
             parent = node.parent
             del parent.children[self._child_key(node.key, 0)]
             node.parent = None

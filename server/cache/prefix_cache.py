@@ -29,6 +29,12 @@ from the page boundary after it); ``keep_kv`` gives the tree a page-aligned pref
 wrote (its pages, and a snapshot at its end) and points the request at the tree's pages from then on;
 ``release_kv`` frees the request's own pages and unlocks the tree's. Pages the tree releases (evicted
 or pruned nodes) go back to the allocator at once. A Mamba-only cache (``pages is None``) does none of it.
+
+A hybrid's host tier holds Mamba snapshots only: an evicted snapshot is offloaded as a Mamba-only one is,
+and its node keeps its KV pages in the device tree (marked ``host``) as long as KV eviction spares them.
+A host hit locks that node with the host entry and reads its pages; KV eviction of a marked node drops
+the host entry, and the host tier making room unmarks one (``_sync_host``): a host snapshot is matched
+only while the device tree holds the KV of every token before it (docs/design.md §5).
 """
 
 from __future__ import annotations
@@ -222,10 +228,11 @@ class PrefixCache(DisabledCache):
     def __init__(self, allocator: SlotAllocator, page_size: int = 1, ghosts: int | None = None,
                  host: HostTier | None = None, pages: PageAllocator | None = None):
         super().__init__(allocator, pages)
-        if pages is not None and host is not None:
-            raise ValueError("the host tier holds Mamba snapshots only: not for hybrid models")
-        self.tree = MambaRadixCache(page_size) if pages is None else HybridRadixCache(page_size)
+        self.tree = (MambaRadixCache(page_size) if pages is None
+                     else HybridRadixCache(page_size, host_below=host is not None))
         self.host = host  # evicted snapshots go there first (None: they are dropped)
+        if host is not None and pages is not None:
+            host.dropped = []  # (hybrids) entries it drops for room: their nodes in the tree are unmarked
         # Keys of evicted snapshots, LRU-bounded (a tree with ids for slots): a later prompt that would
         # have matched one of them missed for lack of space, a miss more slots would have turned into a
         # hit (a *capacity* miss), unlike a prefix never seen (a compulsory miss).
@@ -247,12 +254,26 @@ class PrefixCache(DisabledCache):
                     self.pending.offload(s, h)  # runs before anything recorded later writes to s
                     if self.storage is not None:
                         self._on_host(self.host.tree._owner[h], key)
+                elif self.pages is not None and self.host is not None and not self.host.has(key):
+                    self.tree.drop_host(key)  # no host entry took it (all locked): its KV need not stay
+                if self.pages is not None:
+                    self._sync_host()
                 self.free(s)
                 self._remember_evicted(key)
             if self.pages is not None:
                 self._drain()
             slot = self.allocator.alloc()
         return slot
+
+    def _sync_host(self) -> None:
+        """(hybrids with a host tier) Host entries whose node's KV was evicted dropped, nodes whose host
+        entry was dropped for room unmarked: each tier holds what the other says."""
+        if self.host is None:
+            return
+        for key in self.tree.take_host_dropped():
+            self.host.drop(key)
+        while self.host.dropped:
+            self.tree.drop_host(self.host.dropped.pop())
 
     def _drain(self) -> None:
         """Pages of nodes the tree removed, back to the allocator (hybrid models)."""
@@ -279,7 +300,9 @@ class PrefixCache(DisabledCache):
         m = self.tree.match_prefix(tokens)
         if self.host is not None and len(tokens) > m.length:
             length, lock = self.host.match(tokens)
-            if length > m.length:
+            if length > m.length and self.pages is not None:  # (hybrids) with the KV of the prefix
+                lock = self._with_kv(lock, tokens[:length])
+            if length > m.length and lock is not None:  # the deeper snapshot wins, as on a Mamba model
                 node = lock.node
                 tier = "storage" if node.from_storage else "host"  # first use since it was read from disk
                 node.from_storage = False
@@ -297,6 +320,17 @@ class PrefixCache(DisabledCache):
         if self._selective_write_due(m.node):
             self.write_to_storage(self.tree.key_of(m.node), m.node.slot)
         return m.length, m.node, "gpu"
+
+    def _with_kv(self, lock: HostLock, key: Sequence[int]) -> HostLock | None:
+        """A hybrid's host hit at ``key``, locked with the device tree's node there (its pages are the
+        prefix's KV); None (the entry unlocked: a miss) if the tree lacks that KV, which the tiers'
+        bookkeeping rules out and the invariant check reports."""
+        kv = self.tree.host_node(key)
+        if kv is None:
+            self.host.unlock(lock)
+            return None
+        self.tree.lock(kv)
+        return HostLock(lock.node, kv)
 
     def _selective_write_due(self, node: TreeNode) -> bool:
         """``write_through_selective``: a snapshot goes to storage at its N-th hit (once)."""
@@ -349,6 +383,8 @@ class PrefixCache(DisabledCache):
         out = {"gpu": self.tree.match_prefix(tokens).length if tokens else 0, "host": 0, "storage": 0}
         if self.host is not None and tokens:
             out["host"] = self.host.tree.match_prefix(tokens).length
+            if self.pages is not None and out["host"] > out["gpu"]:
+                self.tree.host_node(tokens[:out["host"]])  # (hybrids) its KV is as recent as its snapshot
         if self.storage is not None and tokens:
             out["storage"] = self.storage.match_length(tokens)
         return out
@@ -362,6 +398,9 @@ class PrefixCache(DisabledCache):
     def unlock(self, lock) -> None:
         if isinstance(lock, HostLock):
             self.host.unlock(lock)
+            if lock.kv is not None:
+                self.tree.unlock(lock.kv)
+                self._drain()
         elif lock is not None:
             self.tree.unlock(lock)
             if self.pages is not None:
@@ -397,6 +436,8 @@ class PrefixCache(DisabledCache):
     # ---- KV pages (hybrid models) ----------------------------------------------------------------
     def admit_kv(self, node, cached: int, tokens: int) -> KVHold | None:
         hold = KVHold()
+        if isinstance(node, HostLock):
+            node = node.kv  # a host snapshot: the device tree's pages up to it
         if isinstance(node, TreeNode) and cached:
             self.tree.kv_lock(node)
             hold.node, hold.prefix = node, self.tree.pages_to(node)
@@ -423,6 +464,7 @@ class PrefixCache(DisabledCache):
         self.page_evictions += len(keys)
         for key in keys:
             self._remember_evicted(key)
+        self._sync_host()
         self._drain()
         return self.pages.ensure(owner, tokens)
 
@@ -490,5 +532,9 @@ class PrefixCache(DisabledCache):
         self.tree.check_invariants()
         if self.host is not None:
             self.host.check_invariants()
+            if self.pages is not None:
+                marks, entries = set(self.tree.host_marks()), {self.host.tree.key_of(n) for n in self.host.tree._owner.values()}
+                assert marks == entries, (f"host entries without their KV in the tree: {len(entries - marks)}, "
+                                          f"marked nodes without a host entry: {len(marks - entries)}")
         if self.storage is not None:
             self.storage.check_invariants()

@@ -61,7 +61,7 @@ class TreeNode:
     """
 
     __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access", "speculative", "hits",
-                 "stored", "from_storage", "pages", "kv_ref")
+                 "stored", "from_storage", "pages", "kv_ref", "host")
 
     def __init__(self, key: tuple[int, ...], parent: TreeNode | None, depth: int, last_access: int = 0):
         self.key = key
@@ -81,6 +81,9 @@ class TreeNode:
         # reading them (on this node and its descendants); empty and 0 in a Mamba-only tree
         self.pages: tuple[int, ...] = ()
         self.kv_ref = 0
+        # (hybrid models with a host tier) the host tier holds a snapshot at this node's depth: the node
+        # keeps its pages for it (a snapshot is usable only with the KV of every token before it)
+        self.host = False
 
     def __repr__(self) -> str:
         return (f"TreeNode(depth={self.depth}, edge={len(self.key)}, slot={self.slot}, "
@@ -260,7 +263,10 @@ class MambaRadixCache:
         victims = heapq.nsmallest(num_slots, candidates, key=order)
         if keys is not None:
             keys.extend(self.key_of(node) for node in victims)
-        return [self._drop(node) for node in victims]
+        return [self._evict_one(node) for node in victims]
+
+    def _evict_one(self, node: TreeNode) -> int:
+        return self._drop(node)
 
     def key_of(self, node: TreeNode) -> tuple[int, ...]:
         """The token ids from the root to the end of ``node``'s edge."""
@@ -323,7 +329,7 @@ class MambaRadixCache:
             _require(node.lock_ref >= child_locks,
                      f"{node!r} has fewer locks than its children together ({child_locks})")
             if node is not r and node.slot is None and not node.children:
-                _require(node.lock_ref > 0 or node.kv_ref > 0, f"tombstone leaf left in the tree: {node!r}")
+                _require(node.lock_ref > 0 or node.kv_ref > 0 or node.host, f"tombstone leaf left in the tree: {node!r}")
             if node.slot is not None:
                 _require(node.slot not in seen, f"slot {node.slot} held by two nodes")
                 _require(self._owner.get(node.slot) is node, f"slot index out of date for {node!r}")

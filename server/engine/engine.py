@@ -44,10 +44,9 @@ HYBRID_PAGE_SIZE = 16  # KV tokens per page for hybrids unless --page-size says 
 def hybrid_refusals(cfg: ServerConfig) -> list[str]:
     """The features a hybrid model cannot run with yet, as the flags that ask for them (empty: none asked)."""
     out = []
-    if cfg.host_cache_size:
-        out.append("--host-cache-size (the host tier holds Mamba snapshots only)")
-    if cfg.storage_dir:
-        out.append("--storage-dir (the storage tier holds Mamba snapshots only)")
+    if cfg.storage_dir:  # (--host-cache-size is: the host tier takes hybrids' Mamba snapshots, the KV stays)
+        out.append("--storage-dir (the storage tier would need the KV pages on disk beside the Mamba snapshots; "
+                   "--host-cache-size works)")
     return out
 STAGING_SNAPSHOTS = 8  # host tier for a storage tier given no --host-cache-size (1.4 GB at the 2.7b shape)
 

@@ -334,11 +334,11 @@ class Scheduler:
             m.host_slots_used.set(host.allocator.num_used)
             m.tier_used_bytes.labels("host").set(host.allocator.num_used * per)
             m.tier_used_bytes.labels("gpu").set(self.cache.tree_slots * per)
-        if self.storage is not None:
-            self.storage.update_gauges()
-            if host.evictions:
+            if host.evictions:  # (counted with or without a storage tier below)
                 m.evictions.labels("host").inc(host.evictions)
                 host.evictions = 0
+        if self.storage is not None:
+            self.storage.update_gauges()
 
     def check_invariants(self) -> None:
         """free + held by requests + by the tree + by sessions == capacity; no slot shared or leaked."""

@@ -1,5 +1,5 @@
 """`mambaserve serve --model <hybrid checkpoint>` as a user starts it: refused in one line with a flag not
-built for hybrids; without, /generate answers transformers' greedy tokens (and the same prompt sent again
+built for hybrids (--storage-dir); without, /generate answers transformers' greedy tokens (and the same prompt sent again
 hits the radix cache at its last page boundary), /get_model_info names the architecture."""
 
 import time
@@ -14,10 +14,10 @@ from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 def test_serve_a_hybrid_checkpoint(tmp_path):
     path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
-    proc = _serve(path, free_port(), "--device", "cpu", "--host-cache-size", "1000000")
+    proc = _serve(path, free_port(), "--device", "cpu", "--storage-dir", str(tmp_path / "st"))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "Traceback" not in err
-    assert "NemotronHForCausalLM is a hybrid model; not built for hybrids yet" in err and "--host-cache-size" in err
+    assert "NemotronHForCausalLM is a hybrid model; not built for hybrids yet: --storage-dir" in err
 
     port = free_port()
     proc = _serve(path, port, "--device", "cpu", "--context-length", "256")

@@ -263,10 +263,13 @@ class HybridRadixCacheMachine(RadixCacheMachine):
         super().flush()
         self.back += self.cache.take_released()
 
+    def _kept_for_host(self):
+        return ()
+
     @invariant()
     def page_accounting(self):
         ps = self.page_size
-        keys = [*self.model, *(k for _, k in self.kv_locks), *(k for _, k, _ in self.locks)]
+        keys = [*self.model, *(k for _, k in self.kv_locks), *(k for _, k, _ in self.locks), *self._kept_for_host()]
         prefixes = {k[:j * ps] for k in keys for j in range(1, len(k) // ps + 1)}
         in_tree = self.cache.all_pages()
         assert len(in_tree) == self.cache.tree_pages == len(prefixes), (len(in_tree), sorted(prefixes))
@@ -283,3 +286,57 @@ class HybridRadixCacheMachine(RadixCacheMachine):
 
 TestHybridRadixCache = HybridRadixCacheMachine.TestCase
 TestHybridRadixCache.settings = SETTINGS
+
+
+class HybridHostMarksMachine(HybridRadixCacheMachine):
+    """The hybrids' tree with a host tier below: an evicted snapshot's node stays, marked, with its pages
+    (its host copy needs them); ``drop_host`` (the host tier dropped it) unmarks it and the bare ones go;
+    KV eviction removes marked leaves like any other and reports their keys (the host copy goes too).
+    Oracle: the marked keys, kept in the page accounting as pinned-by-nothing prefixes."""
+
+    @initialize()
+    def setup(self):
+        super().setup()
+        self.cache = HybridRadixCache(page_size=self.page_size, host_below=True)
+        self.marks: set[tuple] = set()
+
+    def _kept_for_host(self):
+        return self.marks
+
+    @rule()
+    def evict(self, n=1):
+        before = set(self.model)
+        super().evict(n)
+        self.marks |= before - set(self.model)  # to the host: marked
+
+    @rule(n=st.integers(0, 6))
+    def evict_pages(self, n):
+        super().evict_pages(n)
+        dropped = self.cache.take_host_dropped()
+        assert set(dropped) <= self.marks and len(set(dropped)) == len(dropped), (dropped, self.marks)
+        read = [k for _, k in self.kv_locks] + [k for _, k, _ in self.locks]
+        assert not any(r[:len(k)] == k for k in dropped for r in read), "dropped a host copy whose KV is read"
+        self.marks -= set(dropped)
+
+    @precondition(lambda self: self.marks)
+    @rule(data=st.data())
+    def drop_host(self, data):
+        key = data.draw(st.sampled_from(sorted(self.marks)), label="marked key")
+        self.cache.drop_host(key)
+        self.marks.discard(key)
+        self.back += self.cache.take_released()
+
+    @rule()
+    def flush(self):
+        super().flush()
+        if not self.locks:  # the host tier is flushed with the tree
+            self.marks.clear()
+
+    @invariant()
+    def marks_match(self):
+        assert set(self.cache.host_marks()) == self.marks
+        assert not self.cache.host_dropped, "host copies dropped and not reported"
+
+
+TestHybridHostMarks = HybridHostMarksMachine.TestCase
+TestHybridHostMarks.settings = SETTINGS

@@ -280,3 +280,48 @@ def test_kv_pressure_drops_host_snapshots_and_never_loads_one_without_its_kv(nem
     assert _host_hit_tokens(warm) > 0
     assert acct["running"] == acct["waiting"] == 0 and acct["free"] + acct["held_by_tree"] == acct["capacity"]
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"] == 20
+
+
+def test_streaming_sessions_spilled_under_slot_pressure_come_back_from_the_host(nemotron):
+    """Four streaming sessions taking turns on 4 device slots: a session's live state (its turns end on a
+    page) goes to the tree when others need slots, down to the host tier, and its next turn resumes from
+    there on the KV the tree kept; every answer equals its history resent to an engine without a cache."""
+    from mambaserve.server.sessions.table import TurnParams
+
+    from tests.server.test_hybrid_sessions import _gen
+
+    engine = _engine(nemotron, mamba_cache_size=4, host_cache_size=10**7, chunked_prefill_size=8)
+    firsts = [_words(9, 20 + s) for s in range(4)]
+
+    async def go():
+        sids = [await engine.open_session(None, True, None, None) for _ in range(4)]
+        outs = []
+        for turn in range(3):
+            for i, sid in enumerate(sids):
+                outs.append((i, turn, await _gen(engine, firsts[i] if turn == 0 else _words(5, 40 + 4 * turn + i), 3,
+                                                 sid)))
+        for sid in sids:
+            await engine.close_session(sid)
+        return outs, _accounting(engine)
+
+    outs, acct = run_started(engine, go)
+    history = {i: [] for i in range(4)}
+    resent = []
+    for i, turn, (ids, _, _) in outs:
+        history[i] += (firsts[i] if turn == 0 else _words(5, 40 + 4 * turn + i))
+        resent.append((list(history[i]), 3))
+        history[i] += ids
+    cold = _engine(nemotron, disable_radix_cache=True)
+
+    async def replay():
+        return [await _one(cold, p, n) for p, n in resent]
+    ref = run_started(cold, replay)
+    assert [o[2][0] for o in outs] == [r[0] for r in ref]
+    for (_, _, (_, lps, _)), (_, rlps, _) in zip(outs, ref):
+        assert lps == pytest.approx(rlps, abs=1e-4)
+    cached = [o[2] for _, _, o in outs[4:]]
+    assert cached == [12] * 4 + [20] * 4  # each turn resumed after its whole history (spilled, not live)
+    assert _host_hit_tokens(engine) >= sum(cached) / 2
+    assert acct["sessions"] == acct["held_by_sessions"] == 0
+    assert acct["free"] + acct["held_by_tree"] == acct["capacity"]
+    assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]

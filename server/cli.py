@@ -77,11 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-radix-cache", action="store_true", help="turn prefix caching off")
     s.add_argument("--host-cache-size", type=byte_size, default=0,
                    help="host memory for the host cache tier, e.g. 32GiB: snapshots evicted from the device go "
-                        "there and are loaded back on a hit (default 0: no host tier)")
+                        "there and are loaded back on a hit; hybrid models: their Mamba snapshots, the KV pages "
+                        "staying on the device (default 0: no host tier)")
     s.add_argument("--storage-dir",
                    help="directory of the storage cache tier (local disk, or a volume shared by pods): snapshots "
                         "are written there and found again by any server of the same model on it, also after a "
-                        "restart (default: no storage tier)")
+                        "restart (default: no storage tier; not for hybrid models)")
     s.add_argument("--storage-size", type=byte_size,
                    help="bytes the storage tier may hold, e.g. 50GiB; least recently used entries are deleted past "
                         "it (default: the free space of its filesystem less 5%% of its size, at least 1 GiB)")

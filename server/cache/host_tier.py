@@ -103,6 +103,10 @@ class HostTier:
         self.allocator.free(slot)
         self.evictions += 1
 
+    def keys(self) -> set[tuple[int, ...]]:
+        """The keys of every entry (the invariant check)."""
+        return {self.tree.key_of(node) for node in self.tree._owner.values()}
+
     def reserve(self) -> int | None:
         slot = self._alloc()
         if slot is not None:

@@ -34,7 +34,7 @@ A hybrid's host tier holds Mamba snapshots only: an evicted snapshot is offloade
 and its node keeps its KV pages in the device tree (marked ``host``) as long as KV eviction spares them.
 A host hit locks that node with the host entry and reads its pages; KV eviction of a marked node drops
 the host entry, and the host tier making room unmarks one (``_sync_host``): a host snapshot is matched
-only while the device tree holds the KV of every token before it (docs/design.md §5).
+only while the device tree holds the KV of every token before it (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -532,8 +532,8 @@ class PrefixCache(DisabledCache):
         self.tree.check_invariants()
         if self.host is not None:
             self.host.check_invariants()
-            if self.pages is not None:
-                marks, entries = set(self.tree.host_marks()), {self.host.tree.key_of(n) for n in self.host.tree._owner.values()}
+            if self.pages is not None:  # (hybrids) every host entry has its KV in the tree, marked, and only those
+                marks, entries = set(self.tree.host_marks()), self.host.keys()
                 assert marks == entries, (f"host entries without their KV in the tree: {len(entries - marks)}, "
                                           f"marked nodes without a host entry: {len(marks - entries)}")
         if self.storage is not None:

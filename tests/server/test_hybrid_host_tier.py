@@ -154,6 +154,27 @@ def test_the_deeper_snapshot_wins_and_a_refresh_keeps_the_mark():
     cache.check_invariants()
 
 
+def test_flush_with_an_idle_session_empties_the_host_and_keeps_the_sessions_kv():
+    cache = _cache(slots=2, host=2)
+    a = cache.alloc()
+    _finish(cache, [1, 2, 3, 4], a)
+    b = cache.alloc()
+    _finish(cache, [5, 6], b)
+    session = cache.admit_kv(None, 0, 6)  # an idle streaming session reads [1, 2, 3, 4]'s path
+    cache.keep_kv(session, [1, 2, 3, 4])
+    x, y = cache.alloc(), cache.alloc()  # both snapshots to the host; the marked nodes keep their pages
+    assert sorted(cache.tree.host_marks()) == [(1, 2, 3, 4), (5, 6)]
+    assert cache.flush() == 2  # the host's two entries (the device tree holds none)
+    assert cache.tree.host_marks() == [] and cache.host.allocator.num_used == 0
+    assert cache.tree_pages() == session.prefix and len(session.prefix) == 2  # the session's path stays
+    cache.check_invariants()
+    cache.release_kv(session)
+    cache.free(x)
+    cache.free(y)
+    assert cache.tree_pages() == []
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_traffic_keeps_both_tiers_in_step(seed):
     """Requests over a few shared prefixes on 2 slots, 3 host slots and 12 pages, with KV and slot pressure

@@ -329,7 +329,8 @@ class MambaRadixCache:
             _require(node.lock_ref >= child_locks,
                      f"{node!r} has fewer locks than its children together ({child_locks})")
             if node is not r and node.slot is None and not node.children:
-                _require(node.lock_ref > 0 or node.kv_ref > 0 or node.host, f"tombstone leaf left in the tree: {node!r}")
+                _require(node.lock_ref > 0 or node.kv_ref > 0 or node.host,
+                         f"tombstone leaf left in the tree: {node!r}")
             if node.slot is not None:
                 _require(node.slot not in seen, f"slot {node.slot} held by two nodes")
                 _require(self._owner.get(node.slot) is node, f"slot index out of date for {node!r}")

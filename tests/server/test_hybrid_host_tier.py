@@ -17,6 +17,7 @@ from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from tests.server.conftest import run_started
 from tests.server.test_hybrid_radix import _accounting, _one, _words
+from tests.server.test_hybrid_sessions import _gen
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 
@@ -267,6 +268,7 @@ def test_conversations_hit_from_the_host_with_the_cold_outputs(nemotron):
     assert sum(cached[18:]) > 0
     assert _host_hit_tokens(warm) >= sum(cached[6:18]) / 2  # most of them from the host (3 device slots)
     assert acct["held_by_host"] > 0 and acct["free"] + acct["held_by_tree"] == acct["capacity"]
+    assert warm.metrics.registry.get_sample_value("mambaserve_host_cache_slots_used") == acct["held_by_host"]
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
 
 
@@ -307,10 +309,6 @@ def test_streaming_sessions_spilled_under_slot_pressure_come_back_from_the_host(
     """Four streaming sessions taking turns on 4 device slots: a session's live state (its turns end on a
     page) goes to the tree when others need slots, down to the host tier, and its next turn resumes from
     there on the KV the tree kept; every answer equals its history resent to an engine without a cache."""
-    from mambaserve.server.sessions.table import TurnParams
-
-    from tests.server.test_hybrid_sessions import _gen
-
     engine = _engine(nemotron, mamba_cache_size=4, host_cache_size=10**7, chunked_prefill_size=8)
     firsts = [_words(9, 20 + s) for s in range(4)]
 

@@ -4,8 +4,9 @@
 #     checkpoint (decode tok/s against the bandwidth bound, prefill 8 x 2048, TTFT of 2,048 tokens): one table
 #     with the ratios;
 #   multiturn.py: 8 chats x 4 rounds through HTTP, per-round hit rate and TTFT, with the radix cache and with
-#     --disable-radix-cache (a mode the server refuses is reported as refused); servers run 8 requests at most
-#     and capture decode graphs up to batch 8 only (a shorter start).
+#     --disable-radix-cache (a mode the server refuses is reported as refused), then with 12 state slots and
+#     with 12 slots + an 8 GiB host tier (the Mamba snapshots go there, the KV stays on the GPU); servers run 8
+#     requests at most and capture decode graphs up to batch 8 only (a shorter start).
 # Each checkpoint is built once (in $CKPTS, default /tmp) and reused by the later runs and calls.
 # Usage (GPU machine, repo root, wheels for fastapi/uvicorn/pydantic in .whl/): bash benchmarks/hybrid_session.sh [SHAPES]
 # SHAPES: any of nemotron-h-8b granite-4.0-h-tiny (default: both). Results: $OUT (default /tmp/out).
@@ -32,6 +33,13 @@ for shape in $SHAPES; do
       --question-length 64 --output-length 16 --round-barrier --out "$OUT/multiturn_$shape.json" \
       --server-args "--max-running-requests 8 --cuda-graph-max-bs 8" ${MT_ARGS:-} 2>&1 \
       | grep -v -i "falling back"
+    for v in "12" "12 --host-cache-size 8GiB"; do
+      echo "== $shape: multi-turn, --mamba-cache-size $v"
+      python3 multiturn.py --model "$CKPTS/$shape" --clients 8 --rounds 4 --request-length 1024 \
+        --question-length 64 --output-length 16 --round-barrier --out "$OUT/multiturn_${shape}_slots_${v// /_}.json" \
+        --server-args "--max-running-requests 8 --cuda-graph-max-bs 8 --mamba-cache-size $v" ${MT_ARGS:-} 2>&1 \
+        | grep -v -i "falling back"
+    done
   fi
   echo "== $shape: $((SECONDS - start)) s"
 done

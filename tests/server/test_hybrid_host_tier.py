@@ -344,3 +344,38 @@ def test_streaming_sessions_spilled_under_slot_pressure_come_back_from_the_host(
     assert acct["sessions"] == acct["held_by_sessions"] == 0
     assert acct["free"] + acct["held_by_tree"] == acct["capacity"]
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
+
+
+def test_requests_closed_after_a_host_hit_give_back_their_locks_and_pages(nemotron):
+    """Conversations pushed to the host, then their next turns closed by the client mid-generation, some
+    while still waiting: every host entry, slot and page is accounted for (no lock left on a host entry
+    or on the KV it needs), and the same turns resent answer as a cold engine does."""
+    from mambaserve.server.engine.request import SamplingParams
+
+    engine = _engine(nemotron, host_cache_size=10**7)
+    cold = _engine(nemotron, disable_radix_cache=True)
+    prompts = [_words(13 + 4 * s, 60 + s) for s in range(6)]
+
+    async def go():
+        firsts = [await _one(engine, p, 3) for p in prompts]  # 6 conversations on 3 slots: most go to the host
+        nexts = [p + f[0] + _words(5, 70 + i) for i, (p, f) in enumerate(zip(prompts, firsts))]
+        params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+        streams = [engine.generate(n, params) for n in nexts]
+        async for _ in streams[0]:
+            break  # the first answers, then its client goes away; the others go before they finish
+        for s in streams:
+            await s.aclose()
+        mid = _accounting(engine)
+        return nexts, mid, [await _one(engine, n, 4) for n in nexts], _accounting(engine)
+
+    nexts, mid, got, acct = run_started(engine, go)
+
+    async def replay():
+        return [await _one(cold, n, 4) for n in nexts]
+    ref = run_started(cold, replay)
+    assert [g[0] for g in got] == [r[0] for r in ref]
+    assert all(c > 0 for _, _, c in got) and _host_hit_tokens(engine) > 0
+    for a in (mid, acct):
+        assert a["running"] == a["waiting"] == 0 and a["free"] + a["held_by_tree"] == a["capacity"]
+        assert a["kv_pages_free"] + a["kv_pages_tree"] == a["kv_pages"] and a["kv_pages_evictable"] == a["kv_pages_tree"]
+    assert engine.scheduler.cache.host.tree.root.lock_ref == 0

@@ -118,9 +118,16 @@ class StorageTier:
         return self.match_length(key) == len(key) > 0
 
     def wants(self, key: Sequence[int]) -> bool:
-        """Whether a snapshot at ``key`` should be written now (not in storage, not being written)."""
+        """Whether a snapshot at ``key`` should be written now (not in storage, not being written, and the
+        disk not behind: a queued write pins its host entry, and a host tier pinned whole by a slow disk
+        would drop every snapshot the device evicts, so a write that would pin more than half is skipped)."""
         return (self.usable and len(key) > 0 and len(key) % self.page_size == 0 and not self.has(key)
-                and tuple(key) not in self.writing and self.entry_bytes <= self.capacity)
+                and tuple(key) not in self.writing and len(self.writing) < self.max_writing
+                and self.entry_bytes <= self.capacity)
+
+    @property
+    def max_writing(self) -> int:
+        return max(1, self.host.allocator.capacity // 2)
 
     # ---- writes ---------------------------------------------------------------------------------------
     def write_from_host(self, lock: HostLock, key: Sequence[int], ops) -> None:

@@ -18,6 +18,7 @@ from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.output import OutputProcessor
 from mambaserve.server.engine.policy import PrefillCandidate, admission_order, next_mode_is_decode, plan_prefill
 from mambaserve.server.engine.request import FinishReason, Req, RequestQueues
+from mambaserve.server.engine.rolling_snapshots import RollingSnapshots
 from mambaserve.server.engine.sampling import Launched
 from mambaserve.server.sessions.manager import SessionManager
 
@@ -31,8 +32,9 @@ PROMPT_LOGITS_PER_STEP = 1024
 class Admission:
     def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager,
                  output: OutputProcessor, metrics: ServerMetrics, *, max_running: int, chunk: int,
-                 track_interval: int, pages: PageAllocator | None = None):
+                 track_interval: int, rolling: RollingSnapshots, pages: PageAllocator | None = None):
         self.queues, self.cache, self.sessions = queues, cache, sessions
+        self.rolling = rolling  # hybrids: decode rows' snapshots at page boundaries (their slots are reclaimable)
         # hybrid models' KV pages: a request reserves pages for its prompt + max_new_tokens at admission,
         # so decode never runs out (no retraction); it waits in the queue while they are not free
         self.pages = pages
@@ -61,8 +63,8 @@ class Admission:
                   for r in admission_order(ready, MAX_OVERTAKEN)]
         # with a host tier, idle sessions' live states can spill there when slots run short (_admit)
         spillable = len(self.sessions.held_slots) if self.cache.host is not None else 0
-        plan = plan_prefill(cands, self.chunk, self.cache.allocator.num_free + self.cache.evictable_slots + spillable,
-                            len(running), self.max_running)
+        slots = self.cache.allocator.num_free + self.cache.evictable_slots + spillable + len(self.rolling)
+        plan = plan_prefill(cands, self.chunk, slots, len(running), self.max_running)
         chunks, admitted, arrivals = [], [], list(waiting)
         for req, n in plan:
             if req.slot is None:
@@ -84,6 +86,8 @@ class Admission:
     def _decode_batch(self, decode: list[Req], inflight: Launched | None) -> tuple[ForwardBatch | None, Plan]:
         if not decode:
             return None, []
+        if self.rolling.enabled:  # (hybrids) state copies at page boundaries: before take_pending below
+            self.rolling.record(decode)
         tokens, from_prev = [], []
         for i, r in enumerate(decode):
             if r.pending is None:
@@ -195,7 +199,10 @@ class Admission:
         # supersedes it. Only then does the cache evict; and when nothing is free or evictable outside
         # the locked path, any snapshot only this request reads is taken over instead of waiting for a
         # slot only it holds. A miss, or a snapshot others read, waits: the requests holding slots run.
+        # A rolling decode snapshot's slot (hybrids) goes before anything is evicted or taken over.
         slot = self.cache.allocator.alloc() if cached else None
+        if slot is None and self.cache.allocator.num_free == 0:
+            slot = self.rolling.reclaim()
         if slot is None and not (cached and self.cache.sole_reader_of_leaf(node)):
             slot = self.cache.alloc()
             if slot is None and self.cache.host is not None and self.sessions.spill_idle():

@@ -13,15 +13,18 @@ from mambaserve.server.cache.pages import PageAllocator
 from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.request import FinishReason, Req, RequestQueues, StepOutput
+from mambaserve.server.engine.rolling_snapshots import RollingSnapshots
 from mambaserve.server.engine.sampling import Launched, Sampler
 from mambaserve.server.sessions.manager import SessionManager
 
 
 class OutputProcessor:
     def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager, sampler: Sampler,
-                 metrics: ServerMetrics, context_length: int, pages: PageAllocator | None = None):
+                 metrics: ServerMetrics, context_length: int, rolling: RollingSnapshots,
+                 pages: PageAllocator | None = None):
         self.queues, self.cache, self.sessions, self.sampler = queues, cache, sessions, sampler
         self.pages = pages  # hybrid models' KV pages: a request's are released when it ends
+        self.rolling = rolling  # hybrids: decode-time snapshots at page boundaries, to the tree at the end
         self.metrics = metrics
         self.context_length = context_length
         self.persist_turn = None  # --session-persist: called with a streaming turn that completed (scheduler)
@@ -119,6 +122,8 @@ class OutputProcessor:
             if error or not self._keep(req):
                 self.cache.free(req.slot)
             req.slot = None
+        if req.rolling is not None:  # (hybrids) the last page boundary it decoded past, where the final state is not on one
+            self.rolling.end(req, keep=not error)
         if req.kv is not None:  # its own pages freed, the tree's unpinned
             self.cache.release_kv(req.kv)
             req.kv = None
@@ -129,7 +134,8 @@ class OutputProcessor:
             self._emit_final(req, reason, error, error_code)
 
     def _keep(self, req: Req) -> bool:
-        """The final state to the tree; hybrids: with the KV of its tokens, where they end on a page."""
+        """The final state to the tree; hybrids: with the KV of its tokens, where they end on a page (else its
+        rolling snapshot goes instead: ``RollingSnapshots.end``)."""
         tokens = req.tokens(req.in_state)
         if req.kv is None:
             return self.cache.keep(tokens, req.slot)

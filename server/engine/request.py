@@ -163,6 +163,8 @@ class Req:
     overtaken: int = 0  # admission rounds in which a later request was admitted while it waited
     locked_node: object | None = None  # radix node whose snapshot is being copied in (unlocked after the copy)
     kv: object | None = None  # cache.pages.KVHold: its KV pages, from admission to its end (hybrid models)
+    # (slot, tokens it covers): its state at the last page boundary it decoded past (engine/rolling_snapshots.py)
+    rolling: tuple[int, int] | None = None
     session_id: str | None = None
     turn_params: object | None = None  # sessions.table.TurnParams
     session: object | None = None  # sessions.table.Session, once the turn is accepted

@@ -39,6 +39,7 @@ from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.output import OutputProcessor
 from mambaserve.server.engine.request import BadRequest, FinishReason, Req, RequestQueues, fit_to_context
+from mambaserve.server.engine.rolling_snapshots import RollingSnapshots
 from mambaserve.server.engine.sampling import Launched, Sampler
 from mambaserve.server.engine.session_files import SessionFiles
 from mambaserve.server.engine.tiering import Prefetcher, SessionPersistence, build_storage_tier
@@ -82,8 +83,9 @@ class Scheduler:
                                           cfg.session_snapshot_max_per_session, states=self.pages is None)
         self.queues = RequestQueues()
         self.sampler = Sampler(runner.device, cfg.seed)
+        self.rolling = RollingSnapshots(self.cache, page_size)
         self.output = OutputProcessor(self.queues, self.cache, self.sessions, self.sampler, metrics, context_length,
-                                      pages=self.pages)
+                                      self.rolling, pages=self.pages)
         self.prefetcher = Prefetcher(self.storage, self.cache, self.queues) if self.storage is not None else None
         self.persistence = None
         if persist:
@@ -92,7 +94,8 @@ class Scheduler:
             self.output.persist_turn = self.persistence.persist_turn
         self.admission = Admission(self.queues, self.cache, self.sessions, self.output, metrics,
                                    max_running=max_running, chunk=cfg.chunked_prefill_size,
-                                   track_interval=0 if cfg.disable_radix_cache else track_interval, pages=self.pages)
+                                   track_interval=0 if cfg.disable_radix_cache else track_interval,
+                                   rolling=self.rolling, pages=self.pages)
         self.max_running = max_running
         self.context_length = context_length
         self.overlap = not cfg.disable_overlap_schedule
@@ -343,7 +346,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         """free + held by requests + by the tree + by sessions == capacity; no slot shared or leaked."""
         running, waiting = self.queues.running, self.queues.waiting
-        held = [r.slot for r in running] + self.sessions.held_slots
+        held = [r.slot for r in running] + self.rolling.slots() + self.sessions.held_slots
         assert None not in held, "running request without a slot"
         assert len(set(held)) == len(held), "two requests share a slot"
         tree = set(self.cache.tree.all_slots()) if self.cache.enabled else set()
@@ -355,6 +358,7 @@ class Scheduler:
         assert all(s.in_flight in self.queues.by_rid for s in self.sessions.table.sessions.values() if s.in_flight), \
             "a session waits for a turn that no longer exists"
         assert self.stalled_steps <= 1, f"requests wait while nothing runs ({self.stalled_steps} steps): admission is stuck"
+        self.rolling.check(running)
         self.cache.check_invariants()
         if self.pages is not None:
             self._check_pages(running)
@@ -387,13 +391,13 @@ class Scheduler:
         q = self.queues
         host = self.cache.host
         st = self.storage
-        return {"capacity": self.slots.capacity, "free": self.slots.num_free, "held_by_requests": len(q.running),
+        return {"capacity": self.slots.capacity, "free": self.slots.num_free, "held_by_requests": len(q.running) + len(self.rolling),
                 "host_capacity": host.allocator.capacity if host else 0, "held_by_host": host.allocator.num_used if host else 0,
                 "storage_entries": len(st.entries) if st else 0, "storage_bytes": st.used if st else 0,
                 "storage_capacity_bytes": st.capacity if st else 0, "storage_degraded": int(bool(st and st.degraded)),
                 "held_by_tree": self.cache.tree_slots, "held_by_sessions": len(self.sessions.held_slots),
                 "evictable": self.cache.evictable_slots, "running": len(q.running), "waiting": len(q.waiting),
-                "sessions": len(self.sessions.table.sessions),
+                "sessions": len(self.sessions.table.sessions), "rolling_snapshots": len(self.rolling),
                 **({"kv_pages": self.pages.capacity, "kv_pages_free": self.pages.num_free,
                     "kv_pages_tree": len(self.cache.tree_pages()), "kv_pages_evictable": self.cache.evictable_pages()}
                    if self.pages else {})}

@@ -1,0 +1,157 @@
+"""Hybrid models' decode-time snapshots (engine/rolling_snapshots.py): a stateless chat's next turn (history +
+answer + new words) hits at the previous turn's prompt + answer page boundary, not only at its prompt's,
+with the cold engine's greedy outputs and logprobs; with slots scarce the rolling slot is skipped or taken
+back and everything still finishes; an abort or a failure mid-decode leaves every slot and page accounted
+for (the invariant check runs after every step)."""
+
+import asyncio
+
+import pytest
+
+from mambaserve.server.config import ServerConfig
+from mambaserve.server.engine.engine import Engine
+from mambaserve.server.engine.request import SamplingParams
+from tests.server.conftest import assert_idle, run_started
+from tests.server.tiny_hybrids import make_hybrid_checkpoint
+
+# (new user words, answer tokens) per turn: answers cross page boundaries at 4 and 16, and some turns end on one
+TURNS = [(21, 11), (5, 9), (7, 13), (3, 17), (6, 10), (4, 12)]
+
+
+def _engine(path, **kw):
+    cfg = dict(model=str(path), device="cpu", context_length=256, debug_cache_invariants=True,
+               chunked_prefill_size=32, max_running_requests=4, mamba_cache_size=16)
+    return Engine(ServerConfig(**{**cfg, **kw}))
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    return make_hybrid_checkpoint(tmp_path_factory.mktemp("nemotron"), "nemotron_h")
+
+
+def _words(n, seed):
+    return [(seed * 37 + 5 * k * k + 3 * k) % 94 + 1 for k in range(n)]
+
+
+async def _one(engine, prompt, n, rid=None):
+    ids, lps, cached = [], [], None
+    async for o in engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                                   return_logprob=True, rid=rid):
+        ids += o.token_ids
+        lps += o.logprobs
+        cached = o.cached_tokens
+    return ids, lps, cached
+
+
+def _accounting(engine):
+    engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
+    return engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
+
+
+async def _chat(engine, seed=0):
+    """One stateless conversation: every turn resends the whole history."""
+    history, out = [], []
+    for i, (words, answer) in enumerate(TURNS):
+        history += _words(words, seed * 10 + i)
+        got = await _one(engine, history, answer)
+        out.append((len(history), *got))
+        history += got[0]
+    return out
+
+
+@pytest.mark.parametrize("page_size,overlap", [(4, True), (16, True), (4, False)])
+def test_chat_turns_hit_past_the_previous_answer(nemotron, page_size, overlap):
+    kw = dict(page_size=page_size, disable_overlap_schedule=not overlap)
+    warm = _engine(nemotron, **kw)
+
+    async def go():
+        return await _chat(warm), _accounting(warm)
+    got, acct = run_started(warm, go)
+    cold = _engine(nemotron, **kw, disable_radix_cache=True)
+    ref = run_started(cold, lambda: _chat(cold))
+    for (_, ids, lps, _), (_, rids, rlps, rcached) in zip(got, ref):
+        assert ids == rids
+        assert lps == pytest.approx(rlps, abs=1e-4)
+        assert rcached == 0
+    # A turn's state covers prompt + answer when it ends (overlap scheduling runs the last sampled token once
+    # more), else all but that token; the next turn hits at that length's page boundary: the final state
+    # itself where it is on one, else the rolling snapshot.
+    ends = [p + len(ids) - (0 if overlap else 1) for p, ids, _, _ in got]
+    expected = [0] + [e - e % page_size for e in ends[:-1]]
+    assert [c for *_, c in got] == expected
+    prompt_only = [0] + [p - 1 - (p - 1) % page_size for p, *_ in got[:-1]]  # what the tree kept before
+    assert sum(expected) > sum(prompt_only) + len(TURNS) * page_size // 2
+    assert_idle(acct)
+    assert acct["rolling_snapshots"] == 0 and warm.scheduler.rolling.skipped == 0
+    assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
+
+
+def test_scarce_slots_skip_or_give_back_the_rolling_slot(nemotron):
+    """Four conversations at once on 5 state slots (4 running requests): a rolling slot is taken only when
+    one is free, admission takes it back before it evicts or waits, and every turn gives the cold engine's
+    outputs; afterwards every slot and page is free or the tree's."""
+    kw = dict(page_size=4, mamba_cache_size=5, max_running_requests=4, chunked_prefill_size=16)
+    warm = _engine(nemotron, **kw)
+
+    async def go():
+        chats = await asyncio.gather(*[_chat(warm, seed=s) for s in range(4)])
+        return chats, _accounting(warm)
+    got, acct = run_started(warm, go)
+    cold = _engine(nemotron, **kw, disable_radix_cache=True)
+
+    async def go_cold():
+        return await asyncio.gather(*[_chat(cold, seed=s) for s in range(4)])
+    ref = run_started(cold, go_cold)
+    for chat, rchat in zip(got, ref):
+        for (_, ids, lps, _), (_, rids, rlps, _) in zip(chat, rchat):
+            assert ids == rids
+            assert lps == pytest.approx(rlps, abs=1e-4)
+    rolling = warm.scheduler.rolling
+    assert rolling.skipped > 0 and rolling.reclaimed > 0
+    assert sum(c for chat in got for *_, c in chat) > 0
+    assert_idle(acct)
+    assert acct["rolling_snapshots"] == 0
+    assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
+
+
+def test_abort_and_failure_mid_decode_leave_nothing_behind(nemotron):
+    """A request aborted while it decodes past page boundaries gives its rolling snapshot to the tree (its
+    state there is valid: a resend of its tokens hits it); one failed by an error frees it."""
+    engine = _engine(nemotron, page_size=4)
+    prompts = {"abort": _words(13, 5), "fail": _words(13, 6)}
+
+    async def go():
+        out = {}
+        for how in ("abort", "fail"):
+            gen = engine.generate(prompts[how], SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True),
+                                  rid=how)
+            ids = []
+            async for o in gen:
+                ids += o.token_ids
+                if len(ids) >= 10:
+                    held = await engine.run_in_scheduler(lambda: engine.scheduler.queues.by_rid[how].rolling)
+                    if held is not None and held[1] >= 20:
+                        break
+            else:
+                raise AssertionError("the request ended by itself")
+            before = _accounting(engine)
+            if how == "abort":
+                engine.abort(how)
+            else:
+                await engine.run_in_scheduler(lambda: engine.scheduler.output.fail_running("injected"))
+            async for o in gen:
+                ids += o.token_ids
+            out[how] = held, ids, before, _accounting(engine)
+        return out
+    out = run_started(engine, go)
+    for how in ("abort", "fail"):
+        (slot, n), ids, before, after = out[how]
+        assert before["rolling_snapshots"] == 1 and before["held_by_requests"] == 2
+        assert_idle(after)
+        assert after["rolling_snapshots"] == 0
+        assert after["kv_pages_free"] + after["kv_pages_tree"] == after["kv_pages"]
+        hit = engine.scheduler.cache.tree.match_prefix(prompts[how] + ids).length
+        if how == "abort":
+            assert hit >= n  # the rolling snapshot (or a later final state on a page) is in the tree
+        else:
+            assert hit == 12  # the prompt's snapshot before its last token; nothing of the failed decode

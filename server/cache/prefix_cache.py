@@ -17,8 +17,11 @@ Where snapshots come from (docs/design.md §5):
     *donated* to the tree and the request continues in a fresh slot filled by a deferred copy;
   * tracked positions every ``track_interval`` tokens inside a prompt (``extra_buffer``): states
     emitted by the chunked scan are written into fresh slots during the forward;
-  * the end of a finished request: its slot goes to the tree at prompt + output minus the last
-    sampled token (whose state was never computed).
+  * the end of a finished request: its slot goes to the tree at what its state covers, prompt +
+    output (or minus the last sampled token, whose state was never computed when no step ran it);
+  * hybrids: where that is not on a page, the request's *rolling* snapshot instead: its state at the
+    last page boundary it decoded past, copied into a spare slot during decode by a deferred ``copy``
+    (``engine/rolling_snapshots.py``; free slots only, taken back by admission before it evicts).
 Chunk ends, donations and tracked positions are *speculative*: they evict each other before a
 conversation's state.
 ``DisabledCache`` keeps the same interface with no tree: the plain engine.

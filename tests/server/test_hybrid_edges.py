@@ -172,13 +172,14 @@ def test_aborts_and_session_closes_at_every_step_leak_nothing(nemotron, overlap)
     """The scheduler stepped by hand: a request of 21 tokens (chunks of 8, pages of 4), a second sharing
     its first 16 tokens and a streaming session's second turn run together; after k steps (0 to 13: queued,
     mid-prefill, mid-decode, answered, folding) one of them is aborted, or all time out, and the session
-    closed. The
+    closed. Some of those cuts come while the first holds a rolling decode snapshot (past 24). The
     invariant check runs after every step; once idle (sessions closed, cache flushed) every page and slot
     is free."""
     engine = _engine(nemotron, disable_overlap_schedule=not overlap, max_running_requests=3)
     sched = engine.scheduler
     params = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     a_prompt = _words(21, 1)
+    rolling = []  # rolling snapshots held when the cut came
 
     async def scenario(k, action):
         sid = sched.sessions.open(None, True, None, None)
@@ -190,6 +191,7 @@ def test_aborts_and_session_closes_at_every_step_leak_nothing(nemotron, overlap)
         for _ in range(k):
             sched._drain_inbox(block=False)
             sched.step()
+        rolling.append(len(sched.rolling))
         if action < 3:
             sched._abort((a, b, turn)[action].req.rid)
         else:  # every request past --request-timeout
@@ -212,6 +214,7 @@ def test_aborts_and_session_closes_at_every_step_leak_nothing(nemotron, overlap)
         for k in range(14):
             await scenario(k, k % 4)
     asyncio.run(go())
+    assert any(rolling), rolling
 
 
 @pytest.mark.parametrize("overlap", [True, False])

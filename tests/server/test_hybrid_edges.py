@@ -170,9 +170,9 @@ def _settle(sched, limit=200):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_aborts_and_session_closes_at_every_step_leak_nothing(nemotron, overlap):
     """The scheduler stepped by hand: a request of 21 tokens (chunks of 8, pages of 4), a second sharing
-    its first 16 tokens and a streaming session's second turn run together; after k steps (0 to 13: queued,
+    its first 16 tokens and a streaming session's second turn run together; after k steps (0 to 15: queued,
     mid-prefill, mid-decode, answered, folding) one of them is aborted, or all time out, and the session
-    closed. Some of those cuts come while the first holds a rolling decode snapshot (past 24). The
+    closed. Some of those cuts come while a request holds a rolling decode snapshot. The
     invariant check runs after every step; once idle (sessions closed, cache flushed) every page and slot
     is free."""
     engine = _engine(nemotron, disable_overlap_schedule=not overlap, max_running_requests=3)
@@ -211,7 +211,7 @@ def test_aborts_and_session_closes_at_every_step_leak_nothing(nemotron, overlap)
         del first
 
     async def go():
-        for k in range(14):
+        for k in range(16):
             await scenario(k, k % 4)
     asyncio.run(go())
     assert any(rolling), rolling

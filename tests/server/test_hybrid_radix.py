@@ -1,7 +1,7 @@
 """The radix cache of hybrid models (KV pages + Mamba snapshots in one tree) through the engine: hits give
-exactly the cold engine's greedy outputs and logprobs at page sizes 1, 4 and 16, chat turns and resent
-prompts hit page-aligned prefixes, and with pages and slots both scarce every request finishes and
-every page and slot is accounted for (the invariant check runs after every step)."""
+exactly the cold engine's greedy outputs and logprobs at page sizes 1, 4 and 16, chat turns hit past the
+previous answer and resent prompts at their last page boundary, and with pages and slots both scarce every
+request finishes and every page and slot is accounted for (the invariant check runs after every step)."""
 
 import asyncio
 import random
@@ -81,12 +81,12 @@ def test_hits_give_the_cold_outputs_and_logprobs(tmp_path, granite, family, page
     assert cached[0] == 0
     # the resent prompt hits at its last page boundary before its last token
     assert cached[1] == aligned(37 - 1)
-    # every turn reuses at least the previous turn's prompt up to that boundary (its answer too where the
-    # final state ended on a page)
+    # every turn reuses the previous request's prompt + answer up to its last page boundary (overlap
+    # scheduling ran the last answer token: the final state, where it is on a page, else the rolling snapshot)
     prompts = [37, 37 + 6 + 5]
     prompts += [prompts[-1] + 5 + 9, prompts[-1] + 5 + 9 + 5 + 13]
     for i in range(3):
-        assert cached[2 + i] >= aligned(prompts[i] - 1), (i, cached)
+        assert cached[2 + i] == aligned(prompts[i] + (6 if i == 0 else 5)), (i, cached)
     # the branches share 40 tokens with the lead: its chunk end at 32. A branch admitted a step after the
     # other may also hit the other's prompt snapshot at 40 (page-aligned at page size 4), so up to 40.
     assert all(32 <= c <= 40 for c in cached[6:8]), cached

@@ -17,8 +17,8 @@ neither: state ops run eagerly before the graph replays.
 
 Speculative: a rolling slot comes from the free list only (it never evicts a snapshot), and admission
 takes it back (``reclaim``) before it evicts anything or makes a request wait. Streaming sessions keep
-their live state between turns and take none. Pure Mamba2 models (every position is a key) and the
-plain engine take none either: ``enabled`` is False and the decode path does no work.
+their live state between turns and take none. Pure Mamba2 models (every position is a key), hybrids
+at page size 1 and the plain engine take none either: ``enabled`` is False and the decode path does no work.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class RollingSnapshots:
     def __init__(self, cache: DisabledCache, page_size: int):
         self.cache = cache
         self.page_size = page_size
-        self.enabled = cache.enabled and cache.pages is not None
+        # (a page of one token puts every final state on a page: nothing to roll)
+        self.enabled = cache.enabled and cache.pages is not None and page_size > 1
         self.holders: list[Req] = []  # requests holding a rolling slot, in the order they took it
         self.skipped = 0  # boundaries not copied for want of a free slot (tests read it)
         self.reclaimed = 0  # rolling slots admission took back

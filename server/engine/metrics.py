@@ -41,7 +41,8 @@ class ServerMetrics:
         self.slots_total = Gauge("mambaserve_state_slots_total", "State slots in the pool", registry=r)
         self.slots_used = Gauge("mambaserve_state_slots_used", "State slots in use", registry=r)
         self.slots_evictable = Gauge("mambaserve_state_slots_evictable",
-                                     "Used slots that eviction could free (cached snapshots not in use)", registry=r)
+                                     "Used slots that eviction could free (cached snapshots not in use, hybrids' "
+                                     "rolling decode snapshots)", registry=r)
         # hybrid models' paged KV cache (0 pages for pure Mamba2)
         self.kv_pages_total = Gauge("mambaserve_kv_pages_total", "KV pages of the attention layers (hybrid models)",
                                     registry=r)

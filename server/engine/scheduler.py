@@ -322,7 +322,8 @@ class Scheduler:
         m.running.set(len(self.queues.running))
         m.waiting.set(len(self.queues.waiting))
         pages = self.pages
-        m.observe_pools(slots_used=self.slots.num_used, slots_evictable=self.cache.evictable_slots,
+        # (a rolling decode snapshot's slot is admission's for the asking: as good as evictable)
+        m.observe_pools(slots_used=self.slots.num_used, slots_evictable=self.cache.evictable_slots + len(self.rolling),
                         slots_total=self.slots.capacity, pages_used=pages.num_used if pages else 0,
                         pages_evictable=self.cache.evictable_pages() if pages else 0,
                         pages_total=pages.capacity if pages else 0)

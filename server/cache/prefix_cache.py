@@ -82,12 +82,21 @@ class StateOps:
         self.ops = [op for op in self.ops if op[0] == "offload" or op[2] != slot]
 
     def runs(self) -> list[tuple[str, list[tuple[int, int]]]]:
-        """Consecutive ops of one kind grouped, in order: (kind, [(a, b), ...]); a run is one launch."""
+        """Consecutive ops of one kind grouped, in order: (kind, [(a, b), ...]); a run is one launch. A copy
+        that touches a slot another copy of the run writes, or writes one it reads, starts a new run: one
+        launch copies in parallel (its destinations must be distinct from every source), and the order
+        recorded decides (a snapshot evicted with a copy from it pending, its slot filled again at once)."""
         out: list[tuple[str, list[tuple[int, int]]]] = []
+        reads: set[int] = set()
+        writes: set[int] = set()
         for kind, a, b in self.ops:
-            if not out or out[-1][0] != kind:
+            if not out or out[-1][0] != kind or (kind == "copy" and (a in writes or b in writes or b in reads)):
                 out.append((kind, []))
+                reads, writes = set(), set()
             out[-1][1].append((a, b))
+            if kind == "copy":
+                reads.add(a)
+                writes.add(b)
         return out
 
     def __bool__(self) -> bool:

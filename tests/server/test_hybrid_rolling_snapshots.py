@@ -7,7 +7,9 @@ for (the invariant check runs after every step)."""
 import asyncio
 
 import pytest
+import torch
 
+from mambaserve.server.cache.prefix_cache import StateOps
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
@@ -155,3 +157,22 @@ def test_abort_and_failure_mid_decode_leave_nothing_behind(nemotron):
             assert hit >= n  # the rolling snapshot (or a later final state on a page) is in the tree
         else:
             assert hit == 12  # the prompt's snapshot before its last token; nothing of the failed decode
+
+
+def test_state_ops_run_in_the_order_recorded(nemotron):
+    """One launch copies in parallel, so a copy into a slot a copy before it (in the same step's ops) reads,
+    or from one it writes, waits for the next launch: a rolling copy into a free slot whose last snapshot
+    had a copy from it pending gets what it should, and so does the copy that read it first."""
+    ops = StateOps([("copy", 1, 2), ("copy", 3, 4), ("copy", 5, 1), ("copy", 2, 6), ("clear", 7, 7),
+                    ("copy", 8, 9), ("copy", 8, 10), ("copy", 11, 9)])
+    assert ops.runs() == [("copy", [(1, 2), (3, 4)]), ("copy", [(5, 1), (2, 6)]), ("clear", [(7, 7)]),
+                          ("copy", [(8, 9), (8, 10)]), ("copy", [(11, 9)])]
+    runner = _engine(nemotron, page_size=4).scheduler.runner
+    fill = {s: torch.full_like(runner.read_slot(0)["ssm"], float(s)) for s in range(12)}
+    for s, v in fill.items():
+        runner.write_slot(s, {"conv": runner.read_slot(s)["conv"], "ssm": v})
+    runner.apply_state_ops(ops)
+    got = {s: runner.read_slot(s)["ssm"].flatten()[0].item() for s in range(12)}
+    # sequentially: 2 <- 1 (1.0), 4 <- 3, 1 <- 5, 6 <- 2 (now 1.0), 7 cleared, 9 <- 8, 10 <- 8, 9 <- 11
+    assert got == {0: 0.0, 1: 5.0, 2: 1.0, 3: 3.0, 4: 3.0, 5: 5.0, 6: 1.0, 7: 0.0, 8: 8.0, 9: 11.0, 10: 8.0,
+                   11: 11.0}

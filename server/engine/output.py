@@ -122,7 +122,7 @@ class OutputProcessor:
             if error or not self._keep(req):
                 self.cache.free(req.slot)
             req.slot = None
-        if req.rolling is not None:  # (hybrids) the last page boundary it decoded past, where the final state is not on one
+        if req.rolling is not None:  # (hybrids) its last page boundary, kept where the final state is not on one
             self.rolling.end(req, keep=not error)
         if req.kv is not None:  # its own pages freed, the tree's unpinned
             self.cache.release_kv(req.kv)

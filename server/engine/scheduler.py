@@ -392,7 +392,8 @@ class Scheduler:
         q = self.queues
         host = self.cache.host
         st = self.storage
-        return {"capacity": self.slots.capacity, "free": self.slots.num_free, "held_by_requests": len(q.running) + len(self.rolling),
+        return {"capacity": self.slots.capacity, "free": self.slots.num_free,
+                "held_by_requests": len(q.running) + len(self.rolling),  # (hybrids: their rolling decode snapshots)
                 "host_capacity": host.allocator.capacity if host else 0, "held_by_host": host.allocator.num_used if host else 0,
                 "storage_entries": len(st.entries) if st else 0, "storage_bytes": st.used if st else 0,
                 "storage_capacity_bytes": st.capacity if st else 0, "storage_degraded": int(bool(st and st.degraded)),

@@ -1,8 +1,9 @@
 """Hybrid models' decode-time snapshots (engine/rolling_snapshots.py): a stateless chat's next turn (history +
 answer + new words) hits at the previous turn's prompt + answer page boundary, not only at its prompt's,
 with the cold engine's greedy outputs and logprobs; with slots scarce the rolling slot is skipped or taken
-back and everything still finishes; an abort or a failure mid-decode leaves every slot and page accounted
-for (the invariant check runs after every step)."""
+back (before admission evicts a snapshot) and everything still finishes; an abort or a failure mid-decode
+leaves every slot and page accounted for (the invariant check runs after every step); state copies run in
+the order recorded."""
 
 import asyncio
 
@@ -176,3 +177,51 @@ def test_state_ops_run_in_the_order_recorded(nemotron):
     # sequentially: 2 <- 1 (1.0), 4 <- 3, 1 <- 5, 6 <- 2 (now 1.0), 7 cleared, 9 <- 8, 10 <- 8, 9 <- 11
     assert got == {0: 0.0, 1: 5.0, 2: 1.0, 3: 3.0, 4: 3.0, 5: 5.0, 6: 1.0, 7: 0.0, 8: 8.0, 9: 11.0, 10: 8.0,
                    11: 11.0}
+
+
+def test_a_waiting_request_takes_a_rolling_slot_before_anything_is_evicted(nemotron):
+    """The scheduler stepped by hand on 6 state slots: two requests decode, each with its slot, its prompt's
+    snapshot in the tree and a rolling slot, so none is free. A third request is admitted at the next step
+    with the newest rolling slot: no snapshot is evicted, and the others' outputs stay the cold engine's."""
+    engine = _engine(nemotron, page_size=4, mamba_cache_size=6, max_running_requests=3)
+    sched = engine.scheduler
+    params = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    prompts = [_words(13, 1), _words(13, 2), _words(3, 3)]  # 13: a snapshot at 12; 3: none (no page boundary)
+
+    async def go():
+        gens = [engine.generate(prompts[0], params(24)), engine.generate(prompts[1], params(24))]
+        for _ in range(20):
+            sched._drain_inbox(block=False)
+            sched.step()
+            if len(sched.rolling) == 2:
+                break
+        acct = sched.accounting()
+        assert acct["free"] == 0 and acct["held_by_tree"] == 2 and acct["held_by_requests"] == 4, acct
+        evicted = engine.metrics.registry.get_sample_value("mambaserve_cache_evictions_total", {"tier": "gpu"})
+        gens.append(engine.generate(prompts[2], params(6)))
+        sched._drain_inbox(block=False)
+        sched.step()
+        assert gens[2].req in sched.queues.running
+        assert sched.rolling.reclaimed == 1 and len(sched.rolling) == 1
+        assert sched.accounting()["held_by_tree"] == 2
+        assert engine.metrics.registry.get_sample_value("mambaserve_cache_evictions_total", {"tier": "gpu"}) == evicted
+        for _ in range(100):
+            sched._drain_inbox(block=False)
+            if not (sched.queues.running or sched.inflight):
+                break
+            sched.step()
+        outs = []
+        for g in gens:
+            ids = []
+            async for o in g:
+                ids += o.token_ids
+            outs.append(ids)
+        return outs, sched.accounting()
+
+    outs, acct = asyncio.run(go())
+    assert_idle(acct)
+    cold = _engine(nemotron, page_size=4, disable_radix_cache=True)
+
+    async def ref():
+        return [(await _one(cold, p, n))[0] for p, n in zip(prompts, (24, 24, 6))]
+    assert outs == run_started(cold, ref)

@@ -87,7 +87,7 @@ class Admission:
         if not decode:
             return None, []
         if self.rolling.enabled:  # (hybrids) state copies at page boundaries: before take_pending below
-            self.rolling.record(decode)
+            self.rolling.record(decode, self._speculative_horizon)
         tokens, from_prev = [], []
         for i, r in enumerate(decode):
             if r.pending is None:

@@ -15,13 +15,18 @@ forward that feeds the token at that position. Overlap scheduling changes nothin
 from the step still running (``from_prev``) is that forward's input, not the state's. Decode CUDA graphs
 neither: state ops run eagerly before the graph replays.
 
-Speculative: a rolling slot comes from the free list only (it never evicts a snapshot), and admission
-takes it back (``reclaim``) before it evicts anything or makes a request wait. Streaming sessions keep
+Speculative: a rolling slot is allocated as a prompt's snapshot is (``Admission._speculative_horizon``):
+a free slot, else the least recently used snapshot unused since before the request and every waiting
+one arrived is evicted for it (speculative ones first); on a warmed server the tree holds every slot, so
+a free-list-only rolling slot would never be taken. Admission takes it back (``reclaim``) before it
+evicts anything or makes a request wait. Streaming sessions keep
 their live state between turns and take none. Pure Mamba2 models (every position is a key), hybrids
 at page size 1 and the plain engine take none either: ``enabled`` is False and the decode path does no work.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.request import Req
@@ -43,16 +48,17 @@ class RollingSnapshots:
     def slots(self) -> list[int]:
         return [r.rolling[0] for r in self.holders]
 
-    def record(self, decode: list[Req]) -> None:
+    def record(self, decode: list[Req], horizon: Callable[[Req], int]) -> None:
         """Before a decode batch takes the pending ops: each row whose state covers a page multiple of
-        tokens past its prompt gets it copied into its rolling slot (taken from the free list once)."""
+        tokens past its prompt gets it copied into its rolling slot (allocated once, evicting only
+        snapshots unused since ``horizon(row)``)."""
         ps = self.page_size
         for r in decode:
             n = r.in_state
             if n % ps or n < len(r.prompt_ids) or (r.session is not None and r.session.streaming):
                 continue
             if r.rolling is None:
-                slot = self.cache.allocator.alloc()  # never evicts: a conversation's snapshot outranks this
+                slot = self.cache.alloc(unused_since=horizon(r), speculative=True)
                 if slot is None:
                     self.skipped += 1
                     continue

@@ -89,6 +89,23 @@ def test_chat_turns_hit_past_the_previous_answer(nemotron, page_size, overlap):
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
 
 
+def test_a_warmed_server_keeps_taking_rolling_snapshots(nemotron):
+    """Six conversations one after another on 16 slots: once the tree holds every slot, a rolling slot
+    comes from evicting the least recently used snapshot of an earlier conversation, so every
+    conversation's turns hit past its previous answer, not only the first one's."""
+    page_size = 4
+    warm = _engine(nemotron, page_size=page_size, mamba_cache_size=16)
+
+    async def go():
+        return [await _chat(warm, seed=s) for s in range(6)], _accounting(warm)
+    chats, acct = run_started(warm, go)
+    for chat in chats:
+        ends = [p + len(ids) for p, ids, _, _ in chat]  # (overlap scheduling: the state covers the answer)
+        assert [c for *_, c in chat] == [0] + [e - e % page_size for e in ends[:-1]]
+    assert warm.scheduler.rolling.skipped == 0
+    assert_idle(acct)
+
+
 def test_scarce_slots_skip_or_give_back_the_rolling_slot(nemotron):
     """Four conversations at once on 5 state slots (4 running requests): a rolling slot is taken only when
     one is free, admission takes it back before it evicts or waits, and every turn gives the cold engine's

@@ -227,8 +227,8 @@ class Admission:
             self.cache.clear(slot)
         self.metrics.observe_lookup(len(req.prompt_ids), cached, tier=tier or "gpu",
                                     capacity_miss=self.cache.capacity_miss(req.prompt_ids[:-1], cached))
-        if req.prefill_done and req.params.max_new_tokens == 0:
-            self.output.finish(req, FinishReason.LENGTH)  # prompt fully cached and nothing to generate
+        if req.prefill_done and req.params.max_new_tokens == 0:  # prompt cached but its last token, nothing to generate
+            self.output.finish_unsampled(req)  # (a streaming session's turn folds that token into its live state)
         return True
 
     def _pages_for(self, req: Req, get):
@@ -273,8 +273,8 @@ class Admission:
                 if req.in_state < len(req.prompt_ids):
                     if self.cache.enabled:
                         self._donate(req)
-                    if req.prefill_done and req.params.max_new_tokens == 0:
-                        self.output.finish(req, FinishReason.LENGTH)  # prompt-only request: no token to sample
+                    if req.prefill_done and req.params.max_new_tokens == 0:  # prompt-only: no token to sample
+                        self.output.finish_unsampled(req)
                     continue
                 if req.params.max_new_tokens == 0:
                     self.output.finish(req, FinishReason.LENGTH)

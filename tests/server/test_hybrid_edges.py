@@ -342,6 +342,41 @@ def test_sessions_and_traffic_with_aborts_under_pressure(nemotron, page_size, ch
     assert acct["free"] == acct["capacity"] and acct["kv_pages_free"] == acct["kv_pages"], acct
 
 
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_session_turns_with_nothing_to_generate_keep_the_live_state(nemotron, overlap):
+    """A streaming turn with max_new_tokens 0 whose state ends up covering all of its prompt but the last
+    token, other than through a one-token turn: (a) its prefill chunk ends there (history 15 + 14 new
+    tokens, chunks of 8 cut to pages of 4: 20, then 28 of 29); (b) the session's first turn hits the
+    cache there (the same prompt sent before). It folds that token into the live state like the one-token
+    turn: the next turn continues from the whole history, with the cold engine's outputs."""
+    engine = _engine(nemotron, disable_overlap_schedule=not overlap)
+    chunk_end = [(_words(9, 1), 6), (_words(14, 2), 0), (_words(3, 3), 2)]
+    cached_first = [(_words(13, 5), 0), (_words(2, 6), 2)]
+
+    async def go():
+        out = []
+        sid = await engine.open_session(None, True, None, None)
+        for new, n in chunk_end:
+            out.append(await _one(engine, new, n, session_id=sid))
+            _idle(engine)
+        await engine.close_session(sid)
+        await _one(engine, cached_first[0][0], 3)  # leaves its snapshot at 12 of 13 tokens
+        sid = await engine.open_session(None, True, None, None)
+        for new, n in cached_first:
+            out.append(await _one(engine, new, n, session_id=sid))
+            _idle(engine)
+        await engine.close_session(sid)
+        return out
+
+    out = run_started(engine, go)
+    assert [o[2] for o in out] == [0, 15, 29, 12, 13]  # the turns after the max_new_tokens 0 ones: live
+    assert [len(o[0]) for o in out] == [6, 0, 2, 0, 2]
+    cold = _engine(nemotron, disable_radix_cache=True)
+    ref = run_started(cold, lambda: _cold_history(cold, chunk_end))
+    ref += run_started(cold, lambda: _cold_history(cold, cached_first))
+    assert [o[0] for o in out] == ref
+
 async def _enumerate(gen):
     k = 0
     async for o in gen:

@@ -426,6 +426,17 @@ class PrefixCache(DisabledCache):
             self._drain()
         return slot
 
+    def take_superseded(self, hold: KVHold | None) -> int | None:
+        """(hybrids) The slot of the snapshot at the end of the tree's part of a request's KV (``hold.node``:
+        its match, or its last donation), when no pending copy reads it and no branch goes on below it: the
+        request's deeper state, about to go to the tree on the same path, supersedes it. For a pool full of
+        the request's own conversation (each snapshot refreshed by its last match), where nothing older may
+        be displaced. None otherwise."""
+        node = hold.node if hold is not None else None
+        if not isinstance(node, TreeNode) or node.slot is None or node.lock_ref or node.children:
+            return None
+        return self.take(node)
+
     def sole_reader_of_leaf(self, lock) -> bool:
         """``lock`` (matched and locked by the caller) is a device leaf nobody else reads: taking its slot
         over costs no other request anything."""

@@ -123,6 +123,8 @@ class Admission:
                      and (self.pages is None or last % self.pages.page_size == 0))
             if snaps:
                 slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
+                if slot is None:
+                    slot = self.cache.take_superseded(req.kv)  # (hybrids) the snapshot this one goes on from
                 if slot is not None:
                     snap.append((i, slot))
             if self.track_interval:
@@ -300,6 +302,8 @@ class Admission:
         if req.kv is not None and req.in_state % self.pages.page_size:
             return  # (hybrids) the tree keeps page-aligned prefixes only
         fresh = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
+        if fresh is None:
+            fresh = self.cache.take_superseded(req.kv)  # (hybrids) the snapshot this state goes on from
         if fresh is None:
             return
         if self._keep(req, req.tokens(req.in_state), req.slot):

@@ -154,3 +154,39 @@ def test_tracked_snapshots_come_with_their_pages(granite):
         _engine(granite, page_size=16, mamba_cache_strategy="extra_buffer", mamba_track_interval=8)
     with pytest.raises(ValueError, match=r"--mamba-track-interval \d+ \(the default\) must be a multiple of --page-size 3"):
         _engine(granite, page_size=3, mamba_cache_strategy="extra_buffer")
+
+
+@pytest.mark.parametrize("slots,running,chunk", [(2, 1, 64), (4, 3, 64), (4, 3, 12)])
+def test_a_chat_in_a_small_pool_hits_its_latest_turn(granite, slots, running, chunk):
+    """A chat of eight turns (history + answer + 20 new tokens; answers end off a page) on a state pool of
+    2 or 4 slots, page size 16: the pool fills with this conversation's own earlier snapshots, each
+    refreshed by its last match. A turn's snapshot at its prompt's last page boundary (a chunk-end donation)
+    takes over the slot of the snapshot the turn started from, which it supersedes, so every turn hits its
+    previous turn's prompt (it stayed at the second turn's), with the cold engine's outputs."""
+    kw = dict(page_size=16, chunked_prefill_size=chunk, mamba_cache_size=slots, max_running_requests=running)
+
+    def go(engine):
+        async def run():
+            history, out = [], []
+            for t in range(8):
+                history += _words(20, 60 + t)
+                ids, lps, cached = await _one(engine, history, 7)
+                out.append((len(history), ids, lps, cached))
+                history += ids
+            return out, _accounting(engine)
+        return run
+
+    warm = _engine(granite, **kw)
+    got, acct = run_started(warm, go(warm))
+    cold = _engine(granite, **{**kw, "disable_radix_cache": True})
+    ref, _ = run_started(cold, go(cold))
+    assert [g[1] for g in got] == [r[1] for r in ref]
+    for g, r in zip(got, ref):
+        assert g[2] == pytest.approx(r[2], abs=1e-4)
+    prompt_lens = [g[0] for g in got]
+    # turn t hits at least the previous prompt's last page boundary (its last token's state is never cached;
+    # an answer that ends on a page leaves a deeper one)
+    hits = [g[3] for g in got[1:]]
+    assert all(h >= (n - 1) // 16 * 16 for h, n in zip(hits, prompt_lens)), (hits, prompt_lens)
+    assert acct["free"] + acct["held_by_tree"] == acct["capacity"]
+    assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]

@@ -427,15 +427,20 @@ class PrefixCache(DisabledCache):
         return slot
 
     def take_superseded(self, hold: KVHold | None) -> int | None:
-        """(hybrids) The slot of the snapshot at the end of the tree's part of a request's KV (``hold.node``:
-        its match, or its last donation), when no pending copy reads it and no branch goes on below it: the
-        request's deeper state, about to go to the tree on the same path, supersedes it. For a pool full of
-        the request's own conversation (each snapshot refreshed by its last match), where nothing older may
-        be displaced. None otherwise."""
+        """(hybrids) The slot of the deepest snapshot on the tree's part of a request's KV (``hold.node``: its
+        match, or its last donation, and their ancestors), when nothing branches off below it (only the
+        request's own path goes on) and no pending copy reads it: the request's deeper state, about to go to
+        the tree on that path, supersedes it. For a pool full of the request's own conversation (each
+        snapshot refreshed by its last match), where nothing older may be displaced. None otherwise."""
         node = hold.node if hold is not None else None
-        if not isinstance(node, TreeNode) or node.slot is None or node.lock_ref or node.children:
+        if not isinstance(node, TreeNode) or node.children:
             return None
-        return self.take(node)
+        while node.slot is None:
+            parent = node.parent
+            if parent is None or parent is self.tree.root or len(parent.children) > 1:
+                return None
+            node = parent
+        return None if node.lock_ref else self.take(node)
 
     def sole_reader_of_leaf(self, lock) -> bool:
         """``lock`` (matched and locked by the caller) is a device leaf nobody else reads: taking its slot

@@ -82,6 +82,11 @@ class Engine:
         d = self.model.state_dims
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.context_length = cfg.context_length or self._default_context_length()
+        trained = self.dims.max_position_embeddings
+        if trained and self.context_length > trained:
+            log.warning("--context-length %d is longer than the checkpoint's max_position_embeddings %d: positions "
+                        "past it are beyond what the model was built for (RoPE models extrapolate)",
+                        self.context_length, trained)
         plan = self._plan_hybrid(is_cuda) if self.hybrid else self._plan_pool(is_cuda)
         self.max_running = plan.max_running
         if cfg.max_running_requests and plan.max_running < cfg.max_running_requests:

@@ -192,3 +192,16 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_warned_about(tmp_path, caplog
         bundled = Path(__file__).resolve().parents[2] / "models" / "mamba2-tiny-pystdlib"
         _engine(path, tokenizer=str(bundled))
     assert any("the tokenizer has 4096 tokens but the model's vocabulary 96" in r.message for r in caplog.records)
+
+
+def test_a_context_longer_than_the_checkpoints_is_warned_about(tmp_path, caplog):
+    """--context-length past the checkpoint's max_position_embeddings (2048 here) serves, as asked, but says
+    at start that positions past it are beyond what the model was built for (RoPE families extrapolate)."""
+    path = make_hybrid_checkpoint(tmp_path / "g", "granite_dense_rope")
+    with caplog.at_level("WARNING", logger="mambaserve.server.engine.engine"):
+        _engine(path, context_length=2048)
+        assert not [r for r in caplog.records if "max_position_embeddings" in r.message]
+        engine = _engine(path, context_length=4096)
+    assert engine.context_length == 4096
+    assert any("--context-length 4096 is longer than the checkpoint's max_position_embeddings 2048" in r.message
+               for r in caplog.records)

@@ -23,6 +23,7 @@ takes that snapshot's slot over instead of waiting. ``check_invariants`` asserts
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -247,6 +248,9 @@ class Scheduler:
                 prompt = self.sessions.turn_prompt(req.session_id, req.prompt_ids, tp)
                 req.params = fit_to_context(len(prompt), req.params, self.context_length, False,
                                             f"session {req.session_id!r} history + this turn")
+                room = self.sessions.room(req.session_id, len(prompt))
+                if room is not None and req.params.max_new_tokens > room:  # the capacity caps answers too
+                    req.params = dataclasses.replace(req.params, max_new_tokens=room)
                 req.session = self.sessions.begin_turn(req.session_id, req.rid, tp, prompt)
             except (SessionError, BadRequest) as e:
                 if (isinstance(e, SessionError) and e.code == "session_not_found" and self.persistence is not None

@@ -64,6 +64,12 @@ class SessionManager:
         """The next turn's full prompt (history + new tokens); raises SessionError if the turn is not allowed."""
         return self.table.turn_prompt(self.table.get(session_id), new_tokens, params)
 
+    def room(self, session_id: str, prompt_len: int) -> int | None:
+        """Tokens a turn of ``prompt_len`` (history included) may still answer under the session's capacity
+        (None: no capacity)."""
+        cap = self.table.get(session_id).capacity
+        return max(0, cap - prompt_len) if cap else None
+
     def begin_turn(self, session_id: str, rid: str, params: TurnParams, prompt: list[int]) -> Session:
         s = self.table.get(session_id)
         self.table.record_turn(s, rid, params, prompt)

@@ -199,6 +199,36 @@ def test_session_rules_and_limits(tiny_ckpt):
     assert_idle(r["acc"])
 
 
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_session_capacity_caps_its_answers_too(tiny_ckpt, streaming):
+    """capacity_of_str_len caps the session's tokens, answers included: a turn's max_new_tokens (explicit or
+    the default) is cut to the room the capacity leaves after its prompt (finish_reason length), a turn
+    whose prompt fills it answers nothing, and one past it is refused (400 session_full)."""
+    engine = make_engine(tiny_ckpt, context_length=256)
+
+    async def go():
+        async with serving(engine) as c:
+            sid = (await c.post("/open_session", json={"capacity_of_str_len": 12, "streaming": streaming})).json()
+            first = await _turn(c, _words(4, 1), sid, n=100)
+            body = {"input_ids": _words(3, 2), "session_params": {"id": sid}, "sampling_params": GREEDY}
+            default = await c.post("/generate", json=body)  # no max_new_tokens: the server's default
+            past = await _turn(c, [5], sid, n=3)
+            full = (await c.post("/open_session", json={"capacity_of_str_len": 6, "streaming": streaming})).json()
+            return first, default, past, await _turn(c, _words(6, 3), full, n=4), await accounting(engine)
+
+    first, default, past, filled, acc = run(go())
+    assert first.status_code == 200 and len(first.json()["output_ids"]) == 8  # 4 + 8 = 12
+    assert first.json()["meta_info"]["finish_reason"]["type"] == "length"
+    if streaming:  # append-only: the history is full
+        assert default.status_code == 400 and default.json()["error"]["code"] == "session_full"
+    else:  # branches from the last turn: 12 + 3 new tokens
+        assert default.status_code == 400 and "15 tokens, over its capacity 12" in default.json()["error"]["message"]
+    assert past.status_code == 400 and past.json()["error"]["code"] == "session_full"
+    assert filled.status_code == 200 and filled.json()["output_ids"] == []
+    assert filled.json()["meta_info"]["finish_reason"]["type"] == "length"
+    assert acc["running"] == 0
+
 async def _running_rid(engine):
     return await engine.run_in_scheduler(lambda: engine.scheduler.queues.running[0].rid)
 

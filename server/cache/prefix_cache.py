@@ -426,12 +426,15 @@ class PrefixCache(DisabledCache):
             self._drain()
         return slot
 
-    def take_superseded(self, hold: KVHold | None) -> int | None:
+    def take_superseded(self, hold: KVHold | None, copying: TreeNode | None = None) -> int | None:
         """(hybrids) The slot of the deepest snapshot on the tree's part of a request's KV (``hold.node``: its
         match, or its last donation, and their ancestors), when nothing branches off below it (only the
         request's own path goes on) and no pending copy reads it: the request's deeper state, about to go to
         the tree on that path, supersedes it. For a pool full of the request's own conversation (each
-        snapshot refreshed by its last match), where nothing older may be displaced. None otherwise."""
+        snapshot refreshed by its last match), where nothing older may be displaced. None otherwise.
+        ``copying``: the node the request's own copy, recorded for the step being built, reads (its lock);
+        when that copy is the only reader, the lock is released and the slot taken: the copy runs before
+        anything the step writes (the caller forgets the lock)."""
         node = hold.node if hold is not None else None
         if not isinstance(node, TreeNode) or node.children:
             return None
@@ -440,6 +443,8 @@ class PrefixCache(DisabledCache):
             if parent is None or parent is self.tree.root or len(parent.children) > 1:
                 return None
             node = parent
+        if node.lock_ref == 1 and node is copying:
+            self.tree.unlock(node)
         return None if node.lock_ref else self.take(node)
 
     def sole_reader_of_leaf(self, lock) -> bool:

@@ -13,6 +13,7 @@ import time
 
 from mambaserve.server.cache.pages import PageAllocator
 from mambaserve.server.cache.prefix_cache import DisabledCache
+from mambaserve.server.cache.radix_tree import TreeNode
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.output import OutputProcessor
@@ -123,8 +124,10 @@ class Admission:
                      and (self.pages is None or last % self.pages.page_size == 0))
             if snaps:
                 slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
-                if slot is None:
-                    slot = self.cache.take_superseded(req.kv)  # (hybrids) the snapshot this one goes on from
+                if slot is None:  # (hybrids) the snapshot this one goes on from, also while this step copies it
+                    slot = self.cache.take_superseded(req.kv, req.locked_node)
+                    if slot is not None and isinstance(req.locked_node, TreeNode) and req.locked_node.lock_ref == 0:
+                        req.locked_node = None  # its lock went with the slot
                 if slot is not None:
                     snap.append((i, slot))
             if self.track_interval:

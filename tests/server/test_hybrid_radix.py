@@ -158,19 +158,20 @@ def test_tracked_snapshots_come_with_their_pages(granite):
 
 @pytest.mark.parametrize("slots,running,chunk,answer", [(2, 1, 64, (7,)), (4, 3, 64, (7,)), (4, 3, 12, (7,)), (2, 1, 64, (12, 7))])
 def test_a_chat_in_a_small_pool_hits_its_latest_turn(granite, slots, running, chunk, answer):
-    """A chat of eight turns (history + answer + 20 new tokens) on a state pool of 2 or 4 slots, page size
+    """A chat of nine turns (history + answer + 20 new tokens) on a state pool of 2 or 4 slots, page size
     16: the pool fills with this conversation's own earlier snapshots, each refreshed by its last match.
     A turn's snapshot at its prompt's last page boundary (a chunk-end donation) takes over the slot of the
     deepest snapshot on its path below which nothing branches: the one it started from, or (after an
     answer of 12, which ends on a page and leaves its final state: the next turn finds the pool full and
     takes that snapshot's slot over at admission) the one before. Every turn hits its previous turn's prompt (it stayed at the second turn's), with the cold
     engine's outputs."""
-    kw = dict(page_size=16, chunked_prefill_size=chunk, mamba_cache_size=slots, max_running_requests=running)
+    kw = dict(page_size=16, chunked_prefill_size=chunk, mamba_cache_size=slots, max_running_requests=running,
+              context_length=512)
 
     def go(engine):
         async def run():
             history, out = [], []
-            for t in range(8):
+            for t in range(9):
                 history += _words(20, 60 + t)
                 ids, lps, cached = await _one(engine, history, answer[t % len(answer)])
                 out.append((len(history), ids, lps, cached))

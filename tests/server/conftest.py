@@ -14,6 +14,7 @@ import uvicorn
 
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
+from mambaserve.server.engine.request import SamplingParams
 from mambaserve.server.api.app import create_app
 from tests.server.tiny_models import make_checkpoint
 
@@ -91,6 +92,23 @@ def run_started(engine: Engine, coro_fn):
         return asyncio.run(coro_fn())
     finally:
         engine.stop()
+
+
+async def greedy(engine: Engine, prompt, n: int, **kw) -> tuple[list[int], list[float], int | None]:
+    """``prompt`` generated greedily with logprobs: (token ids, their logprobs, cached prompt tokens)."""
+    ids, lps, cached = [], [], None
+    async for o in engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                                   return_logprob=True, **kw):
+        ids += o.token_ids
+        lps += o.logprobs
+        cached = o.cached_tokens
+    return ids, lps, cached
+
+
+def checked_accounting(engine: Engine) -> dict:
+    """The invariant check on the running scheduler's thread, then its accounting."""
+    engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
+    return engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
 
 
 def assert_idle(acc: dict) -> None:

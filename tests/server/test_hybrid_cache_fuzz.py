@@ -16,7 +16,7 @@ from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
 from mambaserve.server.sessions.table import TurnParams
-from tests.server.conftest import assert_idle, run_started
+from tests.server.conftest import assert_idle, checked_accounting, run_started
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 SEEDS = range(int(os.environ.get("FUZZ_SEEDS", "2")))
@@ -109,11 +109,6 @@ async def _client(engine, rng, log):
         await engine.close_session(sid)
 
 
-def _accounting(engine):
-    engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
-    return engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_workload_matches_the_cold_engine(nemotron, seed):
     rng = random.Random(seed)
@@ -127,7 +122,7 @@ def test_random_workload_matches_the_cold_engine(nemotron, seed):
 
     async def go():
         await asyncio.gather(*[_client(warm, r, log) for r in rngs])
-        return _accounting(warm)
+        return checked_accounting(warm)
     acct = run_started(warm, go)
     assert len(log) >= clients
     assert_idle(acct)

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from mambaserve.server.cache.radix_tree import CacheBusyError
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams

@@ -15,8 +15,8 @@ from mambaserve.server.cache.prefix_cache import PrefixCache
 from mambaserve.server.cache.slots import SlotAllocator
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
-from tests.server.conftest import run_started
-from tests.server.test_hybrid_radix import _accounting, _one, _words
+from tests.server.conftest import checked_accounting, greedy, run_started
+from tests.server.test_hybrid_radix import _words
 from tests.server.test_hybrid_sessions import _gen
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
@@ -248,12 +248,12 @@ def test_conversations_hit_from_the_host_with_the_cold_outputs(nemotron):
             outs, before = [], []
             for turn in range(3):
                 for i in range(6):
-                    out = await _one(engine, convs[i], 3)
+                    out = await greedy(engine, convs[i], 3)
                     outs.append(out)
                     before.append(len(convs[i]) + 3)
                     convs[i] = convs[i] + out[0] + _words(5, 100 * turn + i)
-            outs += await asyncio.gather(*[_one(engine, c[:21], 2) for c in convs])  # resent openings
-            return (outs, before), _accounting(engine)
+            outs += await asyncio.gather(*[greedy(engine, c[:21], 2) for c in convs])  # resent openings
+            return (outs, before), checked_accounting(engine)
         return run
 
     warm = _engine(nemotron, host_cache_size=10**7)
@@ -285,9 +285,9 @@ def test_kv_pressure_drops_host_snapshots_and_never_loads_one_without_its_kv(nem
 
     def go(engine):
         async def run():
-            outs = [await _one(engine, p, n) for p, n in jobs[:10]]
-            outs += await asyncio.gather(*[_one(engine, p, n) for p, n in jobs[10:]])
-            return outs, _accounting(engine)
+            outs = [await greedy(engine, p, n) for p, n in jobs[:10]]
+            outs += await asyncio.gather(*[greedy(engine, p, n) for p, n in jobs[10:]])
+            return outs, checked_accounting(engine)
         return run
 
     warm = _engine(nemotron, **kw)
@@ -321,7 +321,7 @@ def test_streaming_sessions_spilled_under_slot_pressure_come_back_from_the_host(
                                                  sid)))
         for sid in sids:
             await engine.close_session(sid)
-        return outs, _accounting(engine)
+        return outs, checked_accounting(engine)
 
     outs, acct = run_started(engine, go)
     history = {i: [] for i in range(4)}
@@ -333,7 +333,7 @@ def test_streaming_sessions_spilled_under_slot_pressure_come_back_from_the_host(
     cold = _engine(nemotron, disable_radix_cache=True)
 
     async def replay():
-        return [await _one(cold, p, n) for p, n in resent]
+        return [await greedy(cold, p, n) for p, n in resent]
     ref = run_started(cold, replay)
     assert [o[2][0] for o in outs] == [r[0] for r in ref]
     for (_, _, (_, lps, _)), (_, rlps, _) in zip(outs, ref):
@@ -357,7 +357,7 @@ def test_requests_closed_after_a_host_hit_give_back_their_locks_and_pages(nemotr
     prompts = [_words(13 + 4 * s, 60 + s) for s in range(6)]
 
     async def go():
-        firsts = [await _one(engine, p, 3) for p in prompts]  # 6 conversations on 3 slots: most go to the host
+        firsts = [await greedy(engine, p, 3) for p in prompts]  # 6 conversations on 3 slots: most go to the host
         nexts = [p + f[0] + _words(5, 70 + i) for i, (p, f) in enumerate(zip(prompts, firsts))]
         params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
         streams = [engine.generate(n, params) for n in nexts]
@@ -365,13 +365,13 @@ def test_requests_closed_after_a_host_hit_give_back_their_locks_and_pages(nemotr
             break  # the first answers, then its client goes away; the others go before they finish
         for s in streams:
             await s.aclose()
-        mid = _accounting(engine)
-        return nexts, mid, [await _one(engine, n, 4) for n in nexts], _accounting(engine)
+        mid = checked_accounting(engine)
+        return nexts, mid, [await greedy(engine, n, 4) for n in nexts], checked_accounting(engine)
 
     nexts, mid, got, acct = run_started(engine, go)
 
     async def replay():
-        return [await _one(cold, n, 4) for n in nexts]
+        return [await greedy(cold, n, 4) for n in nexts]
     ref = run_started(cold, replay)
     assert [g[0] for g in got] == [r[0] for r in ref]
     assert all(c > 0 for _, _, c in got) and _host_hit_tokens(engine) > 0

@@ -10,8 +10,7 @@ import pytest
 
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
-from mambaserve.server.engine.request import SamplingParams
-from tests.server.conftest import run_started
+from tests.server.conftest import checked_accounting, greedy, run_started
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 
@@ -26,21 +25,6 @@ def granite(tmp_path_factory):
     return make_hybrid_checkpoint(tmp_path_factory.mktemp("granite"), "granite_dense_rope")
 
 
-async def _one(engine, prompt, n):
-    ids, lps, cached = [], [], None
-    async for o in engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
-                                   return_logprob=True):
-        ids += o.token_ids
-        lps += o.logprobs
-        cached = o.cached_tokens
-    return ids, lps, cached
-
-
-def _accounting(engine):
-    engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
-    return engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
-
-
 def _words(n, seed):
     return [(seed * 31 + 7 * k * k + k) % 94 + 1 for k in range(n)]
 
@@ -50,18 +34,18 @@ def _chat(engine):
     branches of it (sharing 40 tokens), run concurrently."""
     async def go():
         p1 = _words(37, 1)
-        first = await _one(engine, p1, 6)
-        again = await _one(engine, p1, 6)
+        first = await greedy(engine, p1, 6)
+        again = await greedy(engine, p1, 6)
         history, turns = p1 + first[0], []
         for i in range(3):
             history += _words(5 + 4 * i, 10 + i)
-            t = await _one(engine, history, 5)
+            t = await greedy(engine, history, 5)
             turns.append(t)
             history += t[0]
         shared = _words(40, 3)
-        lead = await _one(engine, shared + _words(9, 4), 4)
-        branches = await asyncio.gather(_one(engine, shared + _words(3, 5), 4), _one(engine, shared + _words(7, 6), 4))
-        return [first, again, *turns, lead, *branches], _accounting(engine)
+        lead = await greedy(engine, shared + _words(9, 4), 4)
+        branches = await asyncio.gather(greedy(engine, shared + _words(3, 5), 4), greedy(engine, shared + _words(7, 6), 4))
+        return [first, again, *turns, lead, *branches], checked_accounting(engine)
     return go
 
 
@@ -110,8 +94,8 @@ def test_scarce_pages_and_slots_evict_and_never_leak(tmp_path, granite):
 
     def go(engine):
         async def run():
-            outs = await asyncio.gather(*[_one(engine, p, n) for p, n in jobs])
-            return outs, _accounting(engine)
+            outs = await asyncio.gather(*[greedy(engine, p, n) for p, n in jobs])
+            return outs, checked_accounting(engine)
         return run
 
     warm = _engine(granite, **kw)
@@ -139,7 +123,7 @@ def test_tracked_snapshots_come_with_their_pages(granite):
 
     def go(engine):
         async def run():
-            return [await _one(engine, p, 4) for p in prompts], _accounting(engine)
+            return [await greedy(engine, p, 4) for p in prompts], checked_accounting(engine)
         return run
 
     warm = _engine(granite, **kw)
@@ -173,10 +157,10 @@ def test_a_chat_in_a_small_pool_hits_its_latest_turn(granite, slots, running, ch
             history, out = [], []
             for t in range(9):
                 history += _words(20, 60 + t)
-                ids, lps, cached = await _one(engine, history, answer[t % len(answer)])
+                ids, lps, cached = await greedy(engine, history, answer[t % len(answer)])
                 out.append((len(history), ids, lps, cached))
                 history += ids
-            return out, _accounting(engine)
+            return out, checked_accounting(engine)
         return run
 
     warm = _engine(granite, **kw)

@@ -14,7 +14,7 @@ from mambaserve.server.cache.prefix_cache import StateOps
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
-from tests.server.conftest import assert_idle, run_started
+from tests.server.conftest import assert_idle, checked_accounting, greedy, run_started
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 # (new user words, answer tokens) per turn: answers cross page boundaries at 4 and 16, and some turns end on one
@@ -36,27 +36,12 @@ def _words(n, seed):
     return [(seed * 37 + 5 * k * k + 3 * k) % 94 + 1 for k in range(n)]
 
 
-async def _one(engine, prompt, n, rid=None):
-    ids, lps, cached = [], [], None
-    async for o in engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
-                                   return_logprob=True, rid=rid):
-        ids += o.token_ids
-        lps += o.logprobs
-        cached = o.cached_tokens
-    return ids, lps, cached
-
-
-def _accounting(engine):
-    engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
-    return engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
-
-
 async def _chat(engine, seed=0):
     """One stateless conversation: every turn resends the whole history."""
     history, out = [], []
     for i, (words, answer) in enumerate(TURNS):
         history += _words(words, seed * 10 + i)
-        got = await _one(engine, history, answer)
+        got = await greedy(engine, history, answer)
         out.append((len(history), *got))
         history += got[0]
     return out
@@ -68,7 +53,7 @@ def test_chat_turns_hit_past_the_previous_answer(nemotron, page_size, overlap):
     warm = _engine(nemotron, **kw)
 
     async def go():
-        return await _chat(warm), _accounting(warm)
+        return await _chat(warm), checked_accounting(warm)
     got, acct = run_started(warm, go)
     cold = _engine(nemotron, **kw, disable_radix_cache=True)
     ref = run_started(cold, lambda: _chat(cold))
@@ -97,7 +82,7 @@ def test_a_warmed_server_keeps_taking_rolling_snapshots(nemotron):
     warm = _engine(nemotron, page_size=page_size, mamba_cache_size=16)
 
     async def go():
-        return [await _chat(warm, seed=s) for s in range(6)], _accounting(warm)
+        return [await _chat(warm, seed=s) for s in range(6)], checked_accounting(warm)
     chats, acct = run_started(warm, go)
     for chat in chats:
         ends = [p + len(ids) for p, ids, _, _ in chat]  # (overlap scheduling: the state covers the answer)
@@ -115,7 +100,7 @@ def test_scarce_slots_skip_or_give_back_the_rolling_slot(nemotron):
 
     async def go():
         chats = await asyncio.gather(*[_chat(warm, seed=s) for s in range(4)])
-        return chats, _accounting(warm)
+        return chats, checked_accounting(warm)
     got, acct = run_started(warm, go)
     cold = _engine(nemotron, **kw, disable_radix_cache=True)
 
@@ -154,14 +139,14 @@ def test_abort_and_failure_mid_decode_leave_nothing_behind(nemotron):
                         break
             else:
                 raise AssertionError("the request ended by itself")
-            before = _accounting(engine)
+            before = checked_accounting(engine)
             if how == "abort":
                 engine.abort(how)
             else:
                 await engine.run_in_scheduler(lambda: engine.scheduler.output.fail_running("injected"))
             async for o in gen:
                 ids += o.token_ids
-            out[how] = held, ids, before, _accounting(engine)
+            out[how] = held, ids, before, checked_accounting(engine)
         return out
     out = run_started(engine, go)
     for how in ("abort", "fail"):
@@ -240,5 +225,5 @@ def test_a_waiting_request_takes_a_rolling_slot_before_anything_is_evicted(nemot
     cold = _engine(nemotron, page_size=4, disable_radix_cache=True)
 
     async def ref():
-        return [(await _one(cold, p, n))[0] for p, n in zip(prompts, (24, 24, 6))]
+        return [(await greedy(cold, p, n))[0] for p, n in zip(prompts, (24, 24, 6))]
     assert outs == run_started(cold, ref)

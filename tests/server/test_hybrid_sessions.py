@@ -12,7 +12,7 @@ from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
 from mambaserve.server.sessions.table import TurnParams
-from tests.server.conftest import run_started
+from tests.server.conftest import checked_accounting, run_started
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 
@@ -42,12 +42,6 @@ def _words(n, seed):
     return [(seed * 13 + 5 * k * k + 3 * k) % 90 + 3 for k in range(n)]
 
 
-def _idle(engine):
-    """The invariant check, then the accounting once the scheduler is idle."""
-    engine.scheduler.call(engine.scheduler.check_invariants).result(timeout=10)
-    return engine.scheduler.call(engine.scheduler.accounting).result(timeout=10)
-
-
 def _resent(path, prompts_and_n):
     """Each prompt sent whole to an engine without a cache (sequentially: the same batch shapes as a session)."""
     cold = _engine(path, disable_radix_cache=True)
@@ -69,12 +63,12 @@ def test_streaming_session_twenty_turns_page_size_4(nemotron):
         outs, held = [], []
         for new, n in turns:
             outs.append(await _gen(engine, new, n, sid))
-            acct = _idle(engine)
+            acct = checked_accounting(engine)
             held.append((acct["held_by_sessions"], acct["kv_pages"] - acct["kv_pages_free"] - acct["kv_pages_tree"]))
         await engine.close_session(sid)
-        closed = _idle(engine)
+        closed = checked_accounting(engine)
         await engine.flush_cache()
-        return outs, held, closed, _idle(engine)
+        return outs, held, closed, checked_accounting(engine)
 
     outs, held, closed, flushed = run_started(engine, go)
     history, prompts = [], []
@@ -119,7 +113,7 @@ def test_sessions_give_their_pages_up_under_pressure(nemotron):
 
     async def go():
         got = await asyncio.gather(*[session(k) for k in range(3)], *[_gen(engine, p, n) for p, n in others])
-        return got, _idle(engine)
+        return got, checked_accounting(engine)
 
     got, acct = run_started(engine, go)
     prompts = []
@@ -161,7 +155,7 @@ def test_non_streaming_session_branches_through_the_cache(nemotron):
         c = await _gen(engine, _words(9, 3), 4, sid, rid=ra, offset=12)
         d = await _gen(engine, _words(5, 4), 3, sid, rid=ra, drop_previous_output=True)
         await engine.close_session(sid)
-        return [a, b, c, d], _idle(engine)
+        return [a, b, c, d], checked_accounting(engine)
 
     (a, b, c, d), acct = run_started(engine, go)
     p_a = _words(17, 1)
@@ -186,11 +180,11 @@ def test_timeout_and_the_held_slot_bound_release_exactly_what_sessions_hold(nemo
         b = await engine.open_session(None, True, 0.6, None)
         outs = [await _gen(engine, _words(9, 1), 4, a), await _gen(engine, _words(7, 2), 3, b),
                 await _gen(engine, _words(5, 3), 3, a)]
-        mid = _idle(engine)
+        mid = checked_accounting(engine)
         await asyncio.sleep(1.5)  # b idles past its timeout (the scheduler reaps twice a second)
-        reaped = _idle(engine)
+        reaped = checked_accounting(engine)
         await engine.close_session(a)
-        return outs, mid, reaped, _idle(engine)
+        return outs, mid, reaped, checked_accounting(engine)
 
     outs, mid, reaped, closed = run_started(engine, go)
     pa = _words(9, 1)
@@ -218,7 +212,7 @@ def test_a_hybrid_session_file_keeps_its_tokens_and_the_restored_session_goes_on
         restored = await engine.restore_session(saved["name"], "again")
         second = await _gen(engine, _words(4, 2), 4, "again")
         await engine.close_session("again")
-        return first, saved, restored, second, _idle(engine)
+        return first, saved, restored, second, checked_accounting(engine)
 
     first, saved, restored, second, acct = run_started(engine, go)
     history = _words(10, 1) + first[0] + _words(4, 2)

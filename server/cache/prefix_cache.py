@@ -21,7 +21,8 @@ Where snapshots come from (docs/design.md §5):
     output (or minus the last sampled token, whose state was never computed when no step ran it);
   * hybrids: where that is not on a page, the request's *rolling* snapshot instead: its state at the
     last page boundary it decoded past, copied into a spare slot during decode by a deferred ``copy``
-    (``engine/rolling_snapshots.py``; free slots only, taken back by admission before it evicts).
+    (``engine/rolling_snapshots.py``; allocated as a prompt's snapshot is, taken back by admission
+    before it evicts).
 Chunk ends, donations and tracked positions are *speculative*: they evict each other before a
 conversation's state.
 ``DisabledCache`` keeps the same interface with no tree: the plain engine.

@@ -39,7 +39,7 @@ class RollingSnapshots:
         # (a page of one token puts every final state on a page: nothing to roll)
         self.enabled = cache.enabled and cache.pages is not None and page_size > 1
         self.holders: list[Req] = []  # requests holding a rolling slot, in the order they took it
-        self.skipped = 0  # boundaries not copied for want of a free slot (tests read it)
+        self.skipped = 0  # boundaries not copied for want of a slot (tests read it)
         self.reclaimed = 0  # rolling slots admission took back
 
     def __len__(self) -> int:

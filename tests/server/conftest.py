@@ -16,6 +16,7 @@ from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
 from mambaserve.server.api.app import create_app
+from tests.server.tiny_hybrids import make_hybrid_checkpoint
 from tests.server.tiny_models import make_checkpoint
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -25,6 +26,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfo
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tiny"), "h6_g1", chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def nemotron(tmp_path_factory):
+    """A tiny random Nemotron-H (Mamba2, attention, MLP and MoE blocks), built once for the hybrid tests."""
+    return make_hybrid_checkpoint(tmp_path_factory.mktemp("nemotron"), "nemotron_h")
 
 
 def make_engine(path, **overrides) -> Engine:

@@ -17,14 +17,8 @@ from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
 from mambaserve.server.sessions.table import TurnParams
 from tests.server.conftest import assert_idle, checked_accounting, run_started
-from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 SEEDS = range(int(os.environ.get("FUZZ_SEEDS", "2")))
-
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return make_hybrid_checkpoint(tmp_path_factory.mktemp("nemotron"), "nemotron_h")
 
 
 def _config(path, rng):

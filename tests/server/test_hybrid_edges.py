@@ -8,22 +8,13 @@ import random
 
 import pytest
 
-from mambaserve.server.config import ServerConfig
-from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
-from tests.server.conftest import run_started
-from tests.server.tiny_hybrids import make_hybrid_checkpoint
+from tests.server.conftest import make_engine, run_started
 
 
 def _engine(path, **kw):
-    cfg = dict(model=str(path), device="cpu", context_length=128, debug_cache_invariants=True, page_size=4,
-               chunked_prefill_size=8, max_running_requests=4, mamba_cache_size=12)
-    return Engine(ServerConfig(**{**cfg, **kw}))
+    return make_engine(path, **{**dict(context_length=128, page_size=4, chunked_prefill_size=8, max_running_requests=4, mamba_cache_size=12), **kw})
 
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return make_hybrid_checkpoint(tmp_path_factory.mktemp("nh"), "nemotron_h")
 
 
 def _words(n, seed):

@@ -13,12 +13,9 @@ from mambaserve.server.cache.host_tier import HostLock, HostTier
 from mambaserve.server.cache.pages import PageAllocator
 from mambaserve.server.cache.prefix_cache import PrefixCache
 from mambaserve.server.cache.slots import SlotAllocator
-from mambaserve.server.config import ServerConfig
-from mambaserve.server.engine.engine import Engine
-from tests.server.conftest import checked_accounting, greedy, run_started
+from tests.server.conftest import checked_accounting, greedy, make_engine, run_started
 from tests.server.test_hybrid_radix import _words
 from tests.server.test_hybrid_sessions import _gen
-from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 
 def _cache(slots=1, host=2, pages=8, page_size=2):
@@ -222,14 +219,8 @@ def test_random_traffic_keeps_both_tiers_in_step(seed):
 
 
 def _engine(path, **kw):
-    cfg = dict(model=str(path), device="cpu", context_length=128, debug_cache_invariants=True, page_size=4,
-               chunked_prefill_size=16, max_running_requests=2, mamba_cache_size=3)
-    return Engine(ServerConfig(**{**cfg, **kw}))
+    return make_engine(path, **{**dict(context_length=128, page_size=4, chunked_prefill_size=16, max_running_requests=2, mamba_cache_size=3), **kw})
 
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return make_hybrid_checkpoint(tmp_path_factory.mktemp("nh"), "nemotron_h")
 
 
 def _host_hit_tokens(engine):

@@ -8,16 +8,12 @@ import random
 
 import pytest
 
-from mambaserve.server.config import ServerConfig
-from mambaserve.server.engine.engine import Engine
-from tests.server.conftest import checked_accounting, greedy, run_started
+from tests.server.conftest import checked_accounting, greedy, make_engine, run_started
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 
 def _engine(path, **kw):
-    cfg = dict(model=str(path), device="cpu", context_length=256, debug_cache_invariants=True,
-               chunked_prefill_size=16, max_running_requests=4, mamba_cache_size=16)
-    return Engine(ServerConfig(**{**cfg, **kw}))
+    return make_engine(path, **{**dict(context_length=256, chunked_prefill_size=16, max_running_requests=4, mamba_cache_size=16), **kw})
 
 
 @pytest.fixture(scope="module")

@@ -11,25 +11,16 @@ import pytest
 import torch
 
 from mambaserve.server.cache.prefix_cache import StateOps
-from mambaserve.server.config import ServerConfig
-from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
-from tests.server.conftest import assert_idle, checked_accounting, greedy, run_started
-from tests.server.tiny_hybrids import make_hybrid_checkpoint
+from tests.server.conftest import assert_idle, checked_accounting, greedy, make_engine, run_started
 
 # (new user words, answer tokens) per turn: answers cross page boundaries at 4 and 16, and some turns end on one
 TURNS = [(21, 11), (5, 9), (7, 13), (3, 17), (6, 10), (4, 12)]
 
 
 def _engine(path, **kw):
-    cfg = dict(model=str(path), device="cpu", context_length=256, debug_cache_invariants=True,
-               chunked_prefill_size=32, max_running_requests=4, mamba_cache_size=16)
-    return Engine(ServerConfig(**{**cfg, **kw}))
+    return make_engine(path, **{**dict(context_length=256, chunked_prefill_size=32, max_running_requests=4, mamba_cache_size=16), **kw})
 
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return make_hybrid_checkpoint(tmp_path_factory.mktemp("nemotron"), "nemotron_h")
 
 
 def _words(n, seed):

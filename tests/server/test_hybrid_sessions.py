@@ -8,23 +8,14 @@ import asyncio
 
 import pytest
 
-from mambaserve.server.config import ServerConfig
-from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import SamplingParams
 from mambaserve.server.sessions.table import TurnParams
-from tests.server.conftest import checked_accounting, run_started
-from tests.server.tiny_hybrids import make_hybrid_checkpoint
+from tests.server.conftest import checked_accounting, make_engine, run_started
 
 
 def _engine(path, **kw):
-    cfg = dict(model=str(path), device="cpu", context_length=512, debug_cache_invariants=True, page_size=4,
-               chunked_prefill_size=6, max_running_requests=4, mamba_cache_size=12)
-    return Engine(ServerConfig(**{**cfg, **kw}))
+    return make_engine(path, **{**dict(context_length=512, page_size=4, chunked_prefill_size=6, max_running_requests=4, mamba_cache_size=12), **kw})
 
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return make_hybrid_checkpoint(tmp_path_factory.mktemp("nh"), "nemotron_h")
 
 
 async def _gen(engine, ids, n, sid=None, **tp):

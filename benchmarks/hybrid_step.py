@@ -146,6 +146,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-graphs", action="store_true", help="time decode eagerly only")
+    ap.add_argument("--profile", action="store_true",
+                    help="the kernels of one graph-replayed decode step per batch size (torch profiler), and of a prefill")
     a = ap.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -180,13 +182,34 @@ def main() -> None:
         out["graphs"] = "off: " + (blocker or ("--no-graphs" if a.no_graphs else "CUDA graphs need a CUDA device"))
     else:
         t0 = time.perf_counter()
-        runner.enable_cuda_graphs(max(batches), context_length=per_row * a.page_size)
-        out["graphs"] = f"decode captured for batch sizes {runner.graphs.buckets} in {time.perf_counter() - t0:.1f} s"
+        runner.enable_cuda_graphs(max(batches), a.prefill, 1, context_length=per_row * a.page_size)
+        out["graphs"] = (f"decode captured for batch sizes {runner.graphs.buckets}, prefill "
+                         f"{'off' if runner.prefill_graphs is None else len(runner.prefill_graphs.graphs)}, in "
+                         f"{time.perf_counter() - t0:.1f} s")
+        if runner.prefill_graphs is not None:
+            t = timed(lambda: runner.forward(prefill), device, max(1, a.reps // 5))
+            out["prefill_tok_s_graph"] = a.prefill / t
         for row in out["decode"]:
             t = timed(lambda: runner.forward(steps[row["batch"]]), device, a.reps)
             row |= {"step_ms_graph": t * 1e3, "tok_s_graph": row["batch"] / t,
                     "graph_speedup": row["step_ms"] / (t * 1e3)}
+        if a.profile:
+            for name, step in [*((f"decode b={b}", steps[b]) for b in batches), ("prefill", prefill)]:
+                _profile(name, lambda: runner.forward(step))
     print(json.dumps(out, indent=1))
+
+
+def _profile(name: str, fn) -> None:
+    """Kernels of one call of ``fn`` (after a warm-up): count, and the top ones by device time."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels)
+    print(f"# {name}: {len(kernels)} kernels, {total / 1e3:.3f} ms of device time", flush=True)
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=15), flush=True)
 
 
 if __name__ == "__main__":

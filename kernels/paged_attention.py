@@ -13,7 +13,8 @@ length needs are never read (they may hold anything, -1 included).
   ``seq_lens`` int32 ``[B]`` is each sequence's total length, cached prefix + new tokens, whose K/V
   are already in the cache. New token ``i`` of sequence ``b`` sits at absolute position
   ``seq_lens[b] - q_len_b + i`` and attends to every position up to its own. Returns ``[T, Hq, D]``.
-  (The kernels clamp ``seq_lens`` to ``max_pages * page_size``: a wrong length never reads past a row.)
+  (The kernels clamp ``seq_lens`` to ``max_pages * page_size``: a wrong length never reads past a row.) A
+  sequence with ``seq_lens == 0`` is padding (prefill CUDA graphs): its rows are zeros and read nothing.
 - ``paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)``: ``q`` ``[B, Hq, D]``,
   one new token per sequence (already written) at position ``seq_lens[b] - 1``. Rows with
   ``seq_lens == 0`` (CUDA-graph padding) return zeros and read nothing. Returns ``[B, Hq, D]``.
@@ -104,7 +105,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     for b, L in enumerate(lens):
         t0, t1 = cu[b], cu[b + 1]
         n = t1 - t0
-        if n == 0:
+        if n == 0 or L == 0:  # (L == 0: a padding sequence, zeros, as in the kernel)
             continue
         if n > L:
             raise ValueError(f"sequence {b}: {n} new tokens but total length {L}")

@@ -62,3 +62,33 @@ class ForwardBatch:
         for i, slot in self.snap:
             out[i] = slot
         return out
+
+    def kv_view(self, page_size: int) -> tuple[list[int], list[int], list[int]]:
+        """(hybrids) The paged KV cache's view of the batch: each token's absolute position (RoPE) and cache
+        slot (token ``p`` of a sequence goes to ``pages[p // page_size] * page_size + p % page_size``; -1: a
+        padding row, which writes nothing), and each sequence's KV length after the step (0 for padding:
+        it attends to nothing)."""
+        pages = self.pages or [[] for _ in self.seq_lens]
+        positions: list[int] = []
+        slots: list[int] = []
+        kv_lens: list[int] = []
+        for start, n, own, slot in zip(self.start_pos, self.seq_lens, pages, self.slots):
+            if slot < 0 or not own:
+                positions += [0] * n
+                slots += [-1] * n
+                kv_lens.append(0)
+                continue
+            if len(own) * page_size < start + n:
+                raise ValueError(f"a sequence of {start + n} tokens has only {len(own)} pages of {page_size}")
+            positions += range(start, start + n)
+            # whole pages at once: the slots of a page's tokens are consecutive
+            p = start
+            while p < start + n:
+                page, off = divmod(p, page_size)
+                m = min(page_size - off, start + n - p)
+                base = own[page] * page_size + off
+                slots += range(base, base + m)
+                p += m
+            kv_lens.append(start + n)
+        return positions, slots, kv_lens
+

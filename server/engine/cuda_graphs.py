@@ -16,6 +16,9 @@ and at least as many tokens: its sequences first, then one padding sequence hold
 tokens and empty ones, all padding on slot ``-1`` (the prefill kernels neither read nor write its state).
 The kernels take the packed layout (offsets, slots, start positions) from device tensors and size
 their grids from the token and sequence counts alone, so one capture serves every layout of a bucket.
+Hybrid models' prefill graphs add the paged KV view (positions, cache slots, KV lengths, a block table as wide
+as a context): at nemotron-h-8b shape on an H100 an eager 384-token prefill of a cache hit spent 28-42 ms
+launching ~1,000 kernels for ~10 ms of device work (benchmarks/hit_profile.py), granite-4.0-h-tiny's 85-100 ms.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import logging
 
 import torch
 
-from mambaserve.server.engine.decode_buffers import DecodeBuffers
+from mambaserve.server.cache.pages import pages_for
+from mambaserve.server.engine.batch import ForwardBatch
+from mambaserve.server.engine.decode_buffers import DecodeBuffers, upload
 from mambaserve.server.engine.kv_pool import KVPool
 from mambaserve.server.engine.state_pool import MambaStatePool
 from mambaserve.server.model.inputs import BatchTensors, ForwardMode
-from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +111,14 @@ def prefill_buckets(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
 
 
 class PrefillGraphs:
-    def __init__(self, model: Mamba2ForCausalLM, pool: MambaStatePool, max_tokens: int, max_seqs: int,
-                 device: torch.device):
-        self.model, self.pool, self.device = model, pool, device
+    """A prefill graph per (sequences, tokens) bucket over one set of static inputs. Hybrid models' graphs also
+    hold the paged KV view: each token's position and cache slot, each sequence's KV length (``ForwardBatch.kv_view``:
+    padding writes nothing and attends to nothing) and a block table as wide as a context, so the attention
+    kernel's grid depends on the bucket alone; a sequence's row goes up only as wide as the longest of the step."""
+
+    def __init__(self, model, pool: MambaStatePool, max_tokens: int, max_seqs: int, device: torch.device,
+                 kv_pool: KVPool | None = None, context_length: int = 0):
+        self.model, self.pool, self.kv_pool, self.device = model, pool, kv_pool, device
         self.buckets = prefill_buckets(max_tokens, max_seqs)
         smax, tmax = max(s for s, _ in self.buckets), max(t for _, t in self.buckets)
         self.ids = torch.zeros(tmax, dtype=torch.long, device=device)
@@ -119,6 +128,14 @@ class PrefillGraphs:
         self.start = torch.zeros(smax, dtype=torch.long, device=device)
         self.snap = torch.full((smax,), -1, dtype=torch.long, device=device)  # captured with snapshots on
         self.rows = torch.zeros(smax, dtype=torch.long, device=device)
+        if kv_pool is not None:
+            if context_length < 1:
+                raise ValueError("prefill graphs for a KV pool need the context length (the block table's width)")
+            self.max_pages = pages_for(context_length, kv_pool.page_size)
+            self.positions = torch.zeros(tmax, dtype=torch.long, device=device)
+            self.slot_mapping = torch.full((tmax,), -1, dtype=torch.long, device=device)
+            self.kv_lens = torch.zeros(smax, dtype=torch.int32, device=device)
+            self.block_table = torch.zeros(smax, self.max_pages, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -127,43 +144,66 @@ class PrefillGraphs:
         fits = [(t, s) for s, t in self.buckets if s > num_seqs and t >= num_tokens]
         return (min(fits)[1], min(fits)[0]) if fits else None
 
-    def _load(self, s: int, t: int, cu: list[int], slots: list[int], has_init: list[bool], start: list[int],
-              snap: list[int]) -> None:
-        """The static inputs of bucket (s, t) for these real sequences (the rest is padding)."""
-        pad = s - len(slots)
-        for buf, values, dtype in ((self.cu, cu + [t] * pad, torch.int32), (self.slots, slots + [-1] * pad, torch.long),
-                                   (self.has_init, has_init + [False] * pad, torch.bool),
-                                   (self.start, start + [0] * pad, torch.long),
-                                   (self.snap, snap + [-1] * pad, torch.long),
-                                   (self.rows, [c - 1 for c in cu[1:]] + [0] * pad, torch.long)):
-            buf[:len(values)].copy_(torch.tensor(values, dtype=dtype).pin_memory(), non_blocking=True)
+    def fits(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The bucket this batch runs in, or None: too many sequences or tokens, or (hybrids) a sequence
+        longer than the block table."""
+        if self.kv_pool is not None and batch.pages and max(map(len, batch.pages)) > self.max_pages:
+            return None
+        return self.bucket(batch.batch_size, batch.num_tokens)
 
-    def _bt(self, s: int) -> BatchTensors:
-        return BatchTensors(mode=ForwardMode.EXTEND, cu_seqlens=self.cu[:s + 1], slots=self.slots[:s],
-                            has_initial_state=self.has_init[:s], start_pos=self.start[:s], snap_slots=self.snap[:s])
+    def _load(self, s: int, t: int, batch: ForwardBatch | None) -> None:
+        """The static inputs of bucket (s, t) for ``batch``'s sequences (the rest is padding; None: all padding)."""
+        lens = batch.seq_lens if batch is not None else []
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        pad = s - len(lens)
+        slots, start, snap = ((batch.slots, batch.start_pos, batch.snap_slots()) if batch is not None else ([], [], []))
+        upload(self.cu[:s + 1], cu + [t] * pad)
+        upload(self.slots[:s], list(slots) + [-1] * pad)
+        upload(self.has_init[:s], [p > 0 for p in start] + [False] * pad)
+        upload(self.start[:s], list(start) + [0] * pad)
+        upload(self.snap[:s], snap + [-1] * pad)
+        upload(self.rows[:s], [c - 1 for c in cu[1:]] + [0] * pad)
+        if self.kv_pool is None:
+            return
+        positions, slot_mapping, kv_lens = batch.kv_view(self.kv_pool.page_size) if batch is not None else ([], [], [])
+        rest = t - len(positions)
+        upload(self.positions[:t], positions + [0] * rest)
+        upload(self.slot_mapping[:t], slot_mapping + [-1] * rest)
+        upload(self.kv_lens[:s], kv_lens + [0] * pad)
+        pages = batch.pages if batch is not None and batch.pages else []
+        if pages:  # entries past a sequence's pages are never read: rows go up as wide as the longest only
+            w = max(1, max(map(len, pages)))
+            upload(self.block_table[:len(pages), :w], [p[:w] + [0] * (w - len(p)) for p in pages])
+
+    def _forward(self, bucket: tuple[int, int]) -> torch.Tensor:
+        """The model on bucket (s, t) of the buffers: fp32 logits of each sequence's last token ``[s, V]``. What
+        a prefill graph captures: every shape depends on the bucket alone, nothing reads a value to the host."""
+        s, t = bucket
+        bt = BatchTensors(mode=ForwardMode.EXTEND, cu_seqlens=self.cu[:s + 1], slots=self.slots[:s],
+                          has_initial_state=self.has_init[:s], start_pos=self.start[:s], snap_slots=self.snap[:s])
+        if self.kv_pool is None:
+            return self.model(self.ids[:t], bt, self.pool.conv, self.pool.ssm, self.rows[:s])[0]
+        bt.positions, bt.slot_mapping = self.positions[:t], self.slot_mapping[:t]
+        bt.kv_lens, bt.block_table = self.kv_lens[:s], self.block_table[:s]
+        return self.model(self.ids[:t], bt, self.pool.conv, self.pool.ssm, self.rows[:s],
+                          kv=(self.kv_pool.k, self.kv_pool.v))[0]
 
     def capture(self) -> None:
-        def all_padding(bucket: tuple[int, int]) -> None:  # warm-up and capture touch no slot
-            self._load(*bucket, [0], [], [], [], [])
+        def all_padding(bucket: tuple[int, int]) -> None:  # warm-up and capture touch no slot and no page
+            self._load(*bucket, None)
 
-        def forward(bucket: tuple[int, int]):
-            s, t = bucket
-            return self.model(self.ids[:t], self._bt(s), self.pool.conv, self.pool.ssm, self.rows[:s])[0]
-
-        capture_all(sorted(self.buckets, key=lambda b: (-b[1], -b[0])), forward, self.graphs, self.outputs,
+        capture_all(sorted(self.buckets, key=lambda b: (-b[1], -b[0])), self._forward, self.graphs, self.outputs,
                     warmups=1, prepare=all_padding)
         log.info("captured %d prefill CUDA graphs, up to %d tokens and %d sequences", len(self.graphs),
                  max(t for _, t in self.buckets), max(s for s, _ in self.buckets) - 1)
 
-    def run(self, bucket: tuple[int, int], token_ids: torch.Tensor, seq_lens: list[int], slots: list[int],
-            has_init: list[bool], start: list[int], snap: list[int]) -> torch.Tensor:
-        """Logits of each real sequence's last token, ``[len(slots), V]``; ``snap``: per sequence, where its
-        state before its last token goes (-1: nowhere)."""
-        s, t = bucket
-        cu = [0]
-        for n in seq_lens:
-            cu.append(cu[-1] + n)
-        self.ids[:cu[-1]].copy_(token_ids)
-        self._load(s, t, cu, list(slots), list(has_init), list(start), list(snap))
+    def run(self, bucket: tuple[int, int], token_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of each real sequence's last token, ``[batch_size, V]``; the snapshots ``batch.snap`` asks for
+        (each sequence's state before its last token) are written."""
+        self.ids[:batch.num_tokens].copy_(token_ids)
+        self._load(*bucket, batch)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:len(slots)].clone()  # the static buffer is overwritten by the next replay
+        return self.outputs[bucket][:batch.batch_size].clone()  # the static buffer is overwritten by the next replay
+

@@ -70,7 +70,7 @@ class DecodeBuffers:
         n = len(slots)
         self.ids[:n].copy_(token_ids)
         if self._uploaded_slots != (b, slots):  # unchanged between most decode steps: skip the upload
-            _upload(self.slots[:b], list(slots) + [-1] * (b - n))
+            upload(self.slots[:b], list(slots) + [-1] * (b - n))
             self._uploaded_slots = (b, list(slots))
         if self.kv_pool is not None:
             self._load_kv(b, slots, start_pos, pages or [[] for _ in slots])
@@ -93,7 +93,7 @@ class DecodeBuffers:
             if self._table_rows[r] != own:
                 changed.append((r, list(own)))
         pad = b - len(slots)
-        _upload(self.view[:, :b], [positions + [0] * pad, lens + [0] * pad])
+        upload(self.view[:, :b], [positions + [0] * pad, lens + [0] * pad])
         if changed:
             # entries past a row's pages are never read (the kernels stop at its length; pages past the width
             # are past every length that runs here): the changed rows go up padded to the longest of them only
@@ -122,7 +122,7 @@ class DecodeBuffers:
                           kv=(self.kv_pool.k, self.kv_pool.v))[0]
 
 
-def _upload(dst: torch.Tensor, values: list) -> None:
+def upload(dst: torch.Tensor, values: list) -> None:
     """``dst[...] = values`` without a stream synchronisation (through pinned memory on CUDA)."""
     src = torch.tensor(values, dtype=dst.dtype)
     dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine import timeline
-from mambaserve.server.engine.cuda_graphs import buckets_up_to
+from mambaserve.server.engine.cuda_graphs import buckets_up_to, prefill_buckets
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.engine.kv_pool import KVPool, page_bytes
 from mambaserve.server.engine.memory import (HybridPlan, PoolPlan, decode_graph_bytes, device_memory, plan_hybrid,
-                                             plan_pool, reserve_bytes, slot_bytes)
+                                             plan_pool, prefill_graph_bytes, reserve_bytes, slot_bytes)
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.request import BadRequest, Overloaded, Req, SamplingParams, StepOutput, fit_to_context
@@ -158,10 +158,14 @@ class Engine:
         widest = max(s.d_inner + s.conv_dim + s.num_heads, 2 * d.mlp.intermediate_size if d.mlp else 0,
                      2 * d.moe.intermediate_size * d.moe.top_k if d.moe else 0)
         running = cfg.max_running_requests or default_running
+        graphs = is_cuda and not cfg.disable_cuda_graph
+        prefill_graphs = graphs and self.model.capture_blocker(ForwardMode.EXTEND) is None
         reserve = reserve_bytes(widest, s.num_heads, s.head_dim, s.state_size, d.vocab_size, cfg.chunked_prefill_size,
-                                running, self.dtype, graphs=False)
-        if is_cuda and not cfg.disable_cuda_graph and self.model.capture_blocker(ForwardMode.DECODE) is None:
+                                running, self.dtype, graphs=prefill_graphs)
+        if graphs and self.model.capture_blocker(ForwardMode.DECODE) is None:
             reserve += decode_graph_bytes(buckets_up_to(min(running, cfg.cuda_graph_max_bs)), d.vocab_size)
+        if prefill_graphs:
+            reserve += prefill_graph_bytes(prefill_buckets(cfg.chunked_prefill_size, running), d.vocab_size)
         total, in_use = device_memory(self.device)
         return plan_hybrid(total=total, in_use=in_use, fraction=cfg.mem_fraction_static, per_slot=per_slot,
                            per_page=per_page, reserve=reserve, page_size=cfg.page_size,

@@ -59,6 +59,13 @@ def decode_graph_bytes(buckets: list[int], vocab_size: int) -> int:
     return sum(buckets) * vocab_size * 4
 
 
+def prefill_graph_bytes(buckets: list[tuple[int, int]], vocab_size: int) -> int:
+    """What prefill CUDA graphs keep after capture beyond the reserve's activations: every (sequences, tokens)
+    bucket's fp32 logits of its sequences' last tokens. Buckets up to 33 sequences x 2048 tokens at a
+    131072-token vocabulary: 0.4 GiB."""
+    return sum(s for s, _ in buckets) * vocab_size * 4
+
+
 def plan_pool(*, total: int, in_use: int, fraction: float, per_slot: int, reserve: int, slots: int | None,
               running: int | None, default_running: int) -> PoolPlan:
     """The pool's slots and the running limit (``slots``/``running``: explicit flags, else None). Raises

@@ -61,7 +61,7 @@ class ModelRunner:
             log.info("prefill CUDA graphs off: %s", blocker)
         elif max_prefill_tokens:
             self.prefill_graphs = PrefillGraphs(self.model, self.pool, max_prefill_tokens, max_prefill_seqs,
-                                                self.device)
+                                                self.device, self.kv_pool, context_length)
             self.prefill_graphs.capture()
 
     def warm_up(self, chunk_size: int, track_interval: int = 0, max_seqs: int = 2) -> None:
@@ -208,11 +208,9 @@ class ModelRunner:
             return ForwardOutput(logits=self.graphs.run(ids, batch.slots, batch.start_pos, batch.pages))
         if (self.prefill_graphs is not None and batch.mode is ForwardMode.EXTEND and not batch.track
                 and not batch.all_logits and not batch.logprob_at):
-            bucket = self.prefill_graphs.bucket(batch.batch_size, batch.num_tokens)
+            bucket = self.prefill_graphs.fits(batch)
             if bucket is not None:
-                return ForwardOutput(logits=self.prefill_graphs.run(bucket, ids, batch.seq_lens, batch.slots,
-                                                                    batch.has_initial_state, batch.start_pos,
-                                                                    batch.snap_slots()))
+                return ForwardOutput(logits=self.prefill_graphs.run(bucket, ids, batch))
         dev = self.device
         cu = [0]
         for n in batch.seq_lens:
@@ -247,23 +245,10 @@ class ModelRunner:
         return ForwardOutput(logits=logits, input_logprobs=input_logprobs)
 
     def _attention_inputs(self, batch: ForwardBatch, bt: BatchTensors) -> None:
-        """The paged KV cache's view of the batch (``BatchTensors.positions`` .. ``kv_lens``), built on the host
-        from each sequence's pages: token p of a sequence goes to ``pages[p // ps] * ps + p % ps``."""
-        ps = self.kv_pool.page_size
+        """The paged KV cache's view of the batch (``BatchTensors.positions`` .. ``kv_lens``,
+        ``ForwardBatch.kv_view``) and its block table, built on the host from each sequence's pages."""
+        positions, slots, kv_lens = batch.kv_view(self.kv_pool.page_size)
         pages = batch.pages or [[] for _ in batch.seq_lens]
-        positions, slots, kv_lens = [], [], []
-        for start, n, own, slot in zip(batch.start_pos, batch.seq_lens, pages, batch.slots):
-            if slot < 0 or not own:  # padding row: writes nothing, attends to nothing
-                positions += [0] * n
-                slots += [-1] * n
-                kv_lens.append(0)
-                continue
-            if len(own) * ps < start + n:
-                raise ValueError(f"a sequence of {start + n} tokens has only {len(own)} pages of {ps}")
-            for p in range(start, start + n):
-                positions.append(p)
-                slots.append(own[p // ps] * ps + p % ps)
-            kv_lens.append(start + n)
         width = max(1, max(len(p) for p in pages))
         table = [p + [0] * (width - len(p)) for p in pages]
         dev = self.device

@@ -123,14 +123,17 @@ class HybridForCausalLM(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def capture_blocker(self, mode: ForwardMode) -> str | None:
-        """Why a forward of ``mode`` cannot be captured in a CUDA graph, or None. Decode can, given its KV view
-        in static buffers (``engine/decode_buffers.py``), where its kernels run Triton (not their references, which
-        synchronise with the host), MoE layers included where their experts run the Triton kernel; not where they
-        run the torch expert loop (``MAMBASERVE_KERNELS=ref``, no Triton), which copies each expert's row count to
-        the host."""
-        if mode is ForwardMode.EXTEND:
-            return "prefill graphs are not built for hybrid models (their packed KV view is built per step)"
-        if not kernels.decode_runs_triton(self.embed.weight):
+        """Why a forward of ``mode`` cannot be captured in a CUDA graph, or None. Decode and prefill can, given their
+        KV view in static buffers (``engine/decode_buffers.py``, ``cuda_graphs.PrefillGraphs``), where their kernels
+        run Triton (not their references, which synchronise with the host), MoE layers included where their experts
+        run the Triton kernel; not where they run the torch expert loop (``MAMBASERVE_KERNELS=ref``, no Triton),
+        which copies each expert's row count to the host."""
+        w, s = self.embed.weight, self.state_dims
+        if mode is ForwardMode.EXTEND and not (kernels.scan_runs_triton(s.chunk_size, w)
+                                               and kernels.conv_varlen_runs_triton(s.conv_kernel, w)):
+            return (f"this model's prefill runs reference kernels (chunk size {s.chunk_size}, conv width "
+                    f"{s.conv_kernel}), which synchronise with the host")
+        if mode is ForwardMode.DECODE and not kernels.decode_runs_triton(w):
             return REFERENCE_DECODE
         if self.dims.moe is not None and not kernels.moe_runs_triton(self.embed.weight):
             return ("the model's MoE layers run the torch expert loop (no Triton, or MAMBASERVE_KERNELS=ref), which "

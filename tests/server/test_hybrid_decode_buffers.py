@@ -1,13 +1,13 @@
-"""Hybrid decode on the static buffers a CUDA graph captures (``engine/decode_buffers.py``), on the CPU: the
-function a decode graph records, run on its buffers with padding rows, against the eager path (the replay
-itself runs in tests/server/test_gpu_engine.py)."""
+"""Hybrid decode and prefill on the static buffers a CUDA graph captures (``engine/decode_buffers.py``,
+``cuda_graphs.PrefillGraphs``), on the CPU: the function a graph records, run on its buffers with padding rows
+and sequences, against the eager path (the replay itself runs in tests/server/test_gpu_engine.py)."""
 
 import pytest
 import torch
 
 from mambaserve import kernels
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
-from mambaserve.server.engine.cuda_graphs import DecodeGraphs
+from mambaserve.server.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from mambaserve.server.engine.decode_buffers import DecodeBuffers
 from mambaserve.server.engine.kv_pool import KVPool
 from mambaserve.server.engine.model_runner import ModelRunner
@@ -174,3 +174,57 @@ def test_prefill_warm_up_of_a_hybrid_borrows_pages_and_gives_everything_back(gra
     small.warm_up(chunk_size=8, max_seqs=4)
     assert small.pool.allocator.num_free == small.pool.allocator.capacity
     assert small.kv_pool.allocator.owners() == ["other"] and small.kv_pool.allocator.num_free == 2
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_runner_replays_prefill_graphs_for_a_hybrid(model, page_size):
+    """ModelRunner.forward dispatches a hybrid's prefill to its PrefillGraphs (bucket, upload, clone; on the CPU the
+    recorded graph stands in by the function it captures): fresh prompts, then prompts resumed over their cached
+    pages with a snapshot before the last token (a cache hit's step), in buckets with padding sequences. Logits,
+    states, snapshots and KV pages equal the eager runner's; padding writes no page and no slot (pages nobody
+    owns stay NaN); a sequence longer than the block table (context 48) runs eagerly."""
+
+    class Replay:
+        def __init__(self, graphs, bucket):
+            self.graphs, self.bucket = graphs, bucket
+
+        def replay(self):
+            self.graphs.outputs[self.bucket] = self.graphs._forward(self.bucket)
+
+    eager, graphed = _runner(model, page_size), _runner(model, page_size)
+    graphs = graphed.prefill_graphs = PrefillGraphs(model, graphed.pool, 64, 4, CPU, graphed.kv_pool,
+                                                    context_length=48)
+    graphs.graphs = {b: Replay(graphs, b) for b in graphs.buckets}
+    alloc = eager.kv_pool.allocator
+    prompts = [[3, 9, 4, 1, 7, 2, 2, 8], list(range(10, 31)), [5, 6, 4]]
+    for i, n in enumerate([16, 36, 12]):
+        assert alloc.ensure(i, n)
+    pages = [alloc.pages(i) for i in range(3)]
+    unowned = sorted(set(range(PAGES)) - {q for ps in pages for q in ps})
+    for r in (eager, graphed):
+        r.kv_pool.k[:, unowned] = float("nan")
+        r.kv_pool.v[:, unowned] = float("nan")
+    slots = [2, 5, 3]
+    steps = [  # (sequences, their new tokens' start, snapshot slots)
+        ([0, 1, 2], [0, 0, 0], []),
+        ([2, 0], [3, 8], [(1, 6)]),  # resumed over cached pages; sequence 0's state before its last token to slot 6
+        ([1], [21], [(0, 7)]),
+    ]
+    extra = [[11, 12, 13, 14, 15], [7] * 14, [1, 1, 1, 2, 2, 2, 3]]
+    for seqs, starts, snap in steps:
+        toks = [(prompts[i] if st == 0 else extra[i]) for i, st in zip(seqs, starts)]
+        batch = ForwardBatch(ForwardMode.EXTEND, sum(toks, []), [len(t) for t in toks], starts,
+                             [slots[i] for i in seqs], snap=snap, pages=[pages[i] for i in seqs])
+        bucket = graphs.fits(batch)
+        assert bucket is not None and bucket[0] > len(seqs)
+        want, got = (r.forward(batch).logits for r in (eager, graphed))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for name in ("k", "v"):
+        torch.testing.assert_close(getattr(graphed.kv_pool, name), getattr(eager.kv_pool, name), atol=1e-4,
+                                   rtol=1e-4, equal_nan=True)
+    for name in ("conv", "ssm"):
+        torch.testing.assert_close(getattr(graphed.pool, name), getattr(eager.pool, name), atol=1e-4, rtol=1e-4)
+    width = graphs.max_pages
+    assert width == -(-48 // page_size)
+    long = ForwardBatch(ForwardMode.EXTEND, [1], [1], [width * page_size], [5], pages=[list(range(width + 1))])
+    assert graphs.fits(long) is None

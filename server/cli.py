@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read each step's sampled tokens before preparing the next (for debugging and A/B timing)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch replayed from a CUDA graph; larger batches run eagerly")
+    s.add_argument("--kernel-cache-dir",
+                   help="directory of the compiled Triton kernels (TRITON_CACHE_DIR): on a volume that outlives the "
+                        "pod, a restarted server loads the kernels it compiled before instead of compiling them "
+                        "again at start (default: Triton's, ~/.triton/cache)")
     s.add_argument("--debug-cache-invariants", action="store_true",
                    help="check slot accounting after every step (slow; for tests and debugging)")
     s.add_argument("--request-timeout", type=float,

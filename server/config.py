@@ -46,6 +46,7 @@ class ServerConfig:
     disable_overlap_schedule: bool = False
     skip_server_warmup: bool = False  # the CLI's warm-up requests before ready (api/warmup.py)
     cuda_graph_max_bs: int = 256
+    kernel_cache_dir: str | None = None  # Triton's compile cache (TRITON_CACHE_DIR); None: Triton's default
     log_level: str = "info"
     seed: int = 0
     max_request_bytes: int = 8 * 2**20
@@ -85,6 +86,8 @@ class ServerConfig:
             raise ValueError(f"--storage-size must be a positive number of bytes, got {self.storage_size}")
         if self.storage_dir is not None and not self.storage_dir.strip():
             raise ValueError("--storage-dir is empty")
+        if self.kernel_cache_dir is not None and not self.kernel_cache_dir.strip():
+            raise ValueError("--kernel-cache-dir is empty")
         if self.session_persist and self.storage_dir is None:
             raise ValueError("--session-persist needs --storage-dir (sessions are persisted to the storage tier)")
         if self.storage_dir is not None and self.disable_radix_cache:

@@ -84,5 +84,6 @@ class LoadingApp:
             self._ready(app)
 
     def _ready(self, app) -> None:
+        self.engine.mark_ready()  # kernels that compile from here on made a request wait: counted and logged
         self.app = app
         self._on_ready(self.engine)

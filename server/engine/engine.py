@@ -11,10 +11,12 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
 
+from mambaserve.kernels import compiles
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine import timeline
 from mambaserve.server.engine.cuda_graphs import buckets_up_to, prefill_buckets
@@ -54,6 +56,9 @@ STAGING_SNAPSHOTS = 8  # host tier for a storage tier given no --host-cache-size
 class Engine:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
+        self._begun = begun = time.monotonic()
+        if cfg.kernel_cache_dir:  # before anything compiles
+            compiles.set_cache_dir(cfg.kernel_cache_dir)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         # what the flags ask of the architecture is judged from config.json, before the weights load
@@ -102,6 +107,10 @@ class Engine:
             log.info("KV pool: %d pages x %d tokens x %.3f MiB = %.2f GiB", plan.pages, cfg.page_size,
                      plan.bytes_per_page / 2**20, plan.pages * plan.bytes_per_page / 2**30)
         self.metrics = ServerMetrics()
+        self.ready_at: float | None = None  # when the server reported ready (mark_ready): compiles after it are logged
+        self.compiles = {"warmup": 0, "serving": 0}  # Triton compiles in this process while this engine ran
+        self._stop_watching = compiles.watch(self._compiled)
+        self.startup = {"load": time.monotonic() - begun}  # seconds per phase of the start, logged when ready
         host_pool = self._host_pool(is_cuda)
         self.track_interval = self._track_interval()
         runner = ModelRunner(self.model, self.pool, self.device, self.kv_pool)
@@ -110,13 +119,15 @@ class Engine:
             t = time.monotonic()
             runner.warm_up(d.chunk_size, self.track_interval,
                            min(self.max_running, cfg.chunked_prefill_size))
-            log.info("prefill kernels compiled in %.1f s", time.monotonic() - t)
+            self.startup["kernels"] = time.monotonic() - t
+            log.info("prefill kernels compiled in %.1f s", self.startup["kernels"])
         if is_cuda and not cfg.disable_cuda_graph:
             t = time.monotonic()
             runner.enable_cuda_graphs(min(self.max_running, cfg.cuda_graph_max_bs),
                                       cfg.chunked_prefill_size, self.max_running, self.context_length)
+            self.startup["graphs"] = time.monotonic() - t
             if runner.graphs is not None or runner.prefill_graphs is not None:
-                log.info("CUDA graphs captured in %.1f s", time.monotonic() - t)
+                log.info("CUDA graphs captured in %.1f s", self.startup["graphs"])
         self.scheduler = Scheduler(
             cfg, runner, self.metrics, max_running=self.max_running, context_length=self.context_length,
             track_interval=self.track_interval,
@@ -132,6 +143,7 @@ class Engine:
                  self.pool.allocator.capacity, self.pool.bytes_per_slot / 2**20,
                  self.pool.allocator.capacity * self.pool.bytes_per_slot / 2**30, plan.budget // plan.bytes_per_slot,
                  plan.budget / 2**30, self.context_length, self.max_running)
+        self._built = time.monotonic()
 
     def _plan_pool(self, is_cuda: bool) -> PoolPlan:
         """State slots and the running limit from the memory left after the weights (engine/memory.py)."""
@@ -239,7 +251,29 @@ class Engine:
 
     def stop(self) -> None:
         """Stop the scheduler; the storage tier's queued writes are on disk when this returns."""
+        self._stop_watching()
         self.scheduler.stop()
+
+    def mark_ready(self) -> None:
+        """The server reports ready from now on: a kernel that compiles after this made requests wait (a
+        WARNING each, and ``mambaserve_kernel_compiles_total{phase="serving"}``). Logs where the start went."""
+        self.ready_at = time.monotonic()
+        s, cache = self.startup, os.environ.get("TRITON_CACHE_DIR")
+        log.info("ready in %.1f s: model and pools %.1f s, kernel warm-up %.1f s, CUDA graphs %.1f s, then %.1f s "
+                 "(server warm-up requests); %d kernel compiles before ready (%s)", self.ready_at - self._begun,
+                 s["load"], s.get("kernels", 0.0), s.get("graphs", 0.0), self.ready_at - self._built,
+                 self.compiles["warmup"], f"compile cache {cache}" if cache else "Triton's default compile cache")
+
+    def _compiled(self, event: compiles.Compile) -> None:
+        """From the compiling thread (``kernels.compiles``)."""
+        phase = "warmup" if self.ready_at is None else "serving"
+        self.compiles[phase] += 1
+        self.metrics.kernel_compiles.labels(phase).inc()
+        if phase == "warmup":
+            return
+        took = f" in {event.seconds:.2f} s" if event.seconds is not None else ""
+        log.warning("kernel %s compiled%s after the server was ready: requests waited for it (the warm-up missed "
+                    "this specialization: %s)", event.kernel, took, event.key)
 
     # ---- requests -----------------------------------------------------------------------------------
     def new_rid(self) -> str:

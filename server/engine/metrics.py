@@ -101,6 +101,10 @@ class ServerMetrics:
                                        registry=r)
         self.session_restores = Counter("mambaserve_session_restores", "Sessions restored from a snapshot",
                                         registry=r)
+        self.kernel_compiles = Counter("mambaserve_kernel_compiles",
+                                       "Triton kernel compiles in this process (loads from the on-disk cache "
+                                       "included): before the server reported ready (warmup), after it (serving: "
+                                       "requests waited for it; should stay 0)", ["phase"], registry=r)
         # Every label value exists from the start, at 0: a ratio of counters (hit rate in PromQL, the
         # autoscaler's miss ratio) must not vanish on a pod that has had no hit yet.
         for tier in ("gpu", "host", "storage", "session"):
@@ -119,6 +123,8 @@ class ServerMetrics:
             self.sessions_closed.labels(reason)
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)
+        for phase in ("warmup", "serving"):
+            self.kernel_compiles.labels(phase)
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
 

@@ -26,3 +26,26 @@ def assert_close(a, b, tol):
 
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
+
+
+def _probe_kernel(x_ptr, n, BLOCK: "tl.constexpr"):  # noqa: F821 - a kernel's source, never called
+    pass
+
+
+def triton_compile_hooks(key: str = "[('*fp32', 'D'), ('i32', 'D'), ('constexpr', 64)]{'num_warps': 4}"):
+    """Triton's own code calling its before- and after-compile hooks for a compile of ``_probe_kernel`` with the
+    arguments it passes in a real compile (``JITFunction._call_hook``: the hook names of Triton >= 3.4), on CPU:
+    a real compile needs a GPU. Returns what the before-hook returned (True: skip the compile)."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction
+
+    fn = JITFunction(_probe_kernel)
+    target = GPUTarget("cuda", 90, 32)
+    options = CUDABackend(target).parse_options({"num_warps": 4, "enable_fp_fusion": True})
+    args = (key, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, target, 0, {("BLOCK",): 64}, options,
+            [{}], False)
+    skip = fn._call_hook(knobs.runtime.jit_cache_hook, *args)
+    fn._call_hook(knobs.runtime.jit_post_compile_hook, *args)
+    return skip

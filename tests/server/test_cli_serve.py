@@ -67,9 +67,9 @@ async def _append(sent, message):
     sent.append(message)
 
 
-def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt):
+def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt, tmp_path):
     port = free_port()
-    proc = _serve(tiny_ckpt, port)
+    proc = _serve(tiny_ckpt, port, "--kernel-cache-dir", str(tmp_path / "kernels"))
     try:
         deadline, first = time.monotonic() + 60, None
         while time.monotonic() < deadline:
@@ -88,6 +88,8 @@ def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt):
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         assert 'mambaserve_requests_total{finish_reason="length"} 2.0' in metrics
         assert "mambaserve_state_slots_used 0.0" in metrics
+        assert 'mambaserve_kernel_compiles_total{phase="serving"} 0.0' in metrics
+        assert (tmp_path / "kernels").is_dir()  # Triton's compile cache, made before anything could compile
         gen = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
                          timeout=30)
         assert gen.status_code == 200

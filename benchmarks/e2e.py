@@ -71,11 +71,21 @@ def build_checkpoint(size: str, out: Path, device: str, dtype: torch.dtype):
     return model
 
 
+def tokenizer_size() -> int:
+    """Token ids of the bundled tokenizer, which the built checkpoints ship."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(TOKENIZER / "tokenizer.json")).get_vocab_size()
+
+
 def build_hybrid_checkpoint(size: str, out: Path, device: str, dtype: torch.dtype):
-    """A random-weight transformers model of the shape, saved with the bundled tokenizer; returns it."""
+    """A random-weight transformers model of the shape, saved with the bundled tokenizer; returns it. Its vocabulary
+    holds every id of that tokenizer (a tiny shape's 512 rows answered every text request with 400 "token ids out
+    of range"); the real shapes' are larger already."""
     import transformers
 
     arch, kw = HYBRIDS[size]
+    kw = {**kw, "vocab_size": max(kw["vocab_size"], tokenizer_size())}
     model_type = {"NemotronHForCausalLM": "nemotron_h", "GraniteMoeHybridForCausalLM": "granitemoehybrid"}[arch]
     cfg = transformers.AutoConfig.for_model(model_type, eos_token_id=0, bos_token_id=0, pad_token_id=0, **kw)
     torch.manual_seed(0)

@@ -25,6 +25,10 @@ class ServerMetrics:
                                 registry=r)
         self.rejected = Counter("mambaserve_requests_rejected", "Requests refused before running", ["reason"],
                                 registry=r)
+        self.non_finite = Counter("mambaserve_non_finite_rows",
+                                  "Requests failed alone because their row of a step had no finite distribution: "
+                                  "the model's logits (its state or input) or its sampling parameters", ["source"],
+                                  registry=r)
         self.prompt_tokens = Counter("mambaserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("mambaserve_generation_tokens", "Generated tokens", registry=r)
         self.running = Gauge("mambaserve_num_running_requests", "Requests holding a state slot", registry=r)
@@ -125,6 +129,8 @@ class ServerMetrics:
             self.requests.labels(reason)
         for phase in ("warmup", "serving"):
             self.kernel_compiles.labels(phase)
+        for source in ("logits", "sampling"):
+            self.non_finite.labels(source)
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
 

@@ -7,6 +7,7 @@ scheduling: the device runs the next step meanwhile); ``finish`` is every reques
 
 from __future__ import annotations
 
+import logging
 import time
 
 from mambaserve.server.cache.pages import PageAllocator
@@ -14,8 +15,10 @@ from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.request import FinishReason, Req, RequestQueues, StepOutput
 from mambaserve.server.engine.rolling_snapshots import RollingSnapshots
-from mambaserve.server.engine.sampling import Launched, Sampler
+from mambaserve.server.engine.sampling import NON_FINITE_SAMPLING, Launched, Sampler
 from mambaserve.server.sessions.manager import SessionManager
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -37,10 +40,27 @@ class OutputProcessor:
                 req.pending = None
             if req.finished:  # aborted, or finished by the token before (this row folded it in)
                 continue
+            if result.tokens[j] < 0:  # no distribution to sample from: this request alone fails
+                self._fail_non_finite(req, result.tokens[j])
+                continue
             lp = result.logprobs[j] if result.logprobs is not None else None
             top = result.top_logprobs[j] if result.top_logprobs is not None else None
             self._observe_token(req)
             self._after_token(req, self._append(req, result.tokens[j], lp, top))
+
+    def _fail_non_finite(self, req: Req, status: int) -> None:
+        """A row whose logits (the model's, or after this request's penalties and filters) were not finite.
+        Only this request ends; its state is freed, not cached (it may be what produced them)."""
+        if status == NON_FINITE_SAMPLING:
+            log.warning("request %s: its sampling parameters left no finite distribution; it fails alone", req.rid)
+            self.metrics.non_finite.labels("sampling").inc()
+            self.finish(req, FinishReason.ABORT, error_code="invalid_sampling_params", error_status=400,
+                        error="this request's sampling parameters (temperature, top_p, min_p, penalties) left no "
+                              "finite distribution to sample from")
+        else:
+            log.error("request %s: the model's logits were not finite (its state or input); it fails alone", req.rid)
+            self.metrics.non_finite.labels("logits").inc()
+            self.finish(req, FinishReason.ABORT, error="the model produced non-finite logits for this request")
 
     def _observe_token(self, req: Req) -> None:
         now = time.monotonic()
@@ -98,9 +118,10 @@ class OutputProcessor:
 
     # ---- the way out --------------------------------------------------------------------------------
     def finish(self, req: Req, reason: FinishReason, error: str | None = None, emit: bool = True,
-               error_code: str | None = None) -> None:
+               error_code: str | None = None, error_status: int | None = None) -> None:
         """End ``req``: its slot goes to its session, the tree (at what its state covers) or the free list.
-        ``error``/``error_code``: why it ended early (the client sees both)."""
+        ``error``/``error_code``: why it ended early (the client sees both); ``error_status``: the HTTP status
+        a response not started yet gets (the client's own fault: 4xx; else the API's default)."""
         req.finish_reason = reason
         if req.prefetch is not None:  # ended while waiting for its prefix from storage
             self.cache.storage.release(req.prefetch)
@@ -131,7 +152,7 @@ class OutputProcessor:
         self.metrics.requests.labels("error" if error else reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - req.created)
         if emit:
-            self._emit_final(req, reason, error, error_code)
+            self._emit_final(req, reason, error, error_code, error_status)
 
     def _keep(self, req: Req) -> bool:
         """The final state to the tree; hybrids: with the KV of its tokens, where they end on a page (else its
@@ -174,12 +195,13 @@ class OutputProcessor:
         req.sent_tokens = len(req.output_ids)
 
     def _emit_final(self, req: Req, reason: FinishReason, error: str | None = None,
-                    error_code: str | None = None) -> None:
+                    error_code: str | None = None, error_status: int | None = None) -> None:
         if req.timeline is not None:
             req.timeline.mark("finished")
         out = self._output(req, req.output_ids[req.sent_tokens:], req.detokenizer.release(final=True),
                            finish=reason, error=error)
         out.error_code = error_code or ("internal_error" if error else None)
+        out.error_status = error_status
         self._emit(req, out)
 
     @staticmethod

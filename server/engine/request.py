@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import enum
 import math
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -29,6 +30,18 @@ class Overloaded(BadRequest):
 
     def __init__(self, message: str):
         super().__init__(message, code="overloaded", status=503)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_REPETITION_PENALTY = 0.01  # logits up to 1e31 stay finite divided by it and by the 1e-5 temperature floor
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32 as the sampler's tensors hold it (inf past float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # (older Pythons refuse to pack what float32 cannot hold)
+        return math.copysign(math.inf, value)
 
 
 @dataclass(frozen=True)
@@ -60,19 +73,27 @@ class SamplingParams:
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
+        """Refuse values the sampler cannot use, judged as it sees them: in float32, where 1e-46 is 0 and
+        1e39 is infinite (the step would fail for this request, which the sampler also catches: one that
+        slips through fails alone, see ``sampling.NON_FINITE``)."""
         name = self.name
+        values = {}
         for attr in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             value = getattr(self, attr)
             if not math.isfinite(value):
                 raise BadRequest(f"{name(attr)} must be a finite number, got {value}")
+            values[attr] = as_float32(value)
+            if not math.isfinite(values[attr]):
+                raise BadRequest(f"{name(attr)} must be a finite 32-bit float (at most {FLOAT32_MAX:.4g}), got {value}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise BadRequest(f"{name('seed')} must be in [0, 2**63), got {self.seed}")
         if self.max_new_tokens < 0:
             raise BadRequest(f"{name('max_new_tokens')} must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise BadRequest(f"{name('temperature')} must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise BadRequest(f"{name('top_p')} must be in (0, 1], got {self.top_p}")
+        if not 0 < values["top_p"] <= 1:
+            zero = " (it is 0 as a 32-bit float)" if 0 < self.top_p <= 1 else ""
+            raise BadRequest(f"{name('top_p')} must be in (0, 1], got {self.top_p}{zero}")
         if not 0 <= self.min_p <= 1:
             raise BadRequest(f"{name('min_p')} must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
@@ -80,8 +101,10 @@ class SamplingParams:
         for attr in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, attr) <= 2:
                 raise BadRequest(f"{name(attr)} must be in [-2, 2], got {getattr(self, attr)}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise BadRequest(f"{name('repetition_penalty')} must be in (0, 2], got {self.repetition_penalty}")
+        # a logit divided by a tiny penalty overflows float32 (1e-39: every seen token's logit infinite)
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
+            raise BadRequest(f"{name('repetition_penalty')} must be in [{MIN_REPETITION_PENALTY:g}, 2], "
+                             f"got {self.repetition_penalty}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise BadRequest(f"{name('min_new_tokens')} must be in [0, {name('max_new_tokens')}="
                              f"{self.max_new_tokens}], got {self.min_new_tokens}")

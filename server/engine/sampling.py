@@ -9,6 +9,12 @@ device (the next decode step reads them there) while their host copies are in fl
 reads the host side one step later, after it has launched the next forward (overlap scheduling). So
 the penalties count tokens on the device too (``Penalties``: a row of counts per penalized request,
 updated from the sampled tokens where they are), and cost nothing in a batch without them.
+
+Sampling never raises for one row's values either: a row whose logits or filtered distribution are not
+finite (a NaN, an infinity, nothing left to sample) gets no token. Its host copy carries a status
+instead (``NON_FINITE_LOGITS``: the model's output, so its state or input; ``NON_FINITE_SAMPLING``: its
+penalties and filters, so its parameters) and that request alone fails when the step is read; its device
+token stays a valid id, so the step launched meanwhile runs on for everyone.
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from mambaserve.server.engine.request import SamplingParams
+
+
+NON_FINITE_LOGITS = -1  # a host token: this row's logits were not finite (before its penalties)
+NON_FINITE_SAMPLING = -2  # a host token: its distribution after penalties and filters was not
 
 
 @dataclass
@@ -40,10 +50,13 @@ class DeviceSample:
     """Sampled tokens on the device, with their (and the logprobs') copies to the host in flight."""
 
     def __init__(self, tokens: torch.Tensor, logprob_rows: list[int], top_logprobs_num: list[int],
-                 chosen: torch.Tensor | None = None, top: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 chosen: torch.Tensor | None = None, top: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 host_tokens: torch.Tensor | None = None):
+        """``tokens``: what the next step reads on the device; ``host_tokens``: what the host reads (the same,
+        with a NON_FINITE status in place of a row's token)."""
         self.tokens = tokens
         self.logprob_rows, self.top_logprobs_num = set(logprob_rows), top_logprobs_num
-        device_side = [tokens] + ([chosen] if chosen is not None else []) + (list(top) if top else [])
+        device_side = [tokens if host_tokens is None else host_tokens] + ([chosen] if chosen is not None else []) + (list(top) if top else [])
         self._has_chosen, self._has_top = chosen is not None, top is not None
         self._event = None
         if tokens.is_cuda:
@@ -96,15 +109,24 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           logprob_rows: list[int], top_logprobs_num: list[int]) -> DeviceSample:
-    """logits ``[B, V]`` fp32. ``generators[i]`` is the request's own (seeded) generator or None."""
+           logprob_rows: list[int], top_logprobs_num: list[int],
+           model_finite: torch.Tensor | None = None) -> DeviceSample:
+    """logits ``[B, V]`` fp32 (penalized). ``generators[i]`` is the request's own (seeded) generator or None.
+    ``model_finite``: which rows' logits were finite before their penalties (None: none was penalized)."""
     greedy = [p.greedy for p in params]
     tokens = logits.argmax(-1)
+    # NaN or +inf anywhere, or every logit -inf: no distribution (max propagates NaN)
+    finite = torch.isfinite(logits.amax(-1))
+    model_finite = finite if model_finite is None else model_finite
     if not all(greedy):
         probs = _filter(logits, params)
+        finite = finite & (torch.isfinite(probs.sum(-1)) | to_device(greedy, torch.bool, logits.device))
         for i, g in enumerate(generators):
             if not greedy[i]:
-                tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+                # torch.multinomial's own method for one sample (the same tokens for the same generator),
+                # without its check: that raises for a NaN row (failing the whole step) and waits for the device
+                tokens[i] = (probs[i] / torch.empty_like(probs[i]).exponential_(1, generator=g)).argmax()
+    status = torch.where(model_finite, torch.where(finite, tokens, NON_FINITE_SAMPLING), NON_FINITE_LOGITS)
     chosen = top = None
     if logprob_rows:
         logp = torch.log_softmax(logits, dim=-1)
@@ -113,7 +135,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if k > 0:
             top = logp.topk(min(k, logp.shape[-1]), dim=-1)
             top = (top.values, top.indices)
-    return DeviceSample(tokens, logprob_rows, top_logprobs_num, chosen, top)
+    return DeviceSample(tokens, logprob_rows, top_logprobs_num, chosen, top, host_tokens=status)
 
 
 class Penalties:
@@ -227,14 +249,15 @@ class Sampler:
         """Sample ``logits[rows]`` (one row per sequence of the step) for ``reqs``, without waiting."""
         if len(rows) < logits.shape[0]:
             logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
-        pairs = []
+        pairs, model_finite = [], None
         if any(r.params.penalized or r.params.min_new_tokens for r in reqs):
+            model_finite = torch.isfinite(logits.amax(-1))  # (the model's part, told apart from the penalties')
             # logprobs report the distribution sampled from: penalized (as vLLM and SGLang report them)
             pairs = self.penalties.apply(logits, reqs)
             hold_stops(logits, reqs)
         result = sample(logits, [r.params for r in reqs], [self.generators.get(r.rid, self.default) for r in reqs],
                         [j for j, r in enumerate(reqs) if r.return_logprob],
-                        [r.top_logprobs_num if r.return_logprob else 0 for r in reqs])
+                        [r.top_logprobs_num if r.return_logprob else 0 for r in reqs], model_finite)
         self.penalties.count(result.tokens, pairs)
         launched = Launched(reqs, result)
         for j, req in enumerate(reqs):

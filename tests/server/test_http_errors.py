@@ -54,6 +54,10 @@ CASES = [
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature must be a finite number"),
     ("/generate", b'{"text": "x", "sampling_params": {"top_p": Infinity}}', 400, "top_p must be a finite"),
     ("/generate", {"text": "x", "sampling_params": {"seed": 2**64}}, 400, "seed must be in"),
+    # values valid as Python floats that the sampler's float32 tensors cannot hold (0, infinity)
+    ("/generate", {"text": "x", "sampling_params": {"top_p": 1e-46}}, 400, "it is 0 as a 32-bit float"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-39}, 400, "repetition_penalty must be in [0.01, 2]"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e39}, 400, "temperature must be a finite 32-bit float"),
     ("/generate", {"input_ids": [False]}, 422, "input_ids"),
     ("/generate", b'{"text": "\\ud800"}', 422, "not well-formed unicode"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 422, "well-formed"),

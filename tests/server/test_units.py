@@ -9,7 +9,7 @@ from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.model.config import ModelLoadError
 from mambaserve.server.model.loader import load_model, resolve_device
 from mambaserve.server.engine.request import BadRequest, SamplingParams
-from mambaserve.server.engine.sampling import _filter, sample
+from mambaserve.server.engine.sampling import NON_FINITE_LOGITS, NON_FINITE_SAMPLING, _filter, sample
 from mambaserve.server.engine.policy import PrefillCandidate, next_mode_is_decode, plan_prefill
 from mambaserve.server.engine.state_pool import SlotAllocator
 from tests.server.tiny_models import byte_tokenizer, make_checkpoint
@@ -52,8 +52,25 @@ def test_sampling_filters():
     assert [t for t, _ in r.top_logprobs[0]] == [0, 1] and r.top_logprobs[1] == []
 
 
+def test_a_row_without_a_finite_distribution_gets_a_status_not_a_token():
+    """NaN logits (the model's) or a distribution the filters emptied (the request's parameters) mark that
+    row alone; the other rows sample as before, and the device token stays a valid id."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4, 1)
+    logits[1, 2] = float("nan")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(top_p=1e-46),
+              SamplingParams(top_k=2, seed=1)]
+    g = torch.Generator().manual_seed(1)
+    d = sample(logits, params, [None, None, None, g], [], [0] * 4)
+    assert d.result().tokens[:3] == [0, NON_FINITE_LOGITS, NON_FINITE_SAMPLING] and d.result().tokens[3] in (0, 1)
+    assert all(0 <= t < 4 for t in d.tokens.tolist())
+    # the sampled row is what torch.multinomial draws from the same generator
+    probs = _filter(logits[3:], params[3:])[0]
+    assert d.result().tokens[3] == torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(1)).item()
+
+
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=-1), dict(temperature=-0.1), dict(top_p=0), dict(top_p=1.5),
-                                 dict(min_p=2), dict(stop=("",))])
+                                 dict(min_p=2), dict(stop=("",)), dict(top_p=1e-46), dict(temperature=1e39),
+                                 dict(repetition_penalty=1e-39), dict(frequency_penalty=1e39)])
 def test_sampling_params_validation(bad):
     with pytest.raises(BadRequest):
         SamplingParams(**bad).validate()

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from mambaserve.kernels._dispatch import HAS_TRITON, interpreting, next_pow2, pdl_args, tl, triton, use_triton
 
 if HAS_TRITON:
-    from mambaserve.kernels.moe_kernels import _moe_align_kernel, _moe_down_kernel, _moe_sum_kernel, _moe_up_kernel
+    from mambaserve.kernels.moe_kernels import (_moe_align_kernel, _moe_count_kernel, _moe_down_kernel,
+                                                _moe_runs_kernel, _moe_scatter_kernel, _moe_sum_kernel, _moe_up_kernel)
 
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -78,7 +79,7 @@ def _check(x, topk_ids, topk_weights, w1, w2, act: str, gated: bool) -> None:
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
     """Stable sort by expert, then each pair moved to its expert's padded run. Torch only and without a host
-    synchronisation (the Triton launcher runs it on the GPU for large batches, where one program is slow)."""
+    synchronisation: the oracle of the Triton align."""
     flat = topk_ids.reshape(-1).long()
     N, dev = flat.numel(), flat.device
     P = padded_capacity(N, num_experts, block_m)
@@ -126,9 +127,11 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
 # ---------------------------------------------------------------------------------------------- launchers
 
-# Above this many pairs the align runs moe_align_ref's torch ops (sort-based, many programs) instead of the one
-# Triton program, whose two serial passes over the pairs cost O(pairs): decode batches stay in one launch.
-ALIGN_TRITON_MAX_PAIRS = 4096
+# Up to this many pairs the align is one Triton program (decode batches: one launch); above, its two serial passes
+# over the pairs cost O(pairs) (49 us at 1,536 pairs on an H200), so three launches split the pairs over programs.
+# The sort-based torch align (moe_align_ref) took 141 us at 12,288 pairs (granite-4.0-h-tiny, 2,048 tokens): 38% of
+# the MoE op, and 5.6 ms of each 2,048-token prefill step.
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 256
 
 # Tiles by the mean rows per expert (T * k / E), first match. One BLOCK_M for both GEMMs (they walk the same
 # blocks). Decode (a few rows an expert) is bound by reading the experts' weights: 16-row blocks (the smallest
@@ -204,21 +207,33 @@ def moe_warm_up(w1: torch.Tensor, w2: torch.Tensor, top_k: int, *, act: str = "s
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
               force_triton: bool | None = None) -> MoeAlignment:
-    """The routing-align step (``MoeAlignment``). Triton: one program for up to ``ALIGN_TRITON_MAX_PAIRS``
-    pairs, the reference's torch ops above; either way no host synchronisation."""
+    """The routing-align step (``MoeAlignment``). Triton: one program for up to ``ALIGN_ONE_PROGRAM_MAX_PAIRS``
+    pairs, three launches above (counts per program, the runs, the scatter); no host synchronisation."""
     N = topk_ids.numel()
-    if not use_triton(topk_ids, force_triton) or N > ALIGN_TRITON_MAX_PAIRS or num_experts == 0:
+    if not use_triton(topk_ids, force_triton) or num_experts == 0:
         return moe_align_ref(topk_ids, num_experts, block_m)
     P = padded_capacity(N, num_experts, block_m)
+    NB = P // block_m
     ids = topk_ids.reshape(-1).contiguous()
     sorted_pairs = torch.empty(P, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(P // block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(NB, dtype=torch.int32, device=ids.device)
     EP = max(16, next_pow2(num_experts))
-    # one-hots of up to 8K elements, 8 warps from 4K (compiled for sm_90 by Triton 3.6: 193 registers a thread at
-    # 128 x 64, no spills; 16K took all 255): as few serial steps over the pairs as the registers allow
-    chunk = max(16, min(256, 8192 // EP, next_pow2(max(N, P // block_m))))
-    _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, P // block_m, BLOCK_M=block_m, EP=EP, CHUNK=chunk,
-                            FILL=min(1024, next_pow2(P)), num_warps=8 if chunk * EP > 4096 else 4, **pdl_args(ids))
+    pdl = pdl_args(ids)
+    if N <= ALIGN_ONE_PROGRAM_MAX_PAIRS:
+        # one-hots of up to 8K elements, 8 warps from 4K (compiled for sm_90 by Triton 3.6: 193 registers a thread
+        # at 128 x 64, no spills; 16K took all 255): as few serial steps over the pairs as the registers allow
+        chunk = max(16, min(256, 8192 // EP, next_pow2(max(N, NB))))
+        _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, NB, BLOCK_M=block_m, EP=EP, CHUNK=chunk,
+                                FILL=min(1024, next_pow2(P)), num_warps=8 if chunk * EP > 4096 else 4, **pdl)
+        return MoeAlignment(sorted_pairs, block_expert, block_m)
+    chunk = max(16, min(256, 4096 // EP))
+    Q = triton.cdiv(N, chunk)
+    local = torch.empty(Q, EP, dtype=torch.int32, device=ids.device)
+    start = torch.empty(EP, dtype=torch.int32, device=ids.device)
+    _moe_count_kernel[(Q,)](ids, local, N, EP=EP, CHUNK=chunk, num_warps=4, **pdl)
+    _moe_runs_kernel[(1,)](local, start, sorted_pairs, block_expert, N, P, NB, Q, BLOCK_M=block_m, EP=EP,
+                           CHUNK=chunk, FILL=1024, num_warps=4, **pdl)
+    _moe_scatter_kernel[(Q,)](ids, local, start, sorted_pairs, N, EP=EP, CHUNK=chunk, num_warps=4, **pdl)
     return MoeAlignment(sorted_pairs, block_expert, block_m)
 
 

@@ -13,6 +13,9 @@ projection reads its rows contiguously; only the up projection gathers token row
                                           position = its expert's offset + its rank among the earlier
                                           pairs of that expert (a cumsum over a [CHUNK, experts] one-hot),
                                           so pairs keep their order within an expert (stable, deterministic)
+  _moe_count_kernel,  [N/CHUNK], [1],     the same in three launches for many pairs: each program's counts;
+  _moe_runs_kernel,   [N/CHUNK]           one program turns them into each program's offsets and lays out
+  _moe_scatter_kernel                     the runs; each program scatters its pairs (still stable)
   _moe_up_kernel      [blocks, I/BLOCK_N] rows of ``x`` gathered by token, times expert e's first
                                           projection; GATED reads the gate columns n and the up columns
                                           I + n in the same K loop (two accumulators) and stores
@@ -37,6 +40,36 @@ from mambaserve.kernels._dispatch import HAS_TRITON, pdl_start, tl, triton
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _runs(counts, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+              FILL: tl.constexpr):
+        """From the per-expert pair counts [EP]: every position of ``pairs`` set to the padding sentinel N, each
+        block's expert (-1 past the last run) in ``bexp``; returns each expert's run start."""
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad_end = tl.cumsum(padded, 0)
+        total = tl.sum(padded, 0)
+        for p0 in range(0, P, FILL):
+            p = p0 + tl.arange(0, FILL)
+            tl.store(pairs_ptr + p, tl.zeros([FILL], dtype=tl.int32) + N, mask=p < P)
+        c = tl.arange(0, CHUNK)
+        for b0 in range(0, NB, CHUNK):
+            b = b0 + c
+            first = b * BLOCK_M
+            # block b belongs to the first expert whose padded run ends past its first position
+            e_of = tl.sum((pad_end[None, :] <= first[:, None]).to(tl.int32), 1)
+            tl.store(bexp_ptr + b, tl.where(first < total, e_of, -1), mask=b < NB)
+        return pad_end - padded
+
+    @triton.jit
+    def _scatter(ids, i, N, base, pairs_ptr, EP: tl.constexpr):
+        """Pairs ``i`` (experts ``ids``) to their positions: ``base[e]`` (where expert e's pairs before these go on)
+        plus the rank among these pairs of the same expert (a cumsum over the one-hots). Returns the counts."""
+        ex = tl.arange(0, EP)
+        hit = (ids[:, None] == ex[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, 0) - hit + base[None, :]  # earlier pairs of the same expert
+        tl.store(pairs_ptr + tl.sum(hit * before, 1), i, mask=i < N)
+        return tl.sum(hit, 0)
+
     # The pair and position counts change with every batch size: not specialised (== 1, % 16), so one compile per
     # tile set serves every batch (``moe.moe_warm_up`` compiles them all at start).
     @triton.jit(do_not_specialize=["N", "P", "NB"])
@@ -52,29 +85,49 @@ if HAS_TRITON:
             i = i0 + c
             ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
             counts += tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        pad_end = tl.cumsum(padded, 0)
-        pad_start = pad_end - padded
-        total = tl.sum(padded, 0)
-        for p0 in range(0, P, FILL):
-            p = p0 + tl.arange(0, FILL)
-            tl.store(pairs_ptr + p, tl.zeros([FILL], dtype=tl.int32) + N, mask=p < P)
-        for b0 in range(0, NB, CHUNK):
-            b = b0 + c
-            first = b * BLOCK_M
-            # block b belongs to the first expert whose padded run ends past its first position
-            e_of = tl.sum((pad_end[None, :] <= first[:, None]).to(tl.int32), 1)
-            tl.store(bexp_ptr + b, tl.where(first < total, e_of, -1), mask=b < NB)
+        pad_start = _runs(counts, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M, CHUNK, FILL)
         tl.debug_barrier()  # the sentinel fill above lands before the scatter below overwrites part of it
         seen = tl.zeros([EP], dtype=tl.int32)
         for i0 in range(0, N, CHUNK):
             i = i0 + c
             ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
-            hit = (ids[:, None] == ex[None, :]).to(tl.int32)
-            before = tl.cumsum(hit, 0) - hit + seen[None, :]  # earlier pairs of the same expert
-            dest = tl.sum(hit * (before + pad_start[None, :]), 1)
-            tl.store(pairs_ptr + dest, i, mask=i < N)
-            seen += tl.sum(hit, 0)
+            seen += _scatter(ids, i, N, seen + pad_start, pairs_ptr, EP)
+
+    @triton.jit(do_not_specialize=["N"])
+    def _moe_count_kernel(ids_ptr, local_ptr, N, EP: tl.constexpr, CHUNK: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+        """Grid (cdiv(N, CHUNK),): program q's pairs per expert -> ``local[q]`` [EP]."""
+        pdl_start(USE_PDL)
+        q = tl.program_id(0)
+        i = q * CHUNK + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
+        ex = tl.arange(0, EP)
+        tl.store(local_ptr + q * EP + ex, tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0))
+
+    @triton.jit(do_not_specialize=["N", "P", "NB", "Q"])
+    def _moe_runs_kernel(local_ptr, start_ptr, pairs_ptr, bexp_ptr, N, P, NB, Q, BLOCK_M: tl.constexpr,
+                         EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr = False):
+        """Grid (1,): ``local[q]`` becomes the pairs of each expert in the Q programs before q (in place); the runs
+        (``_runs``) from the totals; ``start`` [EP] each expert's run start."""
+        pdl_start(USE_PDL)
+        ex = tl.arange(0, EP)
+        seen = tl.zeros([EP], dtype=tl.int32)
+        for q in range(0, Q):
+            n = tl.load(local_ptr + q * EP + ex)
+            tl.store(local_ptr + q * EP + ex, seen)
+            seen += n
+        tl.store(start_ptr + ex, _runs(seen, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M, CHUNK, FILL))
+
+    @triton.jit(do_not_specialize=["N"])
+    def _moe_scatter_kernel(ids_ptr, local_ptr, start_ptr, pairs_ptr, N, EP: tl.constexpr, CHUNK: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
+        """Grid (cdiv(N, CHUNK),): program q's pairs to their positions, after ``_moe_runs_kernel``."""
+        pdl_start(USE_PDL)
+        q = tl.program_id(0)
+        i = q * CHUNK + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
+        ex = tl.arange(0, EP)
+        _scatter(ids, i, N, tl.load(local_ptr + q * EP + ex) + tl.load(start_ptr + ex), pairs_ptr, EP)
 
     @triton.jit
     def _activate(h, ACT: tl.constexpr):

@@ -6,7 +6,7 @@ routings (no host sync). Skipped without CUDA."""
 import pytest
 import torch
 
-from mambaserve.kernels.moe import ALIGN_TRITON_MAX_PAIRS, moe_experts, moe_experts_ref
+from mambaserve.kernels.moe import ALIGN_ONE_PROGRAM_MAX_PAIRS, moe_experts, moe_experts_ref
 from tests.kernels.helpers import TOL, assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -28,7 +28,7 @@ def _inputs(T, E, k, H, I, gated, seed):
 def test_granite_tiny_shape(T):
     x, ids, wts, w1, w2 = _inputs(T, 64, 6, 1536, 512, True, seed=T)
     if T == 1000:
-        assert ids.numel() > ALIGN_TRITON_MAX_PAIRS
+        assert ids.numel() > ALIGN_ONE_PROGRAM_MAX_PAIRS
     out = moe_experts(x, ids, wts, w1, w2, act="silu", gated=True)
     assert_close(out, moe_experts_ref(x, ids, wts, w1, w2, act="silu", gated=True), TOL[BF])
 

@@ -39,8 +39,9 @@ def _check_layout(al: MoeAlignment, ids: torch.Tensor, E: int) -> None:
     assert (bexp[used][1:] > bexp[used][:-1]).sum() + 1 == len(set(flat.tolist())), "one run per expert with pairs"
 
 
+# (300, 2, 130) and (700, 6, 64): past ALIGN_ONE_PROGRAM_MAX_PAIRS, the three-launch align over 5 and 66 programs
 @pytest.mark.parametrize("T,k,E,block_m", [(1, 1, 1, 16), (1, 6, 64, 16), (7, 2, 5, 16), (37, 3, 9, 16),
-                                           (100, 2, 4, 32), (300, 2, 130, 16)])
+                                           (100, 2, 4, 32), (300, 2, 130, 16), (700, 6, 64, 16)])
 @pytest.mark.parametrize("kind", ["spread", "crowded", "sparse"])
 def test_align_matches_reference_and_groups_by_expert(dev, T, k, E, block_m, kind):
     if kind != "spread" and E < 2 * k:

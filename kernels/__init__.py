@@ -12,6 +12,7 @@ from mambaserve.kernels.rmsnorm import rmsnorm
 from mambaserve.kernels.selective_state_update import decode_runs_triton, selective_state_update
 from mambaserve.kernels.ssd_scan import BoundaryStates, scan_runs_triton, ssd_scan_varlen
 from mambaserve.kernels.state_ops import clear_slots, copy_slots, scatter_steps
+from mambaserve.kernels.topk_softmax import topk_softmax
 
 __all__ = [
     "BoundaryStates",
@@ -36,5 +37,6 @@ __all__ = [
     "scatter_steps",
     "selective_state_update",
     "ssd_scan_varlen",
+    "topk_softmax",
     "write_kv",
 ]

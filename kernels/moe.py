@@ -101,10 +101,23 @@ def _act(h: torch.Tensor, act: str) -> torch.Tensor:
     return F.silu(h) if act == "silu" else torch.square(F.relu(h))
 
 
+def _epilogue(y: torch.Tensor, add: torch.Tensor | None, residual: torch.Tensor | None, scale: float,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``residual + scale * (y + add)`` in fp32 (``y`` the fp32 sum), rounded once to ``dtype``."""
+    if add is not None:
+        y = y + add.float()
+    if scale != 1.0:
+        y = y * scale
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(dtype)
+
+
 def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
-                    w2: torch.Tensor, *, act: str = "silu", gated: bool = True) -> torch.Tensor:
+                    w2: torch.Tensor, *, act: str = "silu", gated: bool = True, add: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """The expert loop: pairs sorted by expert; each expert with rows runs its projections on them (in ``x``'s
-    dtype, as ``transformers`` does); the weighted rows are summed per token in fp32."""
+    dtype, as ``transformers`` does); the weighted rows are summed per token in fp32, then the epilogue."""
     _check(x, topk_ids, topk_weights, w1, w2, act, gated)
     T, k = topk_ids.shape
     H, I = x.shape[1], w2.shape[2]
@@ -122,7 +135,8 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             ys[start:start + n] = F.linear(h, w2[e])
             start += n
     ys = ys.float() * topk_weights.reshape(-1)[order].float()[:, None]
-    return torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tokens, ys).to(x.dtype)
+    y = torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tokens, ys)
+    return _epilogue(y, add, residual, scale, x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -238,17 +252,24 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
-                w2: torch.Tensor, *, act: str = "silu", gated: bool = True, force_triton: bool | None = None,
+                w2: torch.Tensor, *, act: str = "silu", gated: bool = True, add: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, scale: float = 1.0, force_triton: bool | None = None,
                 tiles: dict | None = None) -> torch.Tensor:
-    """The routed experts' weighted sum per token (module docstring). Triton path: align (not for one token), the
-    up projection with the activation, the down projection with the routing weight, the top-k sum; no host sync."""
+    """The routed experts' weighted sum per token (module docstring), and the block's epilogue where asked:
+    ``residual + scale * (sum + add)`` (``add``, ``residual`` ``[T, H]``, e.g. a shared expert's output and the
+    layer's input), in fp32, rounded once. Triton path: align (not for one token), the up projection with the
+    activation, the down projection with the routing weight, the top-k sum with the epilogue; no host sync."""
+    kw = dict(add=add, residual=residual, scale=scale)
     if not moe_runs_triton(x, force_triton):
-        return moe_experts_ref(x, topk_ids, topk_weights, w1, w2, act=act, gated=gated)
+        return moe_experts_ref(x, topk_ids, topk_weights, w1, w2, act=act, gated=gated, **kw)
     _check(x, topk_ids, topk_weights, w1, w2, act, gated)
     T, k = topk_ids.shape
     E, H, I = w1.shape[0], x.shape[1], w2.shape[2]
+    for name, t in kw.items():
+        if name != "scale" and t is not None and (t.shape != (T, H) or t.stride(-1) != 1):
+            raise ValueError(f"moe_experts: {name} {tuple(t.shape)} must be [T, H] = [{T}, {H}], rows contiguous")
     if T == 0 or k == 0:
-        return torch.zeros(T, H, dtype=x.dtype, device=x.device)
+        return _epilogue(torch.zeros(T, H, dtype=torch.float32, device=x.device), add, residual, scale, x.dtype)
     N = T * k
     cfg = moe_tiles(N, E, x.is_cuda and not interpreting(), tiles)
     BM = cfg["block_m"]
@@ -276,6 +297,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         DOT_T=dot_t, PREC=prec, DIRECT=direct, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **pdl)
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK = min(1024, next_pow2(H))
-    _moe_sum_kernel[(T, triton.cdiv(H, BLOCK))](out, y, H, out.stride(0), y.stride(0), TOP_K=k, BLOCK=BLOCK,
-                                              num_warps=4, **pdl)
+    a, r = (add if add is not None else y), (residual if residual is not None else y)  # (placeholders when absent)
+    _moe_sum_kernel[(T, triton.cdiv(H, BLOCK))](out, y, a, r, float(scale), H, out.stride(0), y.stride(0), a.stride(0),
+                                              r.stride(0), TOP_K=k, HAS_ADD=add is not None,
+                                              HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=4, **pdl)
     return y

@@ -23,7 +23,8 @@ projection reads its rows contiguously; only the up projection gathers token row
   _moe_down_kernel    [blocks, H/BLOCK_N] the intermediate rows times expert e's second projection, times
                                           the pair's routing weight, stored fp32 at the pair's row
   _moe_sum_kernel     [T, H/BLOCK]        each token's k weighted rows summed in order (fp32), cast to the
-                                          output dtype: deterministic, no atomics
+                                          output dtype: deterministic, no atomics; with the block's epilogue
+                                          (a shared expert's output added, a scaled residual add) in the same pass
 
 A single token (decode at batch 1) skips the align step (DIRECT): its k pairs go to k distinct experts, so
 block b is pair b alone and its expert is read straight from ``topk_ids``; one launch fewer on the path where
@@ -232,9 +233,11 @@ if HAS_TRITON:
         tl.store(out_ptr + pair[:, None].to(tl.int64) * o_p + n[None, :] * o_h, acc, mask=valid[:, None] & mn[None, :])
 
     @triton.jit
-    def _moe_sum_kernel(src_ptr, out_ptr, H, s_p, o_t, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    def _moe_sum_kernel(src_ptr, out_ptr, add_ptr, res_ptr, scale, H, s_p, o_t, a_t, r_t, TOP_K: tl.constexpr,
+                        HAS_ADD: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
                         USE_PDL: tl.constexpr = False):
-        """Grid (T, cdiv(H, BLOCK)): ``out[t] = sum_j src[t * TOP_K + j]``, j in order."""
+        """Grid (T, cdiv(H, BLOCK)): ``out[t] = res[t] + scale * (sum_j src[t * TOP_K + j] + add[t])``, j in order,
+        in fp32 and rounded once (``add`` and ``res`` where given: the block's epilogue)."""
         pdl_start(USE_PDL)
         t, pb = tl.program_id(0).to(tl.int64), tl.program_id(1)
         n = pb * BLOCK + tl.arange(0, BLOCK)
@@ -242,4 +245,9 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             acc += tl.load(src_ptr + (t * TOP_K + j) * s_p + n, mask=m, other=0.0)
+        if HAS_ADD:
+            acc += tl.load(add_ptr + t * a_t + n, mask=m, other=0.0).to(tl.float32)
+        acc = acc * scale
+        if HAS_RES:
+            acc += tl.load(res_ptr + t * r_t + n, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * o_t + n, acc.to(out_ptr.dtype.element_ty), mask=m)

@@ -19,14 +19,14 @@ from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, tl, triton, use_
 if HAS_TRITON:
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, x_t, r_t, o_t, ro_t,
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, scale, x_t, r_t, o_t, ro_t,
                         HAS_RES: tl.constexpr, STORE_RES: tl.constexpr, BLOCK: tl.constexpr):
         """Grid (T,): one row. Rounds where the reference rounds: the sum in fp32 then once to the
         residual's dtype (torch's add), the residual to x's dtype, the normalised value to x's dtype."""
         t = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         m = c < D
-        r = tl.load(x_ptr + t * x_t + c, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(x_ptr + t * x_t + c, mask=m, other=0.0).to(tl.float32) * scale
         if HAS_RES:
             r += tl.load(res_ptr + t * r_t + c, mask=m, other=0.0).to(tl.float32)
         r = r.to(res_out_ptr.dtype.element_ty)
@@ -62,30 +62,37 @@ def rmsnorm_ref(
     weight: torch.Tensor,
     eps: float,
     residual_in_fp32: bool = False,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rdtype = _residual_dtype(x, residual, residual_in_fp32)
-    residual = x.to(rdtype) if residual is None else residual + x
+    if scale != 1.0:  # one rounding of residual + x * scale, as the kernel
+        residual = ((x.float() * scale) + (0.0 if residual is None else residual.float())).to(rdtype)
+    else:
+        residual = x.to(rdtype) if residual is None else residual + x
     h = residual.to(x.dtype).float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype), residual
 
 
-def rmsnorm(x, residual, weight, eps: float, residual_in_fp32: bool = False, *,
+def rmsnorm(x, residual, weight, eps: float, residual_in_fp32: bool = False, scale: float = 1.0, *,
             force_triton: bool | None = None):
     """Residual add + RMSNorm: see the module docstring. One launch; with no residual in x's dtype
-    the new residual is ``x`` itself (nothing written)."""
+    the new residual is ``x`` itself (nothing written). ``scale``: the new residual is ``residual + x * scale``
+    (Granite's ``residual_multiplier``), rounded once."""
     rows_ok = (x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
                and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1)))
     if not use_triton(x, force_triton) or not rows_ok:
-        return rmsnorm_ref(x, residual, weight, eps, residual_in_fp32)
+        return rmsnorm_ref(x, residual, weight, eps, residual_in_fp32, scale)
     T, D = x.shape
     out = torch.empty(T, D, dtype=torch.result_type(weight, x), device=x.device)
-    res_out = new_residual(x, residual, residual_in_fp32)
+    res_out = new_residual(x, residual, residual_in_fp32) if scale == 1.0 else torch.empty(
+        x.shape, dtype=_residual_dtype(x, residual, residual_in_fp32), device=x.device)
     if T == 0:
         return out, res_out
     BLOCK = next_pow2(D)
     res = residual if residual is not None else x
     _rmsnorm_kernel[(T,)](
-        x, res, weight, out, res_out, D, float(eps), x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        x, res, weight, out, res_out, D, float(eps), float(scale), x.stride(0), res.stride(0), out.stride(0),
+        res_out.stride(0),
         HAS_RES=residual is not None, STORE_RES=res_out is not x, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)))
     return out, res_out

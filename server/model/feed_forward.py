@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.kernels import moe
+from mambaserve.kernels.topk_softmax import topk_softmax
 from mambaserve.server.model.hybrid_config import MlpDims, MoEDims
 
 
@@ -137,8 +138,8 @@ class GraniteRouter(nn.Module):
         self.top_k = m.top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, idx = self.layer(x).float().topk(self.top_k, dim=-1)
-        return idx, torch.softmax(logits, dim=-1).to(x.dtype)
+        """``(top-k expert ids, their weights in x's dtype)``: a softmax over the k best logits."""
+        return topk_softmax(self.layer(x), self.top_k, x.dtype)
 
 
 class Stacked(nn.Module):
@@ -161,10 +162,13 @@ class GraniteMoE(nn.Module):
         self.output_linear = Stacked(m.num_experts, hidden, m.intermediate_size)
         activation(m.act)  # refuses an activation this module does not implement
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+        """The experts' weighted sum, and the layer's epilogue in the same pass: ``residual + scale * (sum + add)``
+        (``kernels.moe.moe_experts``)."""
         idx, w = self.router(x)
         return moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight, act=self.m.act,
-                               gated=True)
+                               gated=True, add=add, residual=residual, scale=scale)
 
     def warm_up_experts(self) -> int:
         """Compile the expert kernels' variants (routing weights in the model dtype, as the router gives them)."""

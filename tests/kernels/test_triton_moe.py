@@ -119,6 +119,22 @@ def test_experts_strided_inputs_and_int32_ids(dev):
     assert_close(moe_experts_ref(x, ids.int(), wts, w1, w2), ref, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("T", [1, 7])
+def test_epilogue_adds_a_shared_output_and_a_scaled_residual(dev, T):
+    """``residual + scale * (sum + add)`` (Granite's layer tail) in the sum kernel, one token (direct) or several."""
+    x, ids, wts, w1, w2 = _case(T, 2, 4, 24, 12, True, "spread", torch.float32, dev, seed=T + 40)
+    g = gen(T)
+    add, res = randn(g, T, 24, dev=dev), randn(g, T, 24, dev=dev)
+    plain = moe_experts_ref(x, ids, wts, w1, w2)
+    ref = moe_experts_ref(x, ids, wts, w1, w2, add=add, residual=res, scale=0.22)
+    assert_close(ref, res + 0.22 * (plain + add), TOL[torch.float32])
+    assert_close(moe_experts(x, ids, wts, w1, w2, add=add, residual=res, scale=0.22, force_triton=True), ref,
+                 TOL[torch.float32])
+    assert_close(moe_experts(x, ids, wts, w1, w2, add=add, force_triton=True), plain + add, TOL[torch.float32])
+    with pytest.raises(ValueError):
+        moe_experts(x, ids, wts, w1, w2, residual=res[:, :8], force_triton=True)
+
+
 def test_experts_zero_tokens_and_bad_arguments(dev):
     x, ids, wts, w1, w2 = _case(3, 2, 4, 16, 8, True, "spread", torch.float32, dev, seed=1)
     empty = moe_experts(x[:0], ids[:0], wts[:0], w1, w2, force_triton=True)

@@ -100,3 +100,17 @@ def test_chain_of_blocks_matches_unfused_math():
     unfused.append(norm(residual.to(dtype), ws[3]))
     for a, b in zip(fused, unfused):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("has_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_residual_add(dev, dtype, has_residual):
+    """``residual + x * scale`` (Granite's residual multiplier) rounded once, then the norm, as the reference."""
+    x, residual, w = _inputs(11, 6, 40, dtype, has_residual, False, dev)
+    out, res = rmsnorm(x, residual, w, 1e-5, scale=0.22, force_triton=True)
+    out_ref, res_ref = rmsnorm_ref(x, residual, w, 1e-5, scale=0.22)
+    want = x.double() * 0.22 + (residual.double() if has_residual else 0)
+    assert_close(res_ref, want.to(dtype), TOL[dtype])
+    assert_close(res, res_ref, TOL[dtype])
+    assert_close(out, out_ref, TOL[dtype])
+    assert res is not x

@@ -17,7 +17,7 @@ from mambaserve.operator.pod_reasons import PRIORITY as POD_REASONS
 from mambaserve.operator.pod_reasons import PodReason, diagnose
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import (CacheTier, InferenceSession, Problem, incompatibilities, parse_cache_tier,
-                                      parse_session, session_problems)
+                                      parse_session)
 from mambaserve.operator.status import Observed, TierOccupancy, observe, scrape, tier_occupancy
 
 
@@ -93,7 +93,7 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
     session = parse_session(body)
     previous = (body.get("status") or {}).get("conditions") or []
     binding = await bind(kube, session)
-    problems = session_problems(session, binding.tier)
+    problems = builders.problems(session, binding.tier)
     events: list[Event] = []
     missing_kinds: set[str] = set()
     if not binding.hold:

@@ -22,7 +22,7 @@ import yaml
 
 from mambaserve.operator import builders, names
 from mambaserve.operator.settings import API_VERSION, OperatorSettings, add_arguments, settings_from
-from mambaserve.operator.spec import CacheTier, incompatibilities, parse_cache_tier, parse_session, session_problems
+from mambaserve.operator.spec import CacheTier, incompatibilities, parse_cache_tier, parse_session
 
 KINDS = {"InferenceSession": "inferencesessions", "CacheTier": "cachetiers"}
 # An installed package carries the CRDs as mambaserve/operator/crds/ (pyproject.toml maps crds/ there);
@@ -143,7 +143,7 @@ def render(docs: Sequence[Document], settings: OperatorSettings,
             if bad:
                 raise RenderError(f"{doc.where}: {doc.ref}: " + "; ".join(p.message for p in bad)
                                   + " (the operator deploys nothing while they are incompatible)")
-        for problem in session_problems(session, tier):
+        for problem in builders.problems(session, tier):
             warn(f"{doc.ref}: {problem.message} ({problem.reason})")
         for child in builders.build_session_children(session, tier, settings):
             out.append((doc.ref, child if session.uid else _without_owner(child)))

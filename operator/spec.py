@@ -59,6 +59,7 @@ class ModelSource:
     token_secret: str | None = None
     token_key: str = "token"
     download_size_limit: str = "64Gi"
+    checkpoint_size: str | None = None  # the weight files' size: read into host memory while loading
     cache: ModelCache = ModelCache()
     download: ModelDownload = ModelDownload()
 
@@ -280,6 +281,7 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             token_secret=token.get("name"),
             token_key=_get(token, "key", "token"),
             download_size_limit=_get(model, "downloadSizeLimit", "64Gi"),
+            checkpoint_size=model.get("checkpointSize") or None,
             cache=ModelCache(
                 enabled=bool(_get(model.get("cache"), "enabled", False)),
                 size=(model.get("cache") or {}).get("size"),

@@ -11,13 +11,14 @@ from mambaserve.operator.builders.model import build_model_claim, build_model_jo
 from mambaserve.operator.builders.monitoring import build_router_monitor, build_service_monitor
 from mambaserve.operator.builders.router import (build_router_deployment, build_router_pdb, build_router_role,
                                                  build_router_role_binding, build_router_service_account)
-from mambaserve.operator.builders.server import build_workload, server_args
+from mambaserve.operator.builders.server import build_workload, memory_footprint, problems, server_args
 from mambaserve.operator.builders.services import build_client_service, build_headless_service, service_url
 from mambaserve.operator.builders.storage import build_tier_claim
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession
 
-__all__ = ["adapter_rules", "build_session_children", "build_tier_claim", "server_args", "service_url", "uses_cache"]
+__all__ = ["adapter_rules", "build_session_children", "build_tier_claim", "memory_footprint", "problems", "server_args",
+           "service_url", "uses_cache"]
 
 
 def build_session_children(session: InferenceSession, tier: CacheTier | None,

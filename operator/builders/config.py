@@ -7,8 +7,8 @@ from typing import Any
 
 from mambaserve.operator import names
 from mambaserve.operator.builders.common import session_metadata
-from mambaserve.operator.builders.server import model_path, server_args
-from mambaserve.operator.spec import CacheTier, InferenceSession, session_problems
+from mambaserve.operator.builders.server import memory_footprint, model_path, problems, server_args
+from mambaserve.operator.spec import CacheTier, InferenceSession
 
 
 def effective_config(session: InferenceSession, tier: CacheTier | None) -> dict[str, Any]:
@@ -39,7 +39,8 @@ def effective_config(session: InferenceSession, tier: CacheTier | None) -> dict[
             "writePolicy": tier.write_policy,
             "prefetchPolicy": tier.prefetch_policy,
         },
-        "notHonoured": [p.message for p in session_problems(session, tier)],
+        "memory": memory_footprint(session, tier).describe(),
+        "notHonoured": [p.message for p in problems(session, tier)],
     }
 
 

@@ -12,23 +12,24 @@ from mambaserve.operator import names
 from mambaserve.operator.builders import model, pod
 from mambaserve.operator.builders.common import session_metadata
 from mambaserve.operator.builders.overrides import apply_pod_template
-from mambaserve.operator.settings import SERVER_PORT, OperatorSettings
-from mambaserve.operator.spec import CacheTier, InferenceSession, quantity_bytes
+from mambaserve.operator.builders.resources import Footprint, container_resources, footprint
+from mambaserve.operator.settings import GROUP, SERVER_PORT, OperatorSettings
+from mambaserve.operator.spec import CacheTier, InferenceSession, Problem, quantity_bytes, session_problems
 
 CACHE_VOLUME = "cache"
 HOME_DIR = "/var/lib/mambaserve/home"
 # Session snapshots go to the storage tier when the CacheTier has one, else to an emptyDir here.
 SESSIONS_DIR = "/var/lib/mambaserve/sessions"
-# Requests of a pod whose spec names neither a request nor a limit for cpu or memory. Without
-# them the pod is BestEffort: first to be evicted under node pressure, and packed anywhere. A GPU
-# pod runs the scheduler thread, HTTP and tokenization on a few cores and holds the weights in host
-# memory while loading them; a CPU pod computes on its cores. Set spec.resources to size them.
-DEFAULT_REQUESTS = {True: {"cpu": "4", "memory": "16Gi"}, False: {"cpu": "2", "memory": "4Gi"}}
 # Writable directories under the read-only root filesystem (name, path, size limit). HOME holds
 # what libraries cache there (Triton's compiled kernels, the CUDA JIT cache, Hugging Face files).
 SCRATCH = (("tmp", pod.TMP_DIR, "1Gi"), ("home", HOME_DIR, "4Gi"))
 # Session snapshots without a storage tier: lost with the pod, but written somewhere writable.
 SESSIONS_SIZE = "16Gi"
+# /dev/shm defaults to 64 MiB in a container; PyTorch's pinned host buffers and IPC need more. Memory-backed,
+# so it counts in the pod's memory footprint.
+SHM_SIZE = "2Gi"
+# An annotation of the workload (not of its pods: it changes only with the resources) with the arithmetic.
+MEMORY_ANNOTATION = f"{GROUP}/memory"
 # Directories on a storage tier's volume: the server's L3 entries, and session snapshot files
 # (both shared by every pod that mounts a ReadWriteMany claim).
 STATES_SUBDIR = "states"
@@ -108,27 +109,6 @@ def storage_args(session: InferenceSession, tier: CacheTier | None) -> list[str]
     return args
 
 
-def _resources(session: InferenceSession) -> dict[str, Any]:
-    requests = {k: v for k, v in session.resources.requests.items()}
-    limits = {k: v for k, v in session.resources.limits.items()}
-    for name, value in DEFAULT_REQUESTS[session.resources.gpus > 0].items():
-        # A limit alone makes the API server default the request to it; adding one could exceed it.
-        if name not in requests and name not in limits:
-            requests[name] = value
-    if session.resources.gpus > 0:
-        # Extended resources must be requested and limited with the same value.
-        requests[session.resources.gpu_resource_name] = session.resources.gpus
-        limits[session.resources.gpu_resource_name] = session.resources.gpus
-    out: dict[str, Any] = {"requests": {k: _quantity(v) for k, v in sorted(requests.items())}}
-    if limits:
-        out["limits"] = {k: _quantity(v) for k, v in sorted(limits.items())}
-    return out
-
-
-def _quantity(value: Any) -> Any:
-    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-
-
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": "http"},
@@ -178,14 +158,29 @@ def _placement(session: InferenceSession) -> dict[str, Any]:
     return spec
 
 
+def memory_footprint(session: InferenceSession, tier: CacheTier | None) -> Footprint:
+    return footprint(session, tier, shm_bytes=int(quantity_bytes(SHM_SIZE)))
+
+
+def problems(session: InferenceSession, tier: CacheTier | None) -> list[Problem]:
+    """The spec's cross-object problems, and a memory request or limit below what the pod holds."""
+    found = session_problems(session, tier)
+    need = memory_footprint(session, tier)
+    for kind, given in (("requests", session.resources.requests), ("limits", session.resources.limits)):
+        if "memory" in given and quantity_bytes(given["memory"]) < need.total:
+            found.append(Problem("MemoryBelowFootprint",
+                                 f"resources.{kind}.memory {given['memory']} is below what a server pod holds: "
+                                 f"{need.describe()}; the pod may be OOM-killed"))
+    return found
+
+
 def pod_template(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings) -> dict[str, Any]:
     image = session.image or settings.server_image
     volumes, mounts, init = model.model_volumes(session, image)
     scratch_volumes, scratch_mounts = _scratch()
     volumes += scratch_volumes
     mounts += scratch_mounts
-    # /dev/shm defaults to 64 MiB in a container; PyTorch's pinned host buffers and IPC need more.
-    volumes.append(pod.empty_dir("dshm", "2Gi", medium="Memory"))
+    volumes.append(pod.empty_dir("dshm", SHM_SIZE, medium="Memory"))
     mounts.append(pod.mount("dshm", "/dev/shm"))
     if tier is not None and tier.storage.enabled:
         if not tier.storage.per_pod:
@@ -213,7 +208,7 @@ def pod_template(session: InferenceSession, tier: CacheTier | None, settings: Op
                 "name": session.server.api_key_secret, "key": session.server.api_key_key}}}]
               if session.server.api_key_secret else []),
         ],
-        "resources": _resources(session),
+        "resources": container_resources(session, memory_footprint(session, tier)),
         "volumeMounts": mounts,
         # Loading weights can take minutes; the startup probe holds liveness off until /health is 200.
         "startupProbe": _probe("/health", period=10, failures=90),
@@ -252,6 +247,8 @@ def build_workload(session: InferenceSession, tier: CacheTier | None, settings: 
     template = pod_template(session, tier, settings)
     selector = {"matchLabels": names.server_selector(session.name)}
     name = names.workload(session.name)
+    metadata = session_metadata(session, name, "server")
+    metadata["annotations"] = {MEMORY_ANNOTATION: memory_footprint(session, tier).describe()}
     if tier is not None and tier.storage.per_pod:
         claim_template = {
             "metadata": {"name": CACHE_VOLUME, "labels": {names.TIER_LABEL: tier.name}},
@@ -270,7 +267,7 @@ def build_workload(session: InferenceSession, tier: CacheTier | None, settings: 
         obj = {
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
-            "metadata": session_metadata(session, name, "server"),
+            "metadata": metadata,
             "spec": {
                 "replicas": session.replicas,
                 **immutable,
@@ -285,7 +282,7 @@ def build_workload(session: InferenceSession, tier: CacheTier | None, settings: 
     obj = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": session_metadata(session, name, "server"),
+        "metadata": metadata,
         "spec": {
             "replicas": session.replicas,
             "selector": selector,

@@ -91,12 +91,38 @@ def plan_pool(*, total: int, in_use: int, fraction: float, per_slot: int, reserv
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
-    """(total, in use) bytes: the GPU's, or on CPU the machine's physical memory and what is not available."""
+    """(total, in use) bytes: the GPU's, or on CPU the machine's physical memory and what is not available;
+    in a container with a memory limit (a Kubernetes pod's), that limit and the container's own use."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total, total - free
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limited = cgroup_memory()
+    if limited is not None and limited[0] < total:
+        return limited
     return total, total - _host_available()
+
+
+def cgroup_memory(root: str = "/sys/fs/cgroup") -> tuple[int, int] | None:
+    """(limit, in use) of this process's memory cgroup (v2, else v1), or None without a limit. In use is
+    the working set (usage less the inactive page cache the kernel reclaims first), as the kubelet counts it."""
+    for limit_file, usage_file, stat_file, inactive in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
+        try:
+            with open(f"{root}/{limit_file}") as f:
+                text = f.read().strip()
+            if text == "max":
+                return None
+            with open(f"{root}/{usage_file}") as f:
+                usage = int(f.read())
+            with open(f"{root}/{stat_file}") as f:
+                stats = dict(line.split() for line in f if line.strip())
+        except (OSError, ValueError):
+            continue
+        return int(text), usage - int(stats.get(inactive, 0))
+    return None
 
 
 def _host_available() -> int:

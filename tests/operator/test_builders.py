@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from typing import Any
 
@@ -9,7 +11,7 @@ import kubernetes_validate
 import pytest
 
 from mambaserve.operator import names
-from mambaserve.operator.builders import adapter_rules, build_session_children, build_tier_claim, server_args
+from mambaserve.operator.builders import adapter_rules, build_session_children, build_tier_claim, problems, server_args
 from mambaserve.operator.builders.autoscaling import CAPACITY_MISS_METRIC, QUEUE_METRIC
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import parse_cache_tier, parse_session, session_problems
@@ -115,8 +117,9 @@ def test_minimal_session_objects() -> None:
         "--log-level", "info", "--served-model-name", "mamba2-130m",
         "--session-snapshot-dir", "/var/lib/mambaserve/sessions",
     ]
-    assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
-                                      "limits": {"nvidia.com/gpu": "1"}}
+    # memory: runtime 4Gi + an unknown checkpoint's 8Gi + pinned 1Gi + /dev/shm 2Gi, requested and limited
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "15Gi", "nvidia.com/gpu": "1"},
+                                      "limits": {"memory": "15Gi", "nvidia.com/gpu": "1"}}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["ports"] == [{"name": "http", "containerPort": 30000, "protocol": "TCP"}]
@@ -181,7 +184,9 @@ def test_autoscaled_session_with_shared_tier() -> None:
     assert flags["--mamba-track-interval"] == "1024" and flags["--max-running-requests"] == "256"
     cache = [v for v in pod["volumes"] if v["name"] == "cache"]
     assert cache == [{"name": "cache", "persistentVolumeClaim": {"claimName": "shared-tier-storage"}}]
-    assert pod["containers"][0]["resources"]["requests"]["memory"] == "32Gi"
+    # runtime 4Gi + checkpoint 11Gi + host tier 32Gi + pinned 1Gi + /dev/shm 2Gi
+    assert pod["containers"][0]["resources"]["requests"]["memory"] == "50Gi"
+    assert pod["containers"][0]["resources"]["limits"]["memory"] == "50Gi"
     # the API key reaches the server from its Secret, never through the args
     assert {"name": "MAMBASERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "chat-api-key", "key": "api-key"}}} \
         in pod["containers"][0]["env"]
@@ -274,6 +279,38 @@ def test_keda_session_with_per_pod_tier_runs_as_statefulset() -> None:
     assert router[router.index("--assignment-mode") + 1] == "min_group"  # new sessions spread over the pods
 
 
+def test_memory_request_and_limit_cover_everything_the_pod_holds() -> None:
+    """A 32 GB host tier is pinned host memory: it is requested and limited with the rest (it was left out,
+    so a 32 GB tier rendered a 16Gi request and no limit)."""
+    body = sample("inferencesession-minimal")
+    body["metadata"]["uid"] = "u"
+    t = tier("cachetier-shared")
+    children = by_kind(build_session_children(parse_session(body), t, SETTINGS))
+    dep = children["Deployment", "tiny"]
+    resources = dep["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "47Gi"
+    assert dep["metadata"]["annotations"]["mambaserve.io/memory"] == (
+        "runtime 4Gi + weights 8Gi (allowance for an unknown checkpoint: set model.checkpointSize) + host tier 32Gi "
+        "(CacheTier shared-tier host.sizeGb) + pinned buffers 1Gi + /dev/shm 2Gi = 47Gi")
+    assert json.loads(children["ConfigMap", "tiny-config"]["data"]["effective-config.json"])["memory"].endswith("= 47Gi")
+    # The checkpoint's size replaces the allowance; a storage tier without host memory stages its reads.
+    body["spec"]["model"]["checkpointSize"] = "2.5Gi"
+    no_host = tier("cachetier-per-pod")
+    no_host = dataclasses.replace(no_host, host_size_gb=0.0)
+    dep = by_kind(build_session_children(parse_session(body), no_host, SETTINGS))["StatefulSet", "tiny"]
+    assert dep["metadata"]["annotations"]["mambaserve.io/memory"] == (
+        "runtime 4Gi + weights 2560Mi (model.checkpointSize) + storage staging 2Gi + pinned buffers 1Gi "
+        "+ /dev/shm 2Gi = 12Gi")
+    # A request the spec names is kept, and reported when it is below the footprint.
+    body["spec"]["resources"] = {"requests": {"memory": "32Gi"}}
+    s = parse_session(body)
+    resources = by_kind(build_session_children(s, t, SETTINGS))["Deployment", "tiny"]["spec"]["template"]["spec"][
+        "containers"][0]["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "32Gi"
+    [problem] = problems(s, t)
+    assert problem.reason == "MemoryBelowFootprint" and "= 42Gi" in problem.message
+
+
 def test_platform_session_placement_and_pod_template_merged_last() -> None:
     children = by_kind(SCENARIOS["platform"]())
     template = children["Deployment", "platform"]["spec"]["template"]
@@ -359,8 +396,9 @@ def test_cpu_session_and_disabled_features() -> None:
     children = by_kind(build_session_children(parse_session(body), None, SETTINGS))
     container = children["Deployment", "tiny"]["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][container["args"].index("--device") + 1] == "cpu"
-    # cpu as asked; memory defaulted (no request or limit named it); no GPU, so no GPU toleration.
-    assert container["resources"] == {"requests": {"cpu": "4", "memory": "4Gi"}}
+    # cpu as asked; memory from the footprint (runtime 2Gi + 1Gi checkpoint twice + state pool 2Gi + /dev/shm 2Gi);
+    # no GPU, so no GPU toleration.
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
     assert "tolerations" not in children["Deployment", "tiny"]["spec"]["template"]["spec"]
     assert "lifecycle" not in container  # nothing to drain without streaming sessions
     assert ("ServiceMonitor", "tiny") not in children

@@ -65,3 +65,22 @@ def test_cpu_memory_in_use_leaves_out_the_reclaimable_page_cache():
     available = int(meminfo["MemAvailable"].split()[0]) * 1024
     total, in_use = device_memory(torch.device("cpu"))
     assert abs((total - in_use) - available) < 512 * 2**20  # what else runs may move it a little
+
+
+def test_cpu_memory_is_the_containers_limit_when_it_has_one(tmp_path):
+    """A CPU pod's memory limit (the operator sets one) bounds the state pool: sized from the node's RAM,
+    the pool would outgrow the limit and the pod would be OOM-killed."""
+    from mambaserve.server.engine.memory import cgroup_memory
+
+    (tmp_path / "memory.max").write_text("8589934592\n")
+    (tmp_path / "memory.current").write_text(str(3 * 2**30) + "\n")
+    (tmp_path / "memory.stat").write_text("anon 1073741824\ninactive_file 1073741824\n")
+    assert cgroup_memory(str(tmp_path)) == (8 * 2**30, 2 * 2**30)
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_memory(str(tmp_path)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("4294967296\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("1073741824\n")
+    (v1 / "memory" / "memory.stat").write_text("cache 0\ntotal_inactive_file 0\n")
+    assert cgroup_memory(str(v1)) == (4 * 2**30, 2**30)

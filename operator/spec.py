@@ -110,6 +110,7 @@ class ServerSettings:
     state_dtype: str = "float32"
     disable_radix_cache: bool = False
     log_level: str = "info"
+    stuck_step_timeout_seconds: int = 300  # the liveness probe's /health?stuck_step_timeout=
     api_key_secret: str | None = None  # Secret name; its `api_key_key` entry becomes MAMBASERVE_API_KEY
     api_key_key: str = "api-key"
     extra_args: tuple[str, ...] = ()
@@ -315,6 +316,7 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             state_dtype=_get(server, "stateDtype", d_srv.state_dtype),
             disable_radix_cache=bool(_get(server, "disableRadixCache", False)),
             log_level=_get(server, "logLevel", d_srv.log_level),
+            stuck_step_timeout_seconds=int(_get(server, "stuckStepTimeoutSeconds", d_srv.stuck_step_timeout_seconds)),
             api_key_secret=(server.get("apiKeySecret") or {}).get("name") or None,
             api_key_key=_get(server.get("apiKeySecret"), "key", d_srv.api_key_key),
             extra_args=tuple(server.get("extraArgs") or ()),

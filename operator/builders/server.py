@@ -213,7 +213,9 @@ def pod_template(session: InferenceSession, tier: CacheTier | None, settings: Op
         # Loading weights can take minutes; the startup probe holds liveness off until /health is 200.
         "startupProbe": _probe("/health", period=10, failures=90),
         "readinessProbe": _probe("/health", period=5, failures=3),
-        "livenessProbe": _probe("/health", period=15, failures=4),
+        # Liveness from progress: fails while one step has run past the timeout with requests pending.
+        "livenessProbe": _probe(f"/health?stuck_step_timeout={session.server.stuck_step_timeout_seconds}",
+                                period=15, failures=4),
         "securityContext": pod.container_security_context(),
     }
     if drain > 0:

@@ -88,10 +88,21 @@ def create_app(engine: Engine) -> FastAPI:
         return Response(status_code=499)
 
     @app.get("/health", response_class=PlainTextResponse, responses={**PLAIN_TEXT, 503: ERRORS[503]})
-    async def health():
+    async def health(stuck_step_timeout: float | None = None):
+        """200 while the scheduler runs. With ``stuck_step_timeout`` (seconds; a liveness probe's), also 503
+        when a step has run longer than that with requests pending (a wedged GPU or a hung kernel); an idle
+        server stays live."""
         if not engine.healthy:
             return error_response(503, "scheduler is not running", "unavailable", "server_error")
-        return PlainTextResponse("OK")
+        if stuck_step_timeout is None:
+            return PlainTextResponse("OK")
+        live, p = engine.liveness(stuck_step_timeout)
+        detail = (f"{p['steps']} steps, the last ended {p['last_step_seconds_ago']:.1f} s ago, "
+                  f"{p['pending_requests']} requests pending")
+        if not live:
+            return error_response(503, f"a step has run {p['step_running_seconds']:.1f} s (stuck_step_timeout "
+                                       f"{stuck_step_timeout:g} s); {detail}", "unavailable", "server_error")
+        return PlainTextResponse(f"OK: {detail}")
 
     # HEAD too: some load balancers' health checks send it
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)

@@ -372,6 +372,14 @@ class Engine:
     def healthy(self) -> bool:
         return self.scheduler.alive
 
+    def liveness(self, timeout: float) -> tuple[bool, dict]:
+        """(live, progress): not live when the scheduler thread is gone, or when its step has run longer than
+        ``timeout`` seconds with requests pending (a wedged GPU, a hung kernel). An idle server stays live."""
+        info = {"alive": self.scheduler.alive, "timeout_seconds": timeout, **self.scheduler.progress()}
+        running = info["step_running_seconds"]
+        stuck = running is not None and running > timeout and info["pending_requests"] > 0
+        return info["alive"] and not stuck, info
+
     async def flush_cache(self) -> int:
         """Empty the radix cache (CacheBusyError while requests run); returns the snapshots freed."""
         return await self.run_in_scheduler(self.scheduler.flush_cache)

@@ -105,6 +105,9 @@ class Scheduler:
         self.inflight: Launched | None = None
         self.steps = 0
         self.stalled_steps = 0  # consecutive steps that ran nothing while requests waited and none ran
+        # Liveness (progress()): when the step now running began (None between steps), and when one last ended.
+        self.step_started: float | None = None
+        self.last_step_ended = time.monotonic()
         self._next_reap = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -153,12 +156,15 @@ class Scheduler:
             # requests held for their prefix from storage only: wait for the read (it posts to the inbox)
             self._drain_inbox(block=not (busy or self.queues.waiting) or (not busy and self._all_held()),
                               timeout=0.01 if self.queues.waiting else 0.5)
+            self.step_started = time.monotonic()
             try:
                 self.step()
             except Exception:  # a failed step must not take the server down
                 log.exception("step failed; failing its requests")
                 self.inflight = None
                 self.output.fail_running("internal error; the server log has the details")
+            finally:
+                self.step_started, self.last_step_ended = None, time.monotonic()
         if self.inflight is not None:  # stopping: read the last launched step's tokens
             self.output.read(self.inflight)
             self.inflight = None
@@ -414,6 +420,16 @@ class Scheduler:
         q = self.queues
         return {"num_reqs": len(q.running), "num_waiting_reqs": len(q.waiting),
                 "num_tokens": sum(r.num_tokens for r in (*q.running, *q.waiting))}
+
+    def progress(self) -> dict:
+        """Read from any thread (plain attribute reads): how long the step now running has run, how long ago
+        one last ended, the batches run, and the requests waiting on the scheduler. A wedged device or a stuck
+        step shows as a step that keeps running while requests are pending; an idle scheduler ends a step at
+        least every half second (the inbox wait's timeout)."""
+        now, started = time.monotonic(), self.step_started
+        return {"steps": self.steps, "step_running_seconds": None if started is None else now - started,
+                "last_step_seconds_ago": now - self.last_step_ended,
+                "pending_requests": len(self.queues.running) + len(self.queues.waiting)}
 
     def flush_cache(self) -> int:
         """Empty the radix cache; refused while requests run (their snapshots may be in use)."""

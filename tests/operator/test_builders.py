@@ -120,8 +120,10 @@ def test_minimal_session_objects() -> None:
     # memory: runtime 4Gi + an unknown checkpoint's 8Gi + pinned 1Gi + /dev/shm 2Gi, requested and limited
     assert container["resources"] == {"requests": {"cpu": "4", "memory": "15Gi", "nvidia.com/gpu": "1"},
                                       "limits": {"memory": "15Gi", "nvidia.com/gpu": "1"}}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # liveness from progress: a step stuck for 300 s with requests pending restarts the pod; idle does not
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health?stuck_step_timeout=300", "port": "http"}
     assert container["ports"] == [{"name": "http", "containerPort": 30000, "protocol": "TCP"}]
     # Streaming sessions drain: a preStop exec of the image's Python (works on every supported
     # Kubernetes, unlike the sleep action), and the grace period covers it.

@@ -161,6 +161,12 @@ class Monitoring:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rollout:
+    strategy: str | None = None  # Surge | Replace; None: from spare_gpus
+    spare_gpus: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -190,6 +196,7 @@ class InferenceSession:
     router: Router = Router()
     monitoring: Monitoring = Monitoring()
     termination_grace_period_seconds: int = 60
+    rollout: Rollout = Rollout()
     placement: Placement = Placement()
     # Merged over the server pod template last (builders/overrides.py); None: nothing to merge.
     pod_template: Mapping[str, Any] | None = None
@@ -353,6 +360,8 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             interval=_get(monitoring, "interval", "30s"),
         ),
         termination_grace_period_seconds=int(_get(spec, "terminationGracePeriodSeconds", 60)),
+        rollout=Rollout(strategy=(spec.get("rollout") or {}).get("strategy") or None,
+                        spare_gpus=int(_get(spec.get("rollout"), "spareGpus", 0))),
         placement=Placement(
             node_selector=dict(placement.get("nodeSelector") or {}),
             tolerations=tuple(placement.get("tolerations") or ()),

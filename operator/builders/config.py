@@ -7,7 +7,7 @@ from typing import Any
 
 from mambaserve.operator import names
 from mambaserve.operator.builders.common import session_metadata
-from mambaserve.operator.builders.server import memory_footprint, model_path, problems, server_args
+from mambaserve.operator.builders.server import memory_footprint, model_path, problems, rollout, server_args
 from mambaserve.operator.spec import CacheTier, InferenceSession
 
 
@@ -40,6 +40,7 @@ def effective_config(session: InferenceSession, tier: CacheTier | None) -> dict[
             "prefetchPolicy": tier.prefetch_policy,
         },
         "memory": memory_footprint(session, tier).describe(),
+        "rollout": dict(zip(("strategy", "surgePods"), rollout(session))),
         "notHonoured": [p.message for p in problems(session, tier)],
     }
 

@@ -165,6 +165,9 @@ def memory_footprint(session: InferenceSession, tier: CacheTier | None) -> Footp
 def problems(session: InferenceSession, tier: CacheTier | None) -> list[Problem]:
     """The spec's cross-object problems, and a memory request or limit below what the pod holds."""
     found = session_problems(session, tier)
+    if session.rollout.strategy == "Surge" and tier is not None and tier.storage.per_pod:
+        found.append(Problem("SurgeNotPossible", "rollout.strategy Surge: a StatefulSet (the CacheTier gives each "
+                                                 "pod its own claim) replaces its pods one at a time"))
     need = memory_footprint(session, tier)
     for kind, given in (("requests", session.resources.requests), ("limits", session.resources.limits)):
         if "memory" in given and quantity_bytes(given["memory"]) < need.total:
@@ -240,6 +243,22 @@ def pod_template(session: InferenceSession, tier: CacheTier | None, settings: Op
     return apply_pod_template(rendered, session.pod_template, labels)
 
 
+def rollout(session: InferenceSession) -> tuple[str, int]:
+    """(strategy, pods started ahead of the old ones): Surge needs free GPUs for its extra pods, so without
+    spareGpus declared a GPU session replaces (the new pod would wait Pending for a GPU the old one holds)."""
+    gpus = session.resources.gpus
+    ahead = session.rollout.spare_gpus // gpus if gpus else 1
+    strategy = session.rollout.strategy or ("Surge" if ahead >= 1 else "Replace")
+    return strategy, max(1, ahead) if strategy == "Surge" else 0
+
+
+def deployment_strategy(session: InferenceSession) -> dict[str, Any]:
+    strategy, ahead = rollout(session)
+    if strategy == "Surge":  # never a serving pod down before its replacement is ready
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": ahead, "maxUnavailable": 0}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
 def build_workload(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings) -> dict[str, Any]:
     """Deployment, or StatefulSet when the cache tier gives each pod its own claim.
 
@@ -289,8 +308,7 @@ def build_workload(session: InferenceSession, tier: CacheTier | None, settings: 
             "replicas": session.replicas,
             "selector": selector,
             "template": template,
-            # GPUs are scarce: never take a serving pod down before its replacement is ready.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": deployment_strategy(session),
             "revisionHistoryLimit": 5,
         },
     }

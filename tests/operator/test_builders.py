@@ -313,6 +313,30 @@ def test_memory_request_and_limit_cover_everything_the_pod_holds() -> None:
     assert problem.reason == "MemoryBelowFootprint" and "= 42Gi" in problem.message
 
 
+@pytest.mark.parametrize(("resources", "rollout", "expected"), [
+    # a GPU pool with no spare GPU declared: an old pod stops before its replacement starts (a surge pod
+    # would wait Pending for the GPU the old one holds, until the progress deadline)
+    ({}, None, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({}, {"spareGpus": 2}, {"maxSurge": 2, "maxUnavailable": 0}),
+    ({"gpus": 1}, {"spareGpus": 3, "strategy": "Replace"}, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({}, {"strategy": "Surge"}, {"maxSurge": 1, "maxUnavailable": 0}),
+    ({"gpus": 0}, None, {"maxSurge": 1, "maxUnavailable": 0}),  # CPU is not scarce
+])
+def test_rollout_strategy_follows_the_spare_gpus(resources: dict[str, Any], rollout: Any,
+                                                  expected: dict[str, int]) -> None:
+    body = sample("inferencesession-minimal")
+    body["metadata"]["uid"] = "u"
+    body["spec"]["resources"] = resources
+    if rollout is not None:
+        body["spec"]["rollout"] = rollout
+    s = parse_session(body)
+    dep = by_kind(build_session_children(s, None, SETTINGS))["Deployment", "tiny"]
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": expected}
+    # A StatefulSet cannot surge: asked for explicitly, that is reported.
+    body["spec"]["rollout"] = {"strategy": "Surge", "spareGpus": 1}
+    assert [p.reason for p in problems(parse_session(body), tier("cachetier-per-pod"))] == ["SurgeNotPossible"]
+
+
 def test_platform_session_placement_and_pod_template_merged_last() -> None:
     children = by_kind(SCENARIOS["platform"]())
     template = children["Deployment", "platform"]["spec"]["template"]

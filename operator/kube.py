@@ -1,10 +1,9 @@
 """The one module that talks to the Kubernetes API (Kopf's own watching and events aside).
 
-``apply`` is create-or-patch guided by the spec-hash annotation: an object whose hash matches is
-left alone, so a restarted operator produces no writes. Creation races (409 AlreadyExists) count as
-success. Updates are JSON patches that replace each top-level field the operator renders (and each
-key of ``spec``), so fields other controllers default or own elsewhere in the object are untouched,
-while lists and maps the operator renders are exactly what it rendered (removed keys disappear).
+``apply`` is server-side apply under the operator's field manager, sent only when the live object is not
+in sync with the desired one (``drift.py``: the operator's managed fields present and every rendered value
+in place), so a restarted operator produces no writes and a ``kubectl edit`` of a rendered field is undone.
+The API server keeps fields other controllers own and removes those the operator stops rendering.
 """
 
 from __future__ import annotations
@@ -19,8 +18,11 @@ from typing import Any
 import aiohttp
 import kopf
 
-from mambaserve.operator import names
+from mambaserve.operator import drift, names
 from mambaserve.operator.settings import FIELD_MANAGER, GROUP, VERSION
+
+# Owns a workload's replicas between the operator letting go of them and the autoscaler's first write.
+HANDOVER_MANAGER = f"{FIELD_MANAGER}-handover"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +57,6 @@ SESSION_CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "Pod
                        "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor",
                        "ServiceAccount", "Role", "RoleBinding", "Job", "PersistentVolumeClaim")
 
-# Top-level spec keys of a StatefulSet that the API server lets change; the rest need a new object.
-_STATEFULSET_MUTABLE = ("replicas", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy",
-                        "minReadySeconds", "ordinals", "revisionHistoryLimit")
 
 
 class ApiError(Exception):
@@ -80,10 +79,6 @@ class Applied:
     kind: str
     name: str
     action: str  # created | patched | unchanged | recreated
-
-
-def _pointer(*parts: str) -> str:
-    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
 
 
 def matches(labels: Mapping[str, str] | None, selector: Mapping[str, str]) -> bool:
@@ -199,16 +194,11 @@ class Kube:
 
     # --- writes -------------------------------------------------------------------------------
 
-    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        meta = obj["metadata"]
-        return await self._request("POST", self._url(obj["kind"], meta.get("namespace")), body=obj,
-                                   params={"fieldManager": FIELD_MANAGER})
-
-    async def delete(self, kind: str, namespace: str | None, name: str) -> bool:
+    async def delete(self, kind: str, namespace: str | None, name: str, orphan: bool = False) -> bool:
         try:
             await self._request("DELETE", self._url(kind, namespace, name),
                                 body={"kind": "DeleteOptions", "apiVersion": "v1",
-                                      "propagationPolicy": "Background"})
+                                      "propagationPolicy": "Orphan" if orphan else "Background"})
             return True
         except ResourceNotInstalled:
             return False
@@ -232,42 +222,57 @@ class Kube:
     async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         await self.merge_patch(kind, namespace, name, {"status": status}, sub="status")
 
+    async def server_side_apply(self, obj: Mapping[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        """Server-side apply: the API server merges ``obj`` into the object (creating it when missing), records
+        the fields as ``manager``'s and removes those the manager applied before but leaves out now. ``force``
+        takes back fields someone else changed meanwhile (their edit is the drift being undone)."""
+        meta = obj["metadata"]
+        return await self._request("PATCH", self._url(obj["kind"], meta.get("namespace"), meta["name"]), body=obj,
+                                   content_type="application/apply-patch+yaml",
+                                   params={"fieldManager": manager, "force": "true"})
+
     async def apply(self, desired: Mapping[str, Any]) -> Applied:
+        """Desired state by server-side apply, only when the live object is not already it (drift.in_sync)."""
         kind, meta = desired["kind"], desired["metadata"]
         namespace, name = meta.get("namespace"), meta["name"]
         live = await self.get(kind, namespace, name)
         if live is None:
-            try:
-                await self.create(desired)
-                return Applied(kind, name, "created")
-            except ApiError as e:
-                if e.status != 409:
-                    raise
-            # Lost a creation race (a previous operator incarnation, or a retried request):
-            # the object exists, so continue as an update.
-            live = await self.get(kind, namespace, name)
-            if live is None:
-                raise ApiError(409, "Conflict", f"{kind} {name} exists and vanished again")
-
+            await self.server_side_apply(desired)
+            return Applied(kind, name, "created")
         live_annotations = (live.get("metadata") or {}).get("annotations") or {}
         want = meta.get("annotations") or {}
         if names.IMMUTABLE_HASH in want and live_annotations.get(names.IMMUTABLE_HASH) != want[names.IMMUTABLE_HASH]:
-            if kind == "PersistentVolumeClaim":
-                raise ApiError(422, "Immutable", f"claim {name} exists with a different spec (size, class or "
-                                                 "access mode): delete it to have it re-created with the new one")
-            # The parts the API server never lets change differ: only a new object can have them.
-            await self.delete(kind, namespace, name)
-            await self._wait_gone(kind, namespace, name)
-            await self.create(desired)
-            return Applied(kind, name, "recreated")
-
-        drifted_replicas = _replicas(desired) is not None and _replicas(desired) != _replicas(live)
-        if live_annotations.get(names.SPEC_HASH) == want.get(names.SPEC_HASH) and not drifted_replicas:
+            return await self._replace(desired)
+        if drift.in_sync(desired, live, FIELD_MANAGER):
             return Applied(kind, name, "unchanged")
-        if kind == "PersistentVolumeClaim":
-            return Applied(kind, name, "unchanged")  # a claim's spec is fixed once bound
-        await self.json_patch(kind, namespace, name, _update_ops(desired, live))
+        await self._hand_over_replicas(desired, live)
+        await self.server_side_apply(desired)
         return Applied(kind, name, "patched")
+
+    async def _replace(self, desired: Mapping[str, Any]) -> Applied:
+        """A new object for parts the API server never lets change (a StatefulSet's claim templates, a Job)."""
+        kind, namespace, name = desired["kind"], desired["metadata"].get("namespace"), desired["metadata"]["name"]
+        if kind == "PersistentVolumeClaim":
+            raise ApiError(422, "Immutable", f"claim {name} exists with a different spec (size, class or "
+                                             "access mode): delete it to have it re-created with the new one")
+        # A StatefulSet's pods are orphaned, not deleted: they keep serving, and the new StatefulSet (same
+        # name, selector and ordinals) adopts them and rolls them onto its template one at a time.
+        await self.delete(kind, namespace, name, orphan=kind == "StatefulSet")
+        await self._wait_gone(kind, namespace, name)
+        await self.server_side_apply(desired)
+        return Applied(kind, name, "recreated")
+
+    async def _hand_over_replicas(self, desired: Mapping[str, Any], live: Mapping[str, Any]) -> None:
+        """When an autoscaler takes a workload's replicas over, the operator stops applying the field; applied
+        as is, the API server would remove it (back to 1 replica). A second manager applies the live count first
+        and keeps owning it until the autoscaler writes it (the documented server-side apply handover)."""
+        if desired["kind"] in ("Deployment", "StatefulSet") and "replicas" not in (desired.get("spec") or {}) \
+                and drift.owns(live, FIELD_MANAGER, ("spec", "replicas")):
+            meta = desired["metadata"]
+            await self.server_side_apply({"apiVersion": desired["apiVersion"], "kind": desired["kind"],
+                                          "metadata": {"name": meta["name"], "namespace": meta.get("namespace")},
+                                          "spec": {"replicas": (live.get("spec") or {}).get("replicas", 1)}},
+                                         manager=HANDOVER_MANAGER)
 
     async def _wait_gone(self, kind: str, namespace: str | None, name: str, timeout: float = 30.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout
@@ -303,35 +308,6 @@ def _resource_missing(reason: str, details: Any) -> bool:
     if "Resource" in reason:
         return True
     return reason == "NotFound" and not (isinstance(details, Mapping) and details.get("name"))
-
-
-def _replicas(obj: Mapping[str, Any]) -> int | None:
-    if obj.get("kind") not in ("Deployment", "StatefulSet"):
-        return None
-    return (obj.get("spec") or {}).get("replicas")
-
-
-def _update_ops(desired: Mapping[str, Any], live: Mapping[str, Any]) -> list[dict[str, Any]]:
-    meta, live_meta = desired["metadata"], live.get("metadata") or {}
-    ops: list[dict[str, Any]] = []
-    for field in ("labels", "annotations"):
-        merged = {**(live_meta.get(field) or {}), **(meta.get(field) or {})}
-        ops.append({"op": "add", "path": _pointer("metadata", field), "value": merged})
-    if "ownerReferences" in meta:
-        ops.append({"op": "add", "path": _pointer("metadata", "ownerReferences"), "value": meta["ownerReferences"]})
-    for key, value in desired.items():
-        if key in ("apiVersion", "kind", "metadata", "status"):
-            continue
-        if key == "spec" and isinstance(value, Mapping) and isinstance(live.get("spec"), Mapping):
-            for sub, sub_value in value.items():
-                if desired["kind"] == "StatefulSet" and sub not in _STATEFULSET_MUTABLE:
-                    continue
-                if desired["kind"] == "Job":
-                    continue  # a Job's spec is fixed (the immutable hash recreates it); the API server adds to it
-                ops.append({"op": "add", "path": _pointer("spec", sub), "value": sub_value})
-        else:
-            ops.append({"op": "add", "path": _pointer(key), "value": value})
-    return ops
 
 
 def _make_session(info: kopf.ConnectionInfo, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:

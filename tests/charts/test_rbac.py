@@ -17,17 +17,6 @@ from tests.charts.rbac import Access, Authorizer, access_of
 GRANTED_UNUSED = {
     ("", "pods", "get"): "escalation prevention: the router Role the operator creates grants it",
     ("", "pods", "watch"): "escalation prevention: the router Role the operator creates grants it",
-    # kube.apply patches any child whose rendered spec changed; the scenario's spec change
-    # (chunkedPrefillSize) only changes the ConfigMap and the workloads.
-    ("", "services", "patch"): "kube.apply on a changed Service (e.g. router enabled/disabled)",
-    ("", "serviceaccounts", "patch"): "kube.apply on a changed router ServiceAccount",
-    ("policy", "poddisruptionbudgets", "patch"): "kube.apply on a changed PDB (replica count)",
-    ("autoscaling", "horizontalpodautoscalers", "patch"): "kube.apply on changed autoscaling bounds",
-    ("keda.sh", "scaledobjects", "patch"): "kube.apply on changed autoscaling bounds",
-    ("monitoring.coreos.com", "servicemonitors", "patch"): "kube.apply on a changed scrape interval",
-    ("rbac.authorization.k8s.io", "roles", "patch"): "kube.apply on a changed router Role",
-    ("rbac.authorization.k8s.io", "rolebindings", "patch"): "kube.apply on a changed router RoleBinding",
-    ("batch", "jobs", "patch"): "kube.apply on a download Job whose labels changed (its spec is fixed)",
 }
 
 

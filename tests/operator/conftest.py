@@ -17,11 +17,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp.web
 import jsonpatch
 import kmock
 import pytest
 import pytest_asyncio
 import yaml
+from kmock._internal import dicts as kmock_dicts
+
+from tests.operator import ssa
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRDS = ROOT / "crds"
@@ -29,27 +33,94 @@ SAMPLES = CRDS / "samples"
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 
 class VersionedEmulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus one API-server guarantee Kopf depends on: every write moves
-    ``metadata.resourceVersion``. Kopf compares it to skip watch events older than its own
-    last patch; with a constant version it would re-run creation handlers on stale events."""
+    """kmock's emulator plus the API-server behaviour the operator and Kopf depend on:
+
+    - every write moves ``metadata.resourceVersion`` (Kopf compares it to skip watch events older than
+      its own last patch; with a constant version it would re-run creation handlers on stale events);
+    - server-side apply (``application/apply-patch+yaml``) and field ownership in ``managedFields``
+      (tests/operator/ssa.py), and an apply that changes nothing writes nothing (no new version, no event);
+    - a failed JSON-patch ``test`` is a 422 (Kopf's optimistic-concurrency guard), not a 500.
+    """
 
     _versions = itertools.count(2)
 
     async def _handle(self, request: Any) -> Any:
-        if request.resource is not None and request.method in ("POST", "PATCH"):
-            version = str(next(self._versions))
+        if request.resource is None or request.method not in ("POST", "PATCH"):
+            return await super()._handle(request)
+        version = str(next(self._versions))
+        manager = request.params.get("fieldManager") or request.headers.get("User-Agent", "unknown").split("/")[0]
+        if request.method == "POST":
             if isinstance(request.data, dict):
+                request.data.setdefault("metadata", {})["resourceVersion"] = version
+                ssa.update(None, request.data, manager)
+            return await super()._handle(request)
+        key = (request.resource, request.namespace, request.name)
+        stored = self._objects[key] if key in self._objects else None
+        live = None if stored is None or stored.deleted else copy.deepcopy(stored.raw)
+        if request.subresource is not None or (live is None and "apply-patch" not in request.headers.get(
+                "Content-Type", "")):
+            if isinstance(request.data, dict):  # status and scale: only the version moves
                 request.data.setdefault("metadata", {})["resourceVersion"] = version
             elif isinstance(request.data, list):
                 request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+            return await super()._handle(request)
+        if "apply-patch" in request.headers.get("Content-Type", ""):
+            try:
+                new = ssa.apply(live, request.data, manager, force=request.params.get("force") == "true")
+            except ssa.Conflict as e:
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=str(e)) from None
+            if live is None:  # apply creates; the write below then adds nothing (reactions still answer)
+                await self._create_applied(request, key, new, version)
+                object.__setattr__(request, "data", {})
+                return await super()._handle(request)
+            if _without_times(new) == _without_times(live):
+                return aiohttp.web.json_response(live)
+        else:
+            patched = jsonpatch.apply_patch(live, request.data) if isinstance(request.data, list) \
+                else kmock_dicts.merge_patch_dict(live, request.data)
+            new = ssa.update(live, copy.deepcopy(dict(patched)), manager)
+        new["metadata"]["resourceVersion"] = version
+        object.__setattr__(request, "data", _merge_diff(live, new))
         return await super()._handle(request)
 
+    async def _create_applied(self, request: Any, key: Any, obj: dict[str, Any], version: str) -> None:
+        meta = obj["metadata"]
+        meta.update({"namespace": request.namespace, "resourceVersion": version, "generation": 1,
+                     "creationTimestamp": "2025-01-01T00:00:00Z"})
+        meta.setdefault("uid", f"uid-{next(_uids)}")
+        async with self._lock:
+            if key in self._objects:
+                self._objects[key].create(obj)
+            else:
+                self._objects[key] = obj
+            await self._buses[request.resource].put({"type": "ADDED", "object": self._objects[key].raw})
+
     async def _render_error(self, exc: Exception) -> Any:
-        # A failed JSON-patch "test" (Kopf's optimistic-concurrency guard) is a 422 on a real
-        # API server, which Kopf answers by retrying on the next event; a 500 would be retried blindly.
         if isinstance(exc, jsonpatch.JsonPatchTestFailed):
             exc = kmock.KubernetesError(status=422, reason="Invalid", message=str(exc))
         return await super()._render_error(exc)
+
+
+def _without_times(obj: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(obj)
+    for entry in out.get("metadata", {}).get("managedFields") or ():
+        entry.pop("time", None)
+    return out
+
+
+def _merge_diff(old: Any, new: Any) -> Any:
+    """The JSON merge patch that turns ``old`` into ``new`` (kmock stores every write as a merge)."""
+    out = {}
+    for key in old.keys() - new.keys():
+        out[key] = None
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(key), dict):
+            sub = _merge_diff(old[key], value)
+            if sub:
+                out[key] = sub
+        elif key not in old or old[key] != value:
+            out[key] = value
+    return out
 
 
 @pytest.fixture
@@ -130,8 +201,9 @@ class Cluster:
             return await resp.json()
 
     async def patch(self, kind: str, name: str, patch: dict[str, Any], namespace: str = "llm",
-                    sub: str | None = None) -> None:
+                    sub: str | None = None, manager: str = "kubectl-edit") -> None:
         async with self.kmock.patch(self.path(kind, namespace, name, sub), json=patch,
+                                    params={"fieldManager": manager},
                                     headers={"Content-Type": "application/merge-patch+json"}) as resp:
             assert resp.status == 200, await resp.text()
 

@@ -231,7 +231,7 @@ async def test_unsupported_and_invalid_settings_degrade_without_crashing(kmock: 
     kmock[re.compile(r"/apis/keda\.sh/.*")] << kmock_lib.Response(status=404, payload={
         "kind": "Status", "reason": "NotFound", "message": "the server could not find the requested resource",
         "details": {}})
-    kmock["post /apis/apps/v1/namespaces/llm/deployments", kmock_lib.body(re.compile(rb'.*"name": "broken".*', re.S))] \
+    kmock["patch /apis/apps/v1/namespaces/llm/deployments/broken"] \
         << kmock_lib.Response(status=422, payload={"kind": "Status", "reason": "Invalid",
                                                    "message": "spec.template.spec.affinity: Invalid value"})
     await start_operator()
@@ -322,3 +322,20 @@ async def test_cache_tier_ready_once_its_storage_is_real_with_the_occupancy_pods
                                     and c["status"] == "True" and c)
         assert degraded["reason"] == "StorageUnavailable" and "tiny-0, tiny-1" in degraded["message"]
         assert status(cluster, "CacheTier", "shared-tier")["phase"] == "Degraded"
+
+
+async def test_a_kubectl_edit_of_the_server_image_or_args_is_reverted(cluster: Cluster, start_operator: Any) -> None:
+    """Drift is judged on the live object's fields, not on the spec-hash annotation an edit leaves alone."""
+    await start_operator()
+    await cluster.create(sample("inferencesession-minimal"))
+    dep = await eventually(lambda: cluster.get("Deployment", "tiny"))
+    rendered = dep["spec"]["template"]["spec"]["containers"][0]
+    edited = {**rendered, "image": "registry.example/other:1", "args": [*rendered["args"], "--log-level", "debug"]}
+    await cluster.patch("Deployment", "tiny", {"spec": {"template": {"spec": {"containers": [edited]}}}})
+    assert cluster.get("Deployment", "tiny")["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        "registry.example/other:1"
+    server = lambda: cluster.get("Deployment", "tiny")["spec"]["template"]["spec"]["containers"][0]  # noqa: E731
+    await eventually(lambda: server()["image"] == rendered["image"] and server()["args"] == rendered["args"])
+    owners = {e["manager"] for e in cluster.get("Deployment", "tiny")["metadata"]["managedFields"]
+              if e["operation"] == "Apply"}
+    assert owners == {"mambaserve-operator"}

@@ -120,9 +120,10 @@ real operator and checks every request it makes against these rules.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
-# Children of an InferenceSession: applied (get, create, patch), re-created when an immutable
-# field changes (delete), pruned by label when stale (list, delete). The optional kinds (KEDA,
-# prometheus-operator) are listed on every prune even when unused, so they are always granted.
+# Children of an InferenceSession: server-side applied (patch; create when the apply creates the
+# object), read (get), re-created when an immutable field changes (delete), pruned by label when
+# stale (list, delete). The optional kinds (KEDA, prometheus-operator) are listed on every prune even
+# when unused, so they are always granted.
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts"]
   verbs: ["get", "list", "create", "patch", "delete"]
@@ -144,11 +145,12 @@ real operator and checks every request it makes against these rules.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "create", "patch", "delete"]
-# Claims: a CacheTier's shared storage claim and a session's model cache. Created once, never
-# patched (a bound claim's spec is fixed), deleted with their owner; model caches are pruned by label.
+# Claims: a CacheTier's shared storage claim and a session's model cache. Server-side applied (a
+# bound claim's spec never changes: only labels may), deleted with their owner; model caches are
+# pruned by label.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
-  verbs: ["get", "list", "create", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 # The Job that downloads a session's model into its model cache claim (re-created on a new revision).
 - apiGroups: ["batch"]
   resources: ["jobs"]

@@ -143,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting beyond the running ones; past it new requests get 503 with Retry-After")
     s.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="answers one request may ask for at most: its prompts (a list or a batch) x n")
+    s.add_argument("--max-connections", type=int,
+                   help="open HTTP connections at most; past it a request gets 503 with Retry-After and its "
+                        "connection is closed (default: 3/4 of the open-file limit, at most 4096)")
+    s.add_argument("--http-header-timeout", type=float, default=20.0,
+                   help="seconds a request's line and headers may take to arrive, from its first byte (or from "
+                        "the connection's opening); past it 408 and the connection is closed")
+    s.add_argument("--http-body-timeout", type=float, default=60.0,
+                   help="seconds a request's body may take to arrive after its headers; past it 408 and the "
+                        "connection is closed")
     return p
 
 
@@ -178,6 +187,7 @@ def serve(cfg: ServerConfig) -> None:
     """Bind the port first and load the model behind it (503 ``loading`` until ready); exit 2 if loading fails."""
     import uvicorn
 
+    from mambaserve.server.api import connections
     from mambaserve.server.api.app import create_app
     from mambaserve.server.api.loading import LoadingApp
     from mambaserve.server.engine.engine import Engine
@@ -192,6 +202,7 @@ def serve(cfg: ServerConfig) -> None:
     failed: list[BaseException] = []
 
     def ready(engine) -> None:
+        engine.metrics.watch_connections(guard)
         print(f"\nmambaserve: serving {engine.model_name!r} at {url}\n  try:\n"
               f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
@@ -210,11 +221,18 @@ def serve(cfg: ServerConfig) -> None:
 
     app = LoadingApp(load, ready, failure,
                      None if cfg.skip_server_warmup else functools.partial(warm_up, api_key=cfg.api_key))
+    descriptors = connections.raise_descriptor_limit()
+    max_connections = cfg.max_connections or connections.default_max_connections(descriptors)
+    logging.getLogger("mambaserve").info("open-file limit %d: at most %d connections", descriptors, max_connections)
+    guard = connections.ConnectionGuard(max_connections, cfg.http_header_timeout, cfg.http_body_timeout)
     # Idle keep-alive connections live longer here than in the proxies and client pools in front (cloud
     # load balancers idle out at 60 s): the server is never the side that closes a connection a client
     # is about to reuse, which fails that request (uvicorn's default is 5 s, httpx's pools keep 5 s too).
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           timeout_graceful_shutdown=5, timeout_keep_alive=75))
+    server = connections.GuardedServer(uvicorn.Config(
+        guard.middleware(app), host=cfg.host, port=cfg.port, http=guard.protocol(),
+        loop="mambaserve.server.api.connections:GuardedEventLoop",
+        log_level=cfg.log_level, timeout_graceful_shutdown=5, timeout_keep_alive=75))
+    guard.open = lambda: len(server.server_state.connections)
     print(f"mambaserve: loading {cfg.model} (503 at {url}/health until ready)", flush=True)
     server.run(sockets=[sock])
     if failed:

@@ -53,6 +53,9 @@ class ServerConfig:
     max_queued_requests: int = 1024
     max_prompts_per_request: int = 64
     request_timeout: float | None = None
+    max_connections: int | None = None  # None: from the open-file limit (api/connections.py)
+    http_header_timeout: float = 20.0
+    http_body_timeout: float = 60.0
     api_key: str | None = field(default=None, repr=False)  # never logged
 
     def __post_init__(self) -> None:
@@ -101,6 +104,12 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.session_timeout) and self.session_timeout > 0):
             raise ValueError(f"--session-timeout must be a positive number of seconds, got {self.session_timeout}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        for name in ("http_header_timeout", "http_body_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got "
+                                 f"{getattr(self, name)}")
         if self.request_timeout is not None and not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
             raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout}")
         if not 0 <= self.session_slot_fraction < 1:

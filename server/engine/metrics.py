@@ -8,6 +8,7 @@ import time
 
 from mambaserve.server.engine.timeline import STAGES
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # `_created` series double the scrape size and no dashboard uses them.
 disable_created_metrics()
@@ -134,6 +135,10 @@ class ServerMetrics:
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
 
+    def watch_connections(self, guard) -> None:
+        """The HTTP edge's connections (``api.connections.ConnectionGuard``), read at each scrape."""
+        self.registry.register(_ConnectionCollector(guard))
+
     def observe_cache_config(self, *, page_size: int, num_pages: int, num_state_slots: int,
                              track_interval: int) -> None:
         """Once, when the pools are built."""
@@ -162,6 +167,20 @@ class ServerMetrics:
             self._window.popleft()
         q = sum(w[1] for w in self._window)
         self.hit_rate.set(sum(w[2] for w in self._window) / q if q else 0.0)
+
+
+class _ConnectionCollector:
+    def __init__(self, guard):
+        self.guard = guard
+
+    def collect(self):
+        yield GaugeMetricFamily("mambaserve_http_connections", "Open HTTP connections", value=self.guard.open())
+        refused = CounterMetricFamily("mambaserve_http_connections_refused",
+                                      "HTTP requests refused at the edge: read deadline passed (408) or too many "
+                                      "connections open (503)", labels=["reason"])
+        for reason, n in self.guard.refused.items():
+            refused.add_metric([reason], n)
+        yield refused
 
 
 def pinned_share(used: int, evictable: int, total: int) -> float:

@@ -1,0 +1,148 @@
+"""Slow and numerous clients against a real `mambaserve serve` process over real sockets (issue 33, item 4):
+half-sent requests are closed after the read deadlines, connections past --max-connections get 503 while
+the server keeps serving, and running out of descriptors logs a line, not a traceback per accept."""
+
+import contextlib
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port
+
+FD_LIMIT = 64  # the server uses ~10 descriptors of its own
+
+
+@contextlib.contextmanager
+def served(model, *flags):
+    port = free_port()
+
+    def limit_descriptors():  # soft and hard: the server raises its soft limit to the hard one
+        resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+    proc = subprocess.Popen([sys.executable, "-m", "mambaserve.server", "serve", "--model", str(model), "--port",
+                             str(port), "--log-level", "warning", "--skip-server-warmup", *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=limit_descriptors)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start: " + "".join(log)
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield port, log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        reader.join(timeout=5)
+
+
+def connect(port: int, data: bytes = b"") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if data:
+        s.sendall(data)
+    return s
+
+
+def answer(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+def one_response(s: socket.socket) -> bytes:
+    """One whole response (headers and a Content-Length body) from a keep-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(4096)
+    return head
+
+
+HALF_SENT = {
+    "nothing": b"",
+    "half a request line": b"POST /gener",
+    "half the headers": b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le",
+    "half the body": b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 64\r\n\r\n{"text": "x',
+}
+
+
+def test_half_sent_requests_are_answered_408_and_closed_after_the_read_deadlines(tiny_ckpt):
+    with served(tiny_ckpt, "--http-header-timeout", "1", "--http-body-timeout", "1.5") as (port, log):
+        # a keep-alive connection that completed a request stays open past the header deadline
+        idle = connect(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert one_response(idle).startswith(b"HTTP/1.1 200")
+        t = time.monotonic()
+        socks = {what: connect(port, data) for what, data in HALF_SENT.items()}
+        for what, s in socks.items():
+            got = answer(s)
+            assert got.startswith(b"HTTP/1.1 408"), (what, got)
+            assert b"request_read_timeout" in got and (b"body" in got) == (what == "half the body"), got
+        assert time.monotonic() - t < 6
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert one_response(idle).startswith(b"HTTP/1.1 200")
+        # ... and gets the header deadline again for a half-sent second request
+        idle.sendall(b"GET /heal")
+        assert answer(idle).startswith(b"HTTP/1.1 408")
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'mambaserve_http_connections_refused_total{reason="header_timeout"} 4.0' in metrics
+        assert 'mambaserve_http_connections_refused_total{reason="body_timeout"} 1.0' in metrics
+        assert not [line for line in log if "Traceback" in line]
+
+
+def test_past_the_connection_limit_requests_get_503_and_the_server_keeps_serving(tiny_ckpt):
+    with served(tiny_ckpt, "--max-connections", "8", "--http-header-timeout", "3") as (port, log):
+        url = f"http://127.0.0.1:{port}"
+        held = [connect(port) for _ in range(8)]
+        time.sleep(0.2)
+        r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections"
+        assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        for s in held[:2]:
+            s.close()
+        time.sleep(0.2)
+        r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200
+
+        # past the descriptor limit: accept() fails; one log line per interval, no traceback per accept, and
+        # once the half-sent connections time out the server serves again
+        flood = []
+        with contextlib.suppress(OSError):
+            for _ in range(2 * FD_LIMIT):
+                flood.append(connect(port))
+        time.sleep(1.5)
+        # a connection opened past the limit has a second to send its headers, then gets its 503 anyway
+        t = time.monotonic()
+        got = answer(flood[4])  # (6 held + 5: past the limit of 8)
+        assert got.startswith(b"HTTP/1.1 503") and b"too_many_connections" in got, got
+        assert time.monotonic() - t < 1
+        refused = [line for line in log if "cannot accept connections" in line]
+        assert 1 <= len(refused) <= 2, log[-5:]
+        assert not [line for line in log if "Traceback" in line or "out of system resource" in line], log[-5:]
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server does not serve again after the flood"
+        r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}}, timeout=30)
+        assert r.status_code == 200
+        for s in flood + held:
+            s.close()

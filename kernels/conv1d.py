@@ -84,11 +84,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _conv_state_write_kernel(
-        x_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr, snap_ptr, Dm, x_t, x_d, st_s, st_d, st_k,
-        K: tl.constexpr, SNAP: tl.constexpr, BLOCK_D: tl.constexpr,
+        x_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr, snap_ptr, snap_len_ptr, Dm, x_t, x_d, st_s, st_d, st_k,
+        K: tl.constexpr, SNAP: tl.constexpr, SNAP_LEN: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """Grid (S, cdiv(D, BLOCK_D)), after the conv: slot <- last K-1 inputs of [old state, x]; with
-        ``SNAP``, the snapshot slot (``snap_ptr``, -1: none) <- the K-1 inputs before the last token."""
+        ``SNAP``, the snapshot slot (``snap_ptr``, -1: none) <- the K-1 inputs before the last token (``SNAP_LEN``:
+        before token ``snap_len[s]`` of this call)."""
         s = tl.program_id(0)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         beg = tl.load(cu_ptr + s).to(tl.int32)
@@ -101,10 +102,13 @@ if HAS_TRITON:
         # an old column when the sequence is shorter than the window. 1-D tiles keep all columns of
         # channel d in one thread.
         u = beg + L - (K - 1)
-        if SNAP:  # the window one token earlier, read before the slot's old columns are overwritten
+        if SNAP:  # an earlier window, read before the slot's old columns are overwritten
             snap = tl.load(snap_ptr + s).to(tl.int64)
             ms = m & (d < tl.where(snap >= 0, Dm, 0))
-            _write_window(x_ptr, state_ptr, state_ptr + tl.maximum(snap, 0) * st_s + d * st_d, u - 1, beg, slot,
+            u_snap = u - 1
+            if SNAP_LEN:
+                u_snap = beg + tl.load(snap_len_ptr + s).to(tl.int32) - (K - 1)
+            _write_window(x_ptr, state_ptr, state_ptr + tl.maximum(snap, 0) * st_s + d * st_d, u_snap, beg, slot,
                           has_init, d, ms, Dm, x_t, x_d, st_s, st_d, st_k, K)
         _write_window(x_ptr, state_ptr, base, u, beg, slot, has_init, d, m, Dm, x_t, x_d, st_s, st_d, st_k, K)
 
@@ -218,6 +222,7 @@ def causal_conv1d_varlen_ref(
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
     snap_slots: torch.Tensor | None = None,
+    snap_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     D, K = weight.shape
     out = x.new_empty(x.shape)
@@ -225,6 +230,7 @@ def causal_conv1d_varlen_ref(
     slots = state_indices.tolist()
     has_init = has_initial_state.tolist()
     snaps = snap_slots.tolist() if snap_slots is not None else [-1] * len(slots)
+    snap_lens = snap_len.tolist() if snap_len is not None else None
     for i, slot in enumerate(slots):
         start, end = bounds[i], bounds[i + 1]
         if end == start:
@@ -237,8 +243,9 @@ def causal_conv1d_varlen_ref(
         full = torch.cat([prev, seq], dim=1)  # [D, K-1+L]
         y = F.conv1d(full.unsqueeze(0), weight.float().unsqueeze(1), bias.float() if bias is not None else None, groups=D)[0]
         out[start:end] = _activate(y, activation).t().to(x.dtype)
-        if snaps[i] >= 0:  # the window before the sequence's last token
-            conv_state[snaps[i]] = full[:, full.shape[1] - K:full.shape[1] - 1].to(conv_state.dtype)
+        if snaps[i] >= 0:  # the window before token j of this call (the last one unless snap_len says)
+            j = snap_lens[i] if snap_lens is not None else end - start - 1
+            conv_state[snaps[i]] = full[:, j:j + K - 1].to(conv_state.dtype)
         if slot >= 0:
             conv_state[slot] = full[:, full.shape[1] - (K - 1):].to(conv_state.dtype)
     return out
@@ -274,16 +281,18 @@ def conv_varlen_runs_triton(width: int, t: torch.Tensor, force_triton: bool | No
 
 def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices, has_initial_state,
                          activation="silu", *, snap_slots: torch.Tensor | None = None,
-                         force_triton: bool | None = None, config: KernelConfig | None = None):
+                         snap_len: torch.Tensor | None = None, force_triton: bool | None = None,
+                         config: KernelConfig | None = None):
     """Prefill conv: see the module docstring. Mutates ``conv_state`` in place. Two launches (the
     state write-back must follow every read of the old state); no host synchronisation. Tiles from
     ``config.conv_varlen_tiles`` (the default: the best of 10 on an H100 at mamba2-2.7b dims).
 
     ``snap_slots`` ``[S]``: where to write each sequence's conv state *before its last token* (the
-    radix cache's snapshot of the prompt minus its last token, taken in the same pass); -1: none."""
+    radix cache's snapshot of the prompt minus its last token, taken in the same pass); -1: none. ``snap_len``
+    ``[S]``: instead, the conv state after each sequence's first ``snap_len`` tokens of this call."""
     if not conv_varlen_runs_triton(weight.shape[1], x, force_triton):
         return causal_conv1d_varlen_ref(x, weight, bias, conv_state, cu_seqlens, state_indices,
-                                        has_initial_state, activation, snap_slots)
+                                        has_initial_state, activation, snap_slots, snap_len)
     silu = _silu_flag(activation)
     T, Dm = x.shape
     K = weight.shape[1]
@@ -300,8 +309,9 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices,
         K=K, HAS_BIAS=bias is not None, SILU=silu, BLOCK_S=seq_block(S), **tiles)
     _conv_state_write_kernel[(S, triton.cdiv(Dm, _BLOCK_D))](
         x, conv_state, cu_seqlens, state_indices, has_initial_state,
-        snap_slots if snap_slots is not None else state_indices, Dm, *x.stride(), *conv_state.stride(),
-        K=K, SNAP=snap_slots is not None, BLOCK_D=_BLOCK_D, num_warps=_WARPS)
+        snap_slots if snap_slots is not None else state_indices, snap_len if snap_len is not None else state_indices,
+        Dm, *x.stride(), *conv_state.stride(), K=K, SNAP=snap_slots is not None, SNAP_LEN=snap_len is not None,
+        BLOCK_D=_BLOCK_D, num_warps=_WARPS)
     return out
 
 

@@ -130,6 +130,7 @@ def ssd_scan_varlen_ref(
     return_boundary_states: bool = False,
     track: list[tuple[int, int]] | None = None,
     snap_slots: torch.Tensor | None = None,
+    snap_len: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BoundaryStates | None]:
     return_boundary_states = return_boundary_states or track is not None
     T, H, P = x.shape
@@ -142,6 +143,7 @@ def ssd_scan_varlen_ref(
     has_init = has_initial_state.tolist()
     starts = seq_start_pos.tolist() if seq_start_pos is not None else [0] * len(slots)
     snaps = snap_slots.tolist() if snap_slots is not None else [-1] * len(slots)
+    snap_lens = snap_len.tolist() if snap_len is not None else None
     b_states, b_seq, b_pos = [], [], []
     for i, slot in enumerate(slots):
         s, e = bounds[i], bounds[i + 1]
@@ -152,8 +154,9 @@ def ssd_scan_varlen_ref(
         Cs = C[s:e].float().repeat_interleave(H // G, dim=1)
         init = ssm_state[slot].float() if has_init[i] else xs.new_zeros(H, P, ssm_state.shape[-1])
         offset = starts[i] % chunk_size
-        if snaps[i] >= 0:  # the state before the last token: the same scan over all but that token
-            before = _scan_one(xs[:-1], dt[s:e - 1], A, Bs[:-1], Cs[:-1], init, offset, chunk_size)[1] if e - s > 1 else init
+        if snaps[i] >= 0:  # the state after the first j tokens (all but the last): the same scan over them
+            j = snap_lens[i] if snap_lens is not None else e - s - 1
+            before = _scan_one(xs[:j], dt[s:s + j], A, Bs[:j], Cs[:j], init, offset, chunk_size)[1] if j else init
             ssm_state[snaps[i]] = before.to(ssm_state.dtype)
         ys, final, ends, n_full = _scan_one(xs, dt[s:e], A, Bs, Cs, init, offset, chunk_size)
         if D is not None:
@@ -240,7 +243,7 @@ def _rows_of(t: torch.Tensor, inner: int):
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
                      seq_start_pos, D, dt_bias, dt_softplus, dt_limit, return_boundary_states, track, snap_slots,
-                     overrides):
+                     snap_len, overrides):
     cfg = {**SCAN_CONFIG, **overrides}
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -323,9 +326,11 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     state_tma = sx_desc is not None and sB_desc is not None
     _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
         x, B, sx_desc if state_tma else x, sB_desc if state_tma else B, ws, cs, dtp, cu_seqlens, pos, state_indices,
-        has_initial_state, snap_slots if snap_slots is not None else state_indices, start, ssm_state, bnd, bnd_dest,
+        has_initial_state, snap_slots if snap_slots is not None else state_indices,
+        snap_len if snap_len is not None else state_indices, start, ssm_state, bnd, bnd_dest,
         S, T, H, P, N, H // G, *x.stride(), *B.stride(), *ssm_state.stride(), Q=Q, QI=QI, HAS_POS=has_pos,
-        HAS_BND=return_boundary_states, SNAP=snap_slots is not None, BLOCK_K=SBK, BLOCK_P=SBP, BLOCK_N=SBN,
+        HAS_BND=return_boundary_states, SNAP=snap_slots is not None, SNAP_LEN=snap_len is not None, BLOCK_K=SBK,
+        BLOCK_P=SBP, BLOCK_N=SBN,
         N_BLOCKS=triton.cdiv(N, SBN), BLOCK_S=BLOCK_S, UNROLL=cfg["state_unroll"], STAGES=cfg["state_stages"],
         CHUNK_STAGES=cfg["state_stages"] if cfg["state_unroll"] else 1, TMA=state_tma,
         PREC=prec, DOT_T=dot_t, num_warps=state_warps)
@@ -354,6 +359,12 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     return y, boundary
 
 
+def snapshot_chunk(chunk_size: int, config: KernelConfig | None = None) -> int:
+    """The kernels' chunk for a model chunk size: a ``snap_len`` snapshot lies in a sequence's last chunk of these
+    (chunks aligned to absolute positions), e.g. at a page boundary when the page size divides it."""
+    return min({**SCAN_CONFIG, **(config or DEFAULT).scan_tiles}["chunk"], chunk_size)
+
+
 def scan_runs_triton(chunk_size: int, t: torch.Tensor, force_triton: bool | None = None) -> bool:
     """The Triton path (no host synchronisation without boundary states) for tensors where ``t`` lives;
     else the reference. tl.dot tiles need a power-of-two chunk of at least 16."""
@@ -364,13 +375,16 @@ def scan_runs_triton(chunk_size: int, t: torch.Tensor, force_triton: bool | None
 def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices,
                     has_initial_state, seq_start_pos=None, D=None, dt_bias=None, dt_softplus=True,
                     dt_limit=(0.0, float("inf")), return_boundary_states=False, track=None, snap_slots=None,
-                    force_triton: bool | None = None, tiles: dict | None = None,
+                    snap_len=None, force_triton: bool | None = None, tiles: dict | None = None,
                     config: KernelConfig | None = None):
     """Prefill scan: see the module docstring. Mutates ``ssm_state`` in place.
 
     ``snap_slots`` ``[S]``: where to write each sequence's state *before its last token* (-1: none): the
     radix cache keeps the prompt minus its last token, so that the same prompt sent again still has a
     token to run, while this pass samples from the whole prompt (no separate step for its last token).
+    ``snap_len`` ``[S]``: instead, the state after each sequence's first ``snap_len`` tokens of this call (the
+    radix cache's page-aligned snapshot of a hybrid's prompt), a position in the sequence's last chunk of
+    ``snapshot_chunk(chunk_size)`` tokens (Triton computes the snapshot there; the reference anywhere).
 
     ``track``: (sequence, absolute position) pairs, each a multiple of ``chunk_size`` that the call crosses:
     only those boundary states are returned (in that order) and written. Triton path: no host
@@ -384,7 +398,7 @@ def ssd_scan_varlen(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_
                   state_indices=state_indices, has_initial_state=has_initial_state,
                   seq_start_pos=seq_start_pos, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                   dt_limit=dt_limit, return_boundary_states=return_boundary_states, track=track,
-                  snap_slots=snap_slots)
+                  snap_slots=snap_slots, snap_len=snap_len)
     if not scan_runs_triton(chunk_size, x, force_triton) or x.shape[0] == 0 or state_indices.numel() == 0:
         return ssd_scan_varlen_ref(x, dt, A, B, C, **kwargs)
     overrides = {**(config or DEFAULT).scan_tiles, **(tiles or {})}

@@ -80,11 +80,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _ssd_states_kernel(x_ptr, B_ptr, x_desc, B_desc, ws_ptr, cs_ptr, dtp_ptr, cu_ptr, pos_ptr, slot_ptr,
-                           init_ptr, snap_ptr, start_ptr, ssm_ptr,
+                           init_ptr, snap_ptr, snap_len_ptr, start_ptr, ssm_ptr,
                            bnd_ptr, bnd_dest_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
                            ss_s, ss_h, ss_p, ss_n,
                            Q: tl.constexpr, QI: tl.constexpr, HAS_POS: tl.constexpr, HAS_BND: tl.constexpr,
-                           SNAP: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SNAP: tl.constexpr, SNAP_LEN: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
                            BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
                            CHUNK_STAGES: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr,
@@ -97,9 +97,11 @@ if HAS_TRITON:
         on: the token blocks unrolled, the chunk loop pipelined).
 
         ``SNAP``: the state before the sequence's last token also goes to its snapshot slot (``snap_ptr``,
-        -1: none). The walk of such a sequence stops before its last chunk, which runs apart (nothing is
-        added to the pipelined loop): its tokens but the last give the snapshot, and the last one is
-        folded in as a rank-one update (its decay applied to the rest: no division)."""
+        -1: none); with ``SNAP_LEN`` the state after the first ``snap_len[s]`` tokens of this call instead, a
+        position inside the last chunk (the launcher's caller sees to it). The walk of such a sequence stops
+        before its last chunk, which runs apart (nothing is added to the pipelined loop): its tokens before the
+        position give the snapshot, and the rest are folded in one rank-one update each (their decay applied to
+        what came before: no division)."""
         pid, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         p0, n0 = (pid // N_BLOCKS) * BLOCK_P, (pid % N_BLOCKS) * BLOCK_N
         p = p0 + tl.arange(0, BLOCK_P)
@@ -165,7 +167,9 @@ if HAS_TRITON:
             if (snap >= 0) & (n_chunks > 0):  # the last chunk, apart
                 c = c0 + n_chunks - 1
                 tok0 = beg + tl.maximum((n_chunks - 1) * QI - off, 0)
-                e = beg + L - 1  # the last token
+                e = beg + L - 1  # the first token after the snapshot: the last one
+                if SNAP_LEN:
+                    e = beg + tl.load(snap_len_ptr + s).to(tl.int32)
                 tl.store(start_ptr + (c * H + h).to(tl.int64) * P * N + tile, state.to(start_ptr.dtype.element_ty),
                          mask=m_tile)
                 # the chunk's tokens but the last, weighted exp(cs_{e-1} - cs_k) dt_k as a chunk ending before the
@@ -185,11 +189,14 @@ if HAS_TRITON:
                     own = tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), own, input_precision=PREC)
                 tl.store(sptr + (snap - slot) * ss_s, (tl.exp(cs_ref) * state + own).to(ssm_ptr.dtype.element_ty),
                          mask=m_tile)
-                # then the last token: own decays by its step, plus its rank-one input
-                cs_e = tl.load(cs_ptr + h * T + e)
-                x_e = tl.load(x_ptr + e * x_t + h * x_h + p * x_p, mask=mp, other=0.0).to(tl.float32)
-                B_e = tl.load(B_ptr + e * B_t + g * B_g + n * B_n, mask=mn, other=0.0).to(tl.float32)
-                own = tl.exp(cs_e - cs_ref) * own + tl.load(dtp_ptr + h * T + e) * x_e[:, None] * B_e[None, :]
+                # then the tokens from e on: own decays by each one's step, plus its rank-one input
+                cs_e = cs_ref
+                for k in range(e, beg + L):
+                    cs_k = tl.load(cs_ptr + h * T + k)
+                    x_k = tl.load(x_ptr + k * x_t + h * x_h + p * x_p, mask=mp, other=0.0).to(tl.float32)
+                    B_k = tl.load(B_ptr + k * B_t + g * B_g + n * B_n, mask=mn, other=0.0).to(tl.float32)
+                    own = tl.exp(cs_k - cs_e) * own + tl.load(dtp_ptr + h * T + k) * x_k[:, None] * B_k[None, :]
+                    cs_e = cs_k
                 state = tl.exp(cs_e) * state + own
                 if HAS_BND:
                     e_abs = pos_s + L

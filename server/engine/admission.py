@@ -33,7 +33,8 @@ PROMPT_LOGITS_PER_STEP = 1024
 class Admission:
     def __init__(self, queues: RequestQueues, cache: DisabledCache, sessions: SessionManager,
                  output: OutputProcessor, metrics: ServerMetrics, *, max_running: int, chunk: int,
-                 track_interval: int, rolling: RollingSnapshots, pages: PageAllocator | None = None):
+                 track_interval: int, rolling: RollingSnapshots, pages: PageAllocator | None = None,
+                 scan_chunk: int = 1):
         self.queues, self.cache, self.sessions = queues, cache, sessions
         self.rolling = rolling  # hybrids: decode rows' snapshots at page boundaries (their slots are reclaimable)
         # hybrid models' KV pages: a request reserves pages for its prompt + max_new_tokens at admission,
@@ -41,6 +42,8 @@ class Admission:
         self.pages = pages
         self.output, self.metrics = output, metrics
         self.max_running, self.chunk, self.track_interval = max_running, chunk, track_interval
+        # the chunk scan's chunks (aligned to absolute positions): a snapshot inside a step is taken in its last one
+        self.scan_chunk = scan_chunk
         self.last_was_extend = False
 
     # ---- schedule -----------------------------------------------------------------------------------
@@ -116,24 +119,23 @@ class Admission:
             lens.append(n)
             starts.append(s)
             slots.append(req.slot)
-            last = len(req.prompt_ids) - 1
             # The prompt's last chunk samples its first token, and the state before its last token is kept
-            # (the same prompt sent again has that token left to run). Such a chunk never starts at `last`:
-            # a request with only that token left decodes it (Req.prefill_len).
-            snaps = (self.cache.enabled and s + n == last + 1  # (hybrids: where it is on a page)
-                     and (self.pages is None or last % self.pages.page_size == 0))
-            if snaps:
+            # (the same prompt sent again has that token left to run); hybrids': the state at the last page
+            # boundary before it. Such a chunk never starts at the last token: a request with only that token
+            # left decodes it (Req.prefill_len).
+            snap_at = self._snapshot_at(req, s, n)
+            if snap_at is not None:
                 slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
                 if slot is None:  # (hybrids) the snapshot this one goes on from, also while this step copies it
                     slot = self.cache.take_superseded(req.kv, req.locked_node)
                     if slot is not None and isinstance(req.locked_node, TreeNode) and req.locked_node.lock_ref == 0:
                         req.locked_node = None  # its lock went with the slot
                 if slot is not None:
-                    snap.append((i, slot))
+                    snap.append((i, slot, snap_at))
             if self.track_interval:
                 # strictly inside the chunk (its end is donated whole after the step), not the snapshot's position
                 for pos in range((s // self.track_interval + 1) * self.track_interval, s + n, self.track_interval):
-                    if snaps and pos == last:
+                    if pos == snap_at:
                         continue
                     slot = self.cache.alloc(unused_since=self._speculative_horizon(req), speculative=True)
                     if slot is None:
@@ -146,18 +148,31 @@ class Admission:
     def _pages(self, reqs: list[Req]) -> list[list[int]] | None:
         return None if self.pages is None else [self.cache.block_table(r.kv) for r in reqs]
 
+    def _snapshot_at(self, req: Req, s: int, n: int) -> int | None:
+        """Where the pass over a prompt's last chunk (``n`` tokens from ``s``) snapshots its state for the tree:
+        before the last token (pure Mamba2), a hybrid's last page boundary before it (the tree keeps page-aligned
+        states) where the scan takes it in the same pass (in its last chunk, after some of this step's tokens);
+        else None (``_page_aligned`` ends a chunk there instead)."""
+        last = len(req.prompt_ids) - 1
+        if not self.cache.enabled or s + n != last + 1:
+            return None
+        if self.pages is None:
+            return last
+        at = last - last % self.pages.page_size
+        return at if s < at and at >= last - last % self.scan_chunk else None
+
     def _page_aligned(self, req: Req, n: int) -> int:
         """Hybrid models with the radix cache: a prefill chunk that leaves the prompt unfinished ends on a
         page boundary (its end state is donated with its pages: the tree keeps page-aligned prefixes
-        only), and the prompt's last page boundary before its last token ends a chunk, so the same prompt
-        sent again (or a chat's next turn) hits there. That boundary costs one more prefill step where
-        the rest of the prompt would have fit the chunk; a boundary at the last token itself needs none
-        (the pass that samples snapshots the state before that token)."""
+        only), and so does one at the prompt's last page boundary before its last token, so that the same
+        prompt sent again (or a chat's next turn) hits there, unless the pass that samples takes that state
+        itself (``_snapshot_at``: the page size divides the scan's chunk). A cut would cost one more prefill
+        step: a cache hit's whole prefill was two."""
         ps, s = self.pages.page_size, req.in_state
         end = s + n
         if end >= req.prefill_len:
             last = len(req.prompt_ids) - 1
-            if last % ps == 0:
+            if last % ps == 0 or self._snapshot_at(req, s, last + 1 - s) is not None:
                 return n
             cut = last - last % ps
         else:
@@ -261,11 +276,12 @@ class Admission:
         for i, pos, slot in batch.track:
             if not self._keep(plan[i][0], plan[i][0].prompt_ids[:pos], slot):
                 self.cache.free(slot)
-        for i, slot in batch.snap:
-            if not self._keep(plan[i][0], plan[i][0].prompt_ids[:-1], slot):
+        for i, slot, *_ in batch.snap:
+            tokens = batch.snap_tokens(i, plan[i][0].prompt_ids)
+            if not self._keep(plan[i][0], tokens, slot):
                 self.cache.free(slot)
             elif self.cache.storage is not None:  # what the same prompt sent again (or after a restart) matches
-                self.cache.write_through(plan[i][0].prompt_ids[:-1], slot)
+                self.cache.write_through(tokens, slot)
         rows = []
         for i, (req, n) in enumerate(plan):
             req.in_state += n

@@ -25,9 +25,11 @@ class ForwardBatch:
     # (sequence index, absolute position, slot): write the state after `position` tokens of that
     # sequence into `slot` during the forward (radix cache tracking, extra_buffer)
     track: list[tuple[int, int, int]] = field(default_factory=list)
-    # (sequence index, slot): write the state before that sequence's last token into `slot` (the radix
-    # cache's snapshot of a prompt minus its last token, taken by the pass that samples after the prompt)
-    snap: list[tuple[int, int]] = field(default_factory=list)
+    # (sequence index, slot) or (sequence index, slot, position): write the state before that sequence's last
+    # token, or after `position` tokens of its history (in the chunk scan's last chunk of this call: a hybrid's
+    # last page boundary), into `slot` (the radix cache's snapshot of a prompt minus its last token, taken by the
+    # pass that samples after the prompt)
+    snap: list[tuple[int, ...]] = field(default_factory=list)
     # Overlap scheduling: tokens sampled by the previous step but not yet seen by the host.
     # (position in token_ids, row of prev_tokens): the runner fills those positions on the device.
     from_prev: list[tuple[int, int]] = field(default_factory=list)
@@ -59,9 +61,23 @@ class ForwardBatch:
     def snap_slots(self) -> list[int]:
         """Per sequence: its snapshot slot, or -1."""
         out = [-1] * self.batch_size
-        for i, slot in self.snap:
+        for i, slot, *_ in self.snap:
             out[i] = slot
         return out
+
+    def snap_lens(self) -> list[int]:
+        """Per sequence: how many of this step's tokens its snapshot covers (all but the last unless a position
+        is given; the same for a sequence without one, whose value nothing reads)."""
+        out = [n - 1 for n in self.seq_lens]
+        for i, _, *at in self.snap:
+            if at:
+                out[i] = at[0] - self.start_pos[i]
+        return out
+
+    def snap_tokens(self, i: int, prompt: list[int]) -> list[int]:
+        """The tokens the snapshot of sequence ``i`` (whose whole prompt is ``prompt``) holds the state of."""
+        _, _, *at = next(e for e in self.snap if e[0] == i)
+        return prompt[:at[0]] if at else prompt[:-1]
 
     def kv_view(self, page_size: int) -> tuple[list[int], list[int], list[int]]:
         """(hybrids) The paged KV cache's view of the batch: each token's absolute position (RoPE) and cache

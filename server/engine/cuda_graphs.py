@@ -127,6 +127,7 @@ class PrefillGraphs:
         self.has_init = torch.zeros(smax, dtype=torch.bool, device=device)
         self.start = torch.zeros(smax, dtype=torch.long, device=device)
         self.snap = torch.full((smax,), -1, dtype=torch.long, device=device)  # captured with snapshots on
+        self.snap_len = torch.zeros(smax, dtype=torch.int32, device=device)
         self.rows = torch.zeros(smax, dtype=torch.long, device=device)
         if kv_pool is not None:
             if context_length < 1:
@@ -158,12 +159,14 @@ class PrefillGraphs:
         for n in lens:
             cu.append(cu[-1] + n)
         pad = s - len(lens)
-        slots, start, snap = ((batch.slots, batch.start_pos, batch.snap_slots()) if batch is not None else ([], [], []))
+        slots, start, snap, snap_len = ((batch.slots, batch.start_pos, batch.snap_slots(), batch.snap_lens())
+                                        if batch is not None else ([], [], [], []))
         upload(self.cu[:s + 1], cu + [t] * pad)
         upload(self.slots[:s], list(slots) + [-1] * pad)
         upload(self.has_init[:s], [p > 0 for p in start] + [False] * pad)
         upload(self.start[:s], list(start) + [0] * pad)
         upload(self.snap[:s], snap + [-1] * pad)
+        upload(self.snap_len[:s], snap_len + [0] * pad)
         upload(self.rows[:s], [c - 1 for c in cu[1:]] + [0] * pad)
         if self.kv_pool is None:
             return
@@ -182,7 +185,8 @@ class PrefillGraphs:
         a prefill graph captures: every shape depends on the bucket alone, nothing reads a value to the host."""
         s, t = bucket
         bt = BatchTensors(mode=ForwardMode.EXTEND, cu_seqlens=self.cu[:s + 1], slots=self.slots[:s],
-                          has_initial_state=self.has_init[:s], start_pos=self.start[:s], snap_slots=self.snap[:s])
+                          has_initial_state=self.has_init[:s], start_pos=self.start[:s], snap_slots=self.snap[:s],
+                          snap_len=self.snap_len[:s])
         if self.kv_pool is None:
             return self.model(self.ids[:t], bt, self.pool.conv, self.pool.ssm, self.rows[:s])[0]
         bt.positions, bt.slot_mapping = self.positions[:t], self.slot_mapping[:t]

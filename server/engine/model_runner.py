@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mambaserve import kernels
+from mambaserve.kernels.ssd_scan import snapshot_chunk
 from mambaserve.server.cache.prefix_cache import StateOps
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.model.inputs import BatchTensors
@@ -44,6 +45,12 @@ class ModelRunner:
         # for them (_join_copies) only before it touches a slot they read, or any host slot.
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._copies: tuple[torch.cuda.Event, set[int]] | None = None  # (done, source slots) not yet joined
+
+    @property
+    def scan_chunk(self) -> int:
+        """The chunk scan's chunk for this model: a snapshot a prefill takes at a position (``ForwardBatch.snap``)
+        lies in the last of these its sequence crosses (``kernels.ssd_scan.snapshot_chunk``)."""
+        return snapshot_chunk(self.model.state_dims.chunk_size, self.model.kernel_config)
 
     def enable_cuda_graphs(self, max_batch: int, max_prefill_tokens: int = 0, max_prefill_seqs: int = 0,
                            context_length: int = 0) -> None:
@@ -223,6 +230,7 @@ class ModelRunner:
             start_pos=to_device(batch.start_pos, torch.long, dev),
             track=[(i, pos) for i, pos, _ in batch.track],
             snap_slots=to_device(batch.snap_slots(), torch.long, dev) if batch.snap else None,
+            snap_len=to_device(batch.snap_lens(), torch.int32, dev) if batch.snap else None,
             host_cu=cu,
             host_start=list(batch.start_pos),
         )

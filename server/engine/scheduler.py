@@ -96,7 +96,7 @@ class Scheduler:
         self.admission = Admission(self.queues, self.cache, self.sessions, self.output, metrics,
                                    max_running=max_running, chunk=cfg.chunked_prefill_size,
                                    track_interval=0 if cfg.disable_radix_cache else track_interval,
-                                   rolling=self.rolling, pages=self.pages)
+                                   rolling=self.rolling, pages=self.pages, scan_chunk=runner.scan_chunk)
         self.max_running = max_running
         self.context_length = context_length
         self.overlap = not cfg.disable_overlap_schedule

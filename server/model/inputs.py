@@ -26,6 +26,7 @@ class BatchTensors:
     track: list[tuple[int, int]] = field(default_factory=list)
     # [S] where each sequence's state before its last token goes (-1: nowhere); None: no snapshots
     snap_slots: torch.Tensor | None = None
+    snap_len: torch.Tensor | None = None  # [S] tokens of this step each snapshot covers (None: all but the last)
     host_cu: list[int] = field(default_factory=list)
     host_start: list[int] = field(default_factory=list)
     # attention layers of hybrid models (None for pure Mamba2): the paged KV cache's view of the batch

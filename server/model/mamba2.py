@@ -66,7 +66,7 @@ class Mamba2Mixer(nn.Module):
         conv_windows = self._conv_windows(xBC, conv_state, bt) if bt.track else None
         xBC = kernels.causal_conv1d_varlen(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state,
                                            bt.cu_seqlens, bt.slots, bt.has_initial_state, snap_slots=bt.snap_slots,
-                                           config=self.kernel_config)
+                                           snap_len=bt.snap_len, config=self.kernel_config)
         x, B, C = xBC.split([d.d_inner, d.n_groups * d.state_size, d.n_groups * d.state_size], dim=-1)
         y, boundary = kernels.ssd_scan_varlen(
             x.reshape(T, d.num_heads, d.head_dim), dt, self.A,
@@ -74,7 +74,7 @@ class Mamba2Mixer(nn.Module):
             chunk_size=d.chunk_size, cu_seqlens=bt.cu_seqlens, ssm_state=ssm_state, state_indices=bt.slots,
             has_initial_state=bt.has_initial_state, seq_start_pos=bt.start_pos, D=self.D,
             dt_bias=self.dt_bias, dt_softplus=True, dt_limit=d.dt_limit, track=bt.track or None,
-            snap_slots=bt.snap_slots, config=self.kernel_config)
+            snap_slots=bt.snap_slots, snap_len=bt.snap_len, config=self.kernel_config)
         tracked = (conv_windows, boundary.states) if bt.track else None
         return self._out(y, z), tracked
 

@@ -170,3 +170,27 @@ def test_snapshot_before_the_last_token(dev, width, force_triton):
         init = before[slots[i]] if has[i] else torch.zeros(D, width - 1, device=dev)
         full = torch.cat([init, x[s:s + n].t()], dim=1)  # inputs oldest first
         assert torch.equal(pool[snaps[i]], full[:, n - 1:n - 1 + width - 1])
+
+
+@pytest.mark.parametrize("force_triton", [True, False])
+def test_snapshot_before_token_j(dev, force_triton):
+    """snap_len: the conv state before token j of each sequence (0: the initial state itself; older inputs from
+    it when j is inside the window), the final states as without it."""
+    lengths, D, width = [5, 9, 3], 8, 4
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(17, D, generator=g).to(dev)
+    w, b = torch.randn(D, width, generator=g).to(dev), torch.randn(D, generator=g).to(dev)
+    pool = torch.randn(6, D, width - 1, generator=g).to(dev)
+    before = pool.clone()
+    slots, snaps, js = (torch.tensor(v, device=dev) for v in ([0, 2, 4], [1, 3, 5], [2, 7, 0]))
+    has = torch.tensor([True, False, True], device=dev)
+    y = causal_conv1d_varlen(x, w, b, pool, cu, slots, has, snap_slots=snaps, snap_len=js, force_triton=force_triton)
+    plain = before.clone()
+    assert torch.equal(y, causal_conv1d_varlen(x, w, b, plain, cu, slots, has, force_triton=force_triton))
+    assert torch.equal(pool[slots], plain[slots])
+    for i, (s, n) in enumerate(zip(cu.tolist(), lengths)):
+        init = before[slots[i]] if has[i] else torch.zeros(D, width - 1, device=dev)
+        full = torch.cat([init, x[s:s + n].t()], dim=1)
+        j = int(js[i])
+        assert torch.equal(pool[snaps[i]], full[:, j:j + width - 1])

@@ -297,3 +297,41 @@ def test_snapshot_before_the_last_token_equals_a_pass_without_it(dev, impl):
         ref = before.clone()
         _run(ssd_scan_varlen_ref, x[keep], dt[keep], A, B[keep], C[keep], short, ref, slots, has, starts, D, bias)
         assert_close(pool[snaps[i]], ref[slots[i]], 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_snapshot_inside_the_last_chunk_equals_a_pass_over_its_tokens(dev, impl):
+    """snap_len: the state after each sequence's first j tokens of the call (a hybrid's page boundary before its
+    last token), in the last chunk: at its first token, in its middle, before its last token; the final states
+    and outputs are those of a pass without snapshots."""
+    fn = ssd_scan_varlen if impl == "triton" else ssd_scan_varlen_ref
+    kw = {"force_triton": True} if impl == "triton" else {}
+    lengths = [9, Q + 12, 2 * Q + 5, 6]
+    starts = torch.tensor([3, 0, Q - 5, Q + 2], device=dev)
+    has = torch.tensor([True, False, True, True], device=dev)
+    # sequence 0: j = 4 (mid-chunk, resumed at 3); 1: j = Q, the last chunk's first token; 2: one before the last;
+    # 3: j = 0, the snapshot is the initial state
+    snap_len = torch.tensor([4, Q, 2 * Q + 4, 0], device=dev)
+    H, P, G, N, S = 4, 4, 2, 5, len(lengths)
+    x, dt, A, B, C, D, bias = _inputs(sum(lengths), H, P, G, N, 5, dev)
+    pool = torch.randn(2 * S, H, P, N, generator=gen(6)).to(dev)
+    before = pool.clone()
+    slots = torch.tensor([0, 2, 4, 6], device=dev)
+    snaps = torch.tensor([1, 3, 5, 7], device=dev)
+    y, _ = _run(fn, x, dt, A, B, C, lengths, pool, slots, has, starts, D, bias, snap_slots=snaps, snap_len=snap_len,
+                **kw)
+    plain = before.clone()
+    y_plain, _ = _run(fn, x, dt, A, B, C, lengths, plain, slots, has, starts, D, bias, **kw)
+    assert torch.equal(y, y_plain)
+    assert_close(pool[slots], plain[slots], 1e-5)
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    for i in range(S):
+        j = int(snap_len[i])
+        ref = before.clone()
+        if j:
+            one = slice(cu[i], cu[i] + j)
+            _run(ssd_scan_varlen_ref, x[one], dt[one], A, B[one], C[one], [j], ref, slots[i:i + 1], has[i:i + 1],
+                 starts[i:i + 1], D, bias)
+        elif not has[i]:
+            ref[slots[i]] = 0
+        assert_close(pool[snaps[i]], ref[slots[i]], 1e-5)

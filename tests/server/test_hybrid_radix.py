@@ -173,3 +173,38 @@ def test_a_chat_in_a_small_pool_hits_its_latest_turn(granite, slots, running, ch
     assert all(h >= (n - 1) // 16 * 16 for h, n in zip(hits, prompt_lens)), (hits, prompt_lens)
     assert acct["free"] + acct["held_by_tree"] == acct["capacity"]
     assert acct["kv_pages_free"] + acct["kv_pages_tree"] == acct["kv_pages"]
+
+
+@pytest.mark.parametrize("page_size,steps", [(4, 1), (16, 2)])
+def test_a_hit_prefills_in_one_step_where_the_scan_takes_the_page_snapshot(granite, page_size, steps):
+    """A chat turn's prefill past its hit runs in one step when the page size divides the scan's chunk (8 here):
+    the pass snapshots the state at the prompt's last page boundary itself, and the next turn hits there. A page
+    of 16 does not divide it: the chunk is cut at that boundary (two steps), with the same hits."""
+    engine = _engine(granite, page_size=page_size, chunked_prefill_size=256)
+    assert engine.scheduler.runner.scan_chunk == 8
+    extends = []
+    forward = engine.scheduler.runner.forward
+
+    def counting(batch):
+        extends.append(batch.mode.name == "EXTEND")
+        return forward(batch)
+
+    engine.scheduler.runner.forward = counting
+
+    async def go():
+        history = _words(45, 2)
+        first = await greedy(engine, history, 4)
+        # 75 tokens, hit at 48: the last page boundary before the last token is 72 (in the scan's last chunk, from
+        # 72) or 64 (before it: cut there)
+        history += first[0] + _words(26, 3)
+        del extends[:]
+        second = await greedy(engine, history, 4)
+        turn_steps = sum(extends)
+        history += second[0] + _words(5, 4)
+        third = await greedy(engine, history, 3)
+        return second, turn_steps, third, checked_accounting(engine)
+
+    second, turn_steps, third, _ = run_started(engine, go)
+    last = 75 - 1
+    assert second[2] == 48 and turn_steps == steps
+    assert third[2] >= last - last % page_size  # the second turn's prompt snapshot (or the rolling one past it)

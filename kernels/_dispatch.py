@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -124,50 +125,67 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a launcher chooses its variant by besides the shapes: compiled kernels (their GPU tiles and
+    matrix-unit operand types; False: the interpreter's), the GPU's streaming multiprocessors, Hopper features
+    (TMA tensor descriptors) and programmatic dependent launch."""
+
+    compiled: bool
+    sms: int = 1
+    hopper: bool = False
+    pdl: bool = False
+
+
+H100 = Target(compiled=True, sms=132, hopper=True, pdl=True)
+_INTERPRETER = Target(compiled=False)
+_emulated: list[Target] = []  # kernels.variants.dry_run: launchers choose as on this target, and launch nothing
+
+
+def target(t: torch.Tensor) -> Target:
+    """The target launches for tensors where ``t`` lives are chosen for."""
+    if _emulated:
+        return _emulated[-1]
+    if not t.is_cuda or interpreting():
+        return _INTERPRETER
+    return _cuda_target(_index(t.device), os.environ.get("MAMBASERVE_PDL", "1") != "0")
+
+
+@functools.cache
+def _cuda_target(index: int, pdl_allowed: bool) -> Target:
+    hopper = torch.cuda.get_device_capability(index)[0] >= 9
+    return Target(compiled=True, sms=torch.cuda.get_device_properties(index).multi_processor_count, hopper=hopper,
+                  pdl=pdl_allowed and hopper and gdc_wait is not None)
+
+
 def use_triton(t: torch.Tensor, force_triton: bool | None) -> bool:
     """True when the launcher should run its Triton kernel for tensors living where ``t`` lives."""
     if force_triton is not None:
         if force_triton:
             if not HAS_TRITON:
                 raise RuntimeError("force_triton=True but triton is not installed")
-            if not t.is_cuda and not interpreting():
+            if not t.is_cuda and not interpreting() and not _emulated:
                 raise RuntimeError("force_triton=True on CPU tensors needs TRITON_INTERPRET=1 set before "
                                    "triton is imported")
         return force_triton
     if os.environ.get("MAMBASERVE_KERNELS", "").lower() == "ref":
         return False
-    return HAS_TRITON and t.is_cuda
+    return HAS_TRITON and (t.is_cuda or bool(_emulated))
 
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-@functools.cache
-def _hopper_or_newer(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def hopper_or_newer(device: torch.device) -> bool:
-    """Compute capability 9 or more (wgmma, TMA, programmatic dependent launch)."""
-    return _hopper_or_newer(_index(device))
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (sizes the grids that must fill the GPU)."""
-    return _sm_count(_index(device))
+    return _cuda_target(_index(device), True).sms
 
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Launch decode kernels with programmatic dependent launch: CUDA on Hopper or newer, a Triton
     with griddepcontrol, not the interpreter; ``MAMBASERVE_PDL=0`` turns it off (A/B, debugging)."""
-    return (t.is_cuda and gdc_wait is not None and os.environ.get("MAMBASERVE_PDL", "1") != "0"
-            and hopper_or_newer(t.device))
+    return target(t).pdl
 
 
 def pdl_args(t: torch.Tensor) -> dict:
@@ -178,7 +196,7 @@ def pdl_args(t: torch.Tensor) -> dict:
 def seq_block(S: int) -> int:
     """Width of the per-sequence vectors of the varlen kernels (``locate_block``'s BLOCK_S). A compile-time
     constant, so each value is a compile: one variant up to 32 sequences in a batch, then one per power
-    of two (``ModelRunner.warm_up`` compiles them all at start)."""
+    of two (``server/engine/warm_up.py`` compiles them all at start)."""
     return max(32, next_pow2(S))
 
 

@@ -39,7 +39,8 @@ if HAS_TRITON:
                      mask=m & (d < tl.where((u < beg) & has_init, Dm, 0)), other=0.0)
         return tl.where(u >= beg, xv.to(tl.float32), sv.to(tl.float32))
 
-    @triton.jit
+    # S (sequences of the call) bounds masks only: not specialised (== 1, % 16), one compile for every batch
+    @triton.jit(do_not_specialize=["S"])
     def _causal_conv1d_varlen_kernel(
         x_ptr, w_ptr, bias_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr, out_ptr, S, Dm,
         x_t, x_d, w_d, w_k, st_s, st_d, st_k, o_t, o_d,

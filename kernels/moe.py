@@ -15,7 +15,8 @@ projection with ``F = 2 * I`` when ``gated`` (gate rows ``[0, I)`` first, then u
 - ``moe_align(topk_ids, num_experts, block_m)`` -> ``MoeAlignment``: the routing-align step (pairs
   sorted by expert, each expert's run padded to ``block_m``), exposed for tests and benchmarks.
 - ``moe_runs_triton(t)``: whether tensors where ``t`` lives get the Triton path (then the op can be captured in
-  a CUDA graph); ``moe_warm_up(w1, w2, k, ...)``: every launch variant run once, so requests wait for no compile.
+  a CUDA graph); ``moe_warm_up(w1, w2, k, max_tokens, ...)``: every launch variant up to ``max_tokens`` tokens
+  run once (``launch_variant``), so requests wait for no compile.
 
 The references (``<op>_ref``, same signatures) are the torch expert loop: the pairs sorted by expert, each expert
 with rows runs its matmuls on them (the row counts come to the host: one synchronisation per call); the
@@ -32,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, interpreting, next_pow2, pdl_args, tl, triton, use_triton
+from mambaserve.kernels._dispatch import HAS_TRITON, Target, next_pow2, pdl_args, target, tl, triton, use_triton
 
 if HAS_TRITON:
     from mambaserve.kernels.moe_kernels import (_moe_align_kernel, _moe_count_kernel, _moe_down_kernel,
@@ -181,7 +182,7 @@ def moe_tiles(pairs: int, num_experts: int, on_gpu: bool = True, overrides: dict
 def _dot_types(x: torch.Tensor, w: torch.Tensor):
     """(matrix-unit operand type, input precision): fp32 keeps fp32 products (tf32 would cost ~1e-3
     relative); the Triton 3.9 interpreter multiplies bf16 operands wrongly, so under it they go in as fp32."""
-    if interpreting() or torch.float32 in (x.dtype, w.dtype):
+    if not target(x).compiled or torch.float32 in (x.dtype, w.dtype):
         return tl.float32, "ieee"
     return _TL_DTYPES[w.dtype], "tf32"
 
@@ -192,31 +193,50 @@ def moe_runs_triton(t: torch.Tensor, force_triton: bool | None = None) -> bool:
     return use_triton(t, force_triton)
 
 
-def warm_up_tokens(num_experts: int, top_k: int) -> list[int]:
-    """One token, then for each ``MOE_TILES`` row the fewest tokens (at least 2) whose rows per expert pick it."""
-    counts, lo = [1], 0.0
-    for bound, _ in MOE_TILES:
-        counts.append(max(2, int(lo * num_experts / top_k) + 1))
-        lo = bound if bound is not None else lo
-    return counts
+def align_launch(pairs: int, num_experts: int, block_m: int) -> dict | None:
+    """The align step's Triton launch for ``pairs`` pairs (None without experts): up to
+    ``ALIGN_ONE_PROGRAM_MAX_PAIRS`` one program, its ``CHUNK`` (one-hots of up to 8K elements, 8 warps from 4K:
+    compiled for sm_90 by Triton 3.6, 193 registers a thread at 128 x 64, no spills; 16K took all 255: as few serial
+    steps over the pairs as the registers allow), ``FILL`` and warps; above, three launches over ``CHUNK`` pairs a
+    program (no ``FILL``)."""
+    if num_experts == 0:
+        return None
+    EP = max(16, next_pow2(num_experts))
+    if pairs > ALIGN_ONE_PROGRAM_MAX_PAIRS:
+        return {"EP": EP, "CHUNK": max(16, min(256, 4096 // EP))}
+    P = padded_capacity(pairs, num_experts, block_m)
+    chunk = max(16, min(256, 8192 // EP, next_pow2(max(pairs, P // block_m))))
+    return {"EP": EP, "CHUNK": chunk, "FILL": min(1024, next_pow2(P)), "num_warps": 8 if chunk * EP > 4096 else 4}
 
 
-def moe_warm_up(w1: torch.Tensor, w2: torch.Tensor, top_k: int, *, act: str = "silu", gated: bool = True,
-                weights_dtype: torch.dtype | None = None, force_triton: bool | None = None) -> int:
-    """Run the op once per launch variant it can pick for these weights (one token, then a batch in each
-    ``MOE_TILES`` row: a Triton compile each) on throwaway inputs in the weights' dtype, routing weights in
-    ``weights_dtype`` (the router's; default the same), so that no request waits seconds for a compile (the
-    prefill tiles need over 48 rows an expert: 513 tokens at 64 experts, top-6, more than the start-up prefill
-    warm-up runs). Returns the runs (0 where the expert loop runs instead)."""
+def launch_variant(tokens: int, top_k: int, num_experts: int, tg: Target, tiles: dict | None = None) -> tuple:
+    """What ``moe_experts`` launches for ``tokens`` tokens (tiles, the direct path, the align step's program): a
+    pure function of the shapes, each value one set of compiles (``moe_warm_up`` runs one batch per value)."""
+    cfg = moe_tiles(tokens * top_k, num_experts, tg.compiled, tiles)
+    direct = cfg.get("direct", tokens == 1)
+    align = None if direct else align_launch(tokens * top_k, num_experts, cfg["block_m"])
+    return tuple(sorted(cfg.items())), direct, tuple(sorted((align or {}).items()))
+
+
+def moe_warm_up(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *, act: str = "silu",
+                gated: bool = True, weights_dtype: torch.dtype | None = None,
+                force_triton: bool | None = None) -> int:
+    """Run the op once per launch variant it can pick for these weights and 1 to ``max_tokens`` tokens
+    (``launch_variant``: one token, the tile rows of ``MOE_TILES``, the align step's programs; each a Triton
+    compile) on throwaway inputs in the weights' dtype, routing weights in ``weights_dtype`` (the router's; default
+    the same), so that no request waits seconds for a compile. Returns the runs (0 where the expert loop runs)."""
     if not moe_runs_triton(w1, force_triton):
         return 0
     E, H = w1.shape[0], w1.shape[2]
-    counts = warm_up_tokens(E, top_k)
-    for T in counts:
+    tg = target(w1)
+    first: dict[tuple, int] = {}
+    for T in range(1, max_tokens + 1):
+        first.setdefault(launch_variant(T, top_k, E, tg), T)
+    for T in first.values():
         ids = torch.arange(T * top_k, device=w1.device).remainder(E).view(T, top_k)
         wts = torch.full((T, top_k), 1.0 / top_k, device=w1.device, dtype=weights_dtype or w1.dtype)
         moe_experts(w1.new_zeros(T, H), ids, wts, w1, w2, act=act, gated=gated, force_triton=force_triton)
-    return len(counts)
+    return len(first)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
@@ -224,23 +244,19 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     """The routing-align step (``MoeAlignment``). Triton: one program for up to ``ALIGN_ONE_PROGRAM_MAX_PAIRS``
     pairs, three launches above (counts per program, the runs, the scatter); no host synchronisation."""
     N = topk_ids.numel()
-    if not use_triton(topk_ids, force_triton) or num_experts == 0:
+    launch = align_launch(N, num_experts, block_m)
+    if not use_triton(topk_ids, force_triton) or launch is None:
         return moe_align_ref(topk_ids, num_experts, block_m)
     P = padded_capacity(N, num_experts, block_m)
     NB = P // block_m
     ids = topk_ids.reshape(-1).contiguous()
     sorted_pairs = torch.empty(P, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(NB, dtype=torch.int32, device=ids.device)
-    EP = max(16, next_pow2(num_experts))
+    EP, chunk = launch["EP"], launch["CHUNK"]
     pdl = pdl_args(ids)
-    if N <= ALIGN_ONE_PROGRAM_MAX_PAIRS:
-        # one-hots of up to 8K elements, 8 warps from 4K (compiled for sm_90 by Triton 3.6: 193 registers a thread
-        # at 128 x 64, no spills; 16K took all 255): as few serial steps over the pairs as the registers allow
-        chunk = max(16, min(256, 8192 // EP, next_pow2(max(N, NB))))
-        _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, NB, BLOCK_M=block_m, EP=EP, CHUNK=chunk,
-                                FILL=min(1024, next_pow2(P)), num_warps=8 if chunk * EP > 4096 else 4, **pdl)
+    if "FILL" in launch:  # one program
+        _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, NB, BLOCK_M=block_m, **launch, **pdl)
         return MoeAlignment(sorted_pairs, block_expert, block_m)
-    chunk = max(16, min(256, 4096 // EP))
     Q = triton.cdiv(N, chunk)
     local = torch.empty(Q, EP, dtype=torch.int32, device=ids.device)
     start = torch.empty(EP, dtype=torch.int32, device=ids.device)
@@ -271,7 +287,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T == 0 or k == 0:
         return _epilogue(torch.zeros(T, H, dtype=torch.float32, device=x.device), add, residual, scale, x.dtype)
     N = T * k
-    cfg = moe_tiles(N, E, x.is_cuda and not interpreting(), tiles)
+    cfg = moe_tiles(N, E, target(x).compiled, tiles)
     BM = cfg["block_m"]
     direct = cfg.get("direct", T == 1)  # one block per pair, no align step (moe_kernels' docstring)
     if direct:

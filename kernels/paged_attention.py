@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, interpreting, next_pow2, pdl_args, seq_block, sm_count, tl,
-                                         triton, use_triton)
+from mambaserve.kernels._dispatch import (HAS_TRITON, Target, next_pow2, pdl_args, seq_block, target, tl, triton,
+                                          use_triton)
 
 if HAS_TRITON:
     from mambaserve.kernels.paged_attention_kernels import (_decode_kernel, _decode_reduce_kernel, _prefill_kernel,
@@ -156,7 +156,7 @@ def _dot_types(q: torch.Tensor, cache: torch.Tensor):
     """(matrix-unit operand type, input precision). fp32 keeps fp32 products (tf32 would cost ~1e-3
     relative); the Triton 3.9 interpreter multiplies bf16 operands wrongly, so under it they go in as
     fp32 (same values, exact products)."""
-    if interpreting() or torch.float32 in (q.dtype, cache.dtype):
+    if not target(q).compiled or torch.float32 in (q.dtype, cache.dtype):
         return tl.float32, "ieee"
     return _TL_DTYPES[cache.dtype], "tf32"
 
@@ -180,9 +180,19 @@ def decode_splits(batch: int, kv_heads: int, max_tokens: int, sms: int, block_n:
 
 
 def _tiles(base: dict, t: torch.Tensor, overrides: dict | None) -> dict:
-    tiles = {**base, **(_INTERPRET_TILES if not t.is_cuda else {})}
-    tiles.update(overrides or {})
-    return tiles
+    return _target_tiles(base, target(t), overrides)
+
+
+def _target_tiles(base: dict, tg: Target, overrides: dict | None) -> dict:
+    return {**base, **(_INTERPRET_TILES if not tg.compiled else {}), **(overrides or {})}
+
+
+def decode_split_count(batch: int, kv_heads: int, max_tokens: int, tg: Target, tiles: dict | None = None) -> int:
+    """The splits of a decode launch of ``batch`` rows over block tables of ``max_tokens`` tokens on ``tg``:
+    ``tiles["splits"]``, else ``decode_splits``. With more than one, the kernel is its split variant and a merge
+    follows (a compile per power of two of the count: ``server/engine/warm_up.py`` runs each at start)."""
+    cfg = _target_tiles(DECODE_TILES, tg, tiles)
+    return cfg["splits"] or decode_splits(batch, kv_heads, max_tokens, tg.sms, cfg["block_n"])
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, force_triton: bool | None = None) -> None:
@@ -261,10 +271,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, *,
     num_pages, page_size, Hkv = k_cache.shape[:3]
     G = Hq // Hkv
     BLOCK_N, BLOCK_D = cfg["block_n"], max(16, next_pow2(D))
-    splits = cfg["splits"]
-    if splits is None:
-        sms = sm_count(q.device) if q.is_cuda else 1
-        splits = decode_splits(B, Hkv, block_table.shape[1] * page_size, sms, BLOCK_N)
+    splits = decode_split_count(B, Hkv, block_table.shape[1] * page_size, target(q), tiles)
     part = lse = out  # placeholders when the kernel writes the output itself
     if splits > 1:
         part = torch.empty(B, Hq, splits, BLOCK_D, dtype=torch.float32, device=q.device)

@@ -96,7 +96,10 @@ if HAS_TRITON:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.jit
+    # Batch counts, block-table widths and split counts change from step to step: not specialised (== 1, % 16) and
+    # free not to be (they bound masks and index rows, no vector access is aligned by them), so the variants left
+    # are the constexprs' (``server/engine/warm_up.py`` compiles them at start).
+    @triton.jit(do_not_specialize=["S", "bt_b", "max_tok"])
     def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, S, D: tl.constexpr, G,
                         qk_scale, cap_scale, window,
                         q_t, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, max_tok, o_t, o_h, o_d,
@@ -153,7 +156,7 @@ if HAS_TRITON:
         tl.store(out_ptr + tok64[:, None] * o_t + hq[:, None] * o_h + d[None, :] * o_d,
                  o.to(out_ptr.dtype.element_ty), mask=mrow[:, None] & md[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["bt_b", "max_tok", "SPLITS"])
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, D: tl.constexpr, G,
                        qk_scale, cap_scale, window,
                        q_b, q_h, q_d, kc_p, kc_o, kc_h, kc_d, vc_p, vc_o, vc_h, vc_d, bt_b, max_tok, o_b, o_h, o_d,
@@ -198,7 +201,7 @@ if HAS_TRITON:
             lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), NEG)
             tl.store(lse_ptr + row, lse, mask=mrow)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["SPLITS"])
     def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, SPLITS, o_b, o_h, o_d, D: tl.constexpr,
                               BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Grid (B, Hq): out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); all splits empty -> 0."""

@@ -79,7 +79,7 @@ if HAS_TRITON:
         tl.store(out_ptr + b * o_b + h * o_h + p * o_p, y.to(out_ptr.dtype.element_ty), mask=mp)
 
 
-def _config(P: int, N: int, rows_x_heads: int, small: tuple[int, int]) -> tuple[int, int]:
+def state_update_tiles(P: int, N: int, rows_x_heads: int, small: tuple[int, int]) -> tuple[int, int]:
     """(BLOCK_P, num_warps). 4K state elements per program (32 x 128 at N = 128) and 4 warps: the best
     or within 1% of the best of a 6-config sweep on an H100 for batch x heads >= 2560 in most shapes
     (benchmarks/README.md). Under 256 rows x heads (batch 1) more, smaller programs fill the GPU: 4-row
@@ -160,7 +160,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     out = torch.empty_like(x)
     if Bsz == 0:
         return out
-    BP, warps = _config(P, N, Bsz * H, config.state_update_small_tiles)
+    BP, warps = state_update_tiles(P, N, Bsz * H, config.state_update_small_tiles)
     BP, warps = block_p or BP, num_warps or warps
     lo, hi = dt_limit
     clamp = lo > 0.0 or hi != float("inf")

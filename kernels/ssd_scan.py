@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, hopper_or_newer, interpreting, next_pow2, seq_block,
-                                          sm_count, tl, triton, use_triton)
+from mambaserve.kernels._dispatch import (HAS_TRITON, Target, interpreting, next_pow2, seq_block, target, tl, triton,
+                                          use_triton)
 from mambaserve.kernels.config import DEFAULT, KernelConfig
 
 if HAS_TRITON:
@@ -225,7 +225,8 @@ SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block
 def _descriptor(t: torch.Tensor, rows: int, cols: int, row_stride: int, block: list[int]):
     """A 2-D TMA tensor descriptor [rows, cols] over ``t``'s storage (columns contiguous), or None where
     the layout does not allow one (16-byte aligned base and row stride) or TMA is unavailable."""
-    if not HAS_TRITON or not (interpreting() or (t.is_cuda and hopper_or_newer(t.device))):
+    tg = target(t)
+    if not HAS_TRITON or not (tg.hopper if tg.compiled else interpreting()):
         return None
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -239,6 +240,30 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int, row_stride: int, block: l
 def _rows_of(t: torch.Tensor, inner: int):
     """[T, A, inner] with the last two dims packed (stride inner, 1): its row stride, else None."""
     return t.stride(0) if t.stride(2) == 1 and t.stride(1) == inner else None
+
+
+def state_tiles(S: int, H: int, P: int, N: int, tg: Target, overrides: dict | None = None) -> tuple[int, int, int]:
+    """(block_p, block_n, warps) of the state kernel for ``S`` sequences (SCAN_CONFIG's note): a shape's one
+    variant per class of S, so ``server/engine/warm_up.py`` compiles each class at start."""
+    cfg = {**SCAN_CONFIG, **(overrides or {})}
+    BP, BN = max(16, next_pow2(P)), max(16, next_pow2(N))
+    SBP, SBN, warps = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN), cfg["state_warps"]
+    if tg.compiled and not {"state_block_p", "state_block_n", "state_warps"} & set(overrides or {}):
+        small_p = min(cfg["state_small_p"], BP)
+        if S * H * triton.cdiv(P, small_p) * triton.cdiv(N, SBN) < cfg["state_small_per_sm"] * tg.sms:
+            SBP, warps = small_p, cfg["state_small_warps"]  # few sequences: many small one-warp walks
+        elif S * H * triton.cdiv(P, SBP) * triton.cdiv(N, cfg["state_wide_n"]) >= cfg["state_wide_per_sm"] * tg.sms:
+            SBN = min(cfg["state_wide_n"], BN)  # enough sequences to fill the GPU with the wider tile
+    return SBP, SBN, warps
+
+
+def tma_tokens(tg: Target, overrides: dict | None = None) -> int | None:
+    """The fewest tokens of a call whose tiles are read through TMA descriptors on ``tg`` (a variant of the state and
+    output kernels each), None where none is (not Hopper, or the config turns it off)."""
+    cfg = {**SCAN_CONFIG, **(overrides or {})}
+    if not (cfg["tma"] or cfg["state_tma"]) or not (tg.hopper if tg.compiled else interpreting()):
+        return None
+    return cfg["tma_min_tokens"]
 
 
 def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state_indices, has_initial_state,
@@ -265,7 +290,8 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     # Matrix-unit operand type: the inputs' (bf16/fp16/fp32). The Triton 3.9 interpreter multiplies
     # bf16 operands wrongly, so under it the operands go in as fp32 (same values, exact products).
-    dot_t = tl.float32 if interpreting() or x.dtype == torch.float32 else _TL_DTYPES[x.dtype]
+    tg = target(x)
+    dot_t = tl.float32 if not tg.compiled or x.dtype == torch.float32 else _TL_DTYPES[x.dtype]
     # Start states and C B^T are only ever matrix-unit operands: stored in the inputs' 16-bit type when
     # they have one (half the bytes, no precision lost: the output kernel's products take them in it), else fp32.
     op_dtype = x.dtype if x.dtype in _TL_DTYPES else torch.float32
@@ -307,14 +333,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         float(lo), float(min(hi, 3.0e38)), *dt.stride(),
         Q=QI, HAS_POS=has_pos, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp,
         BLOCK_Q=QI, BLOCK_S=BLOCK_S, BLOCK_H=PH, num_warps=4)
-    SBP, SBN, state_warps = min(cfg["state_block_p"], BP), min(cfg["state_block_n"], BN), cfg["state_warps"]
-    if dev.type == "cuda" and not {"state_block_p", "state_block_n", "state_warps"} & set(overrides):
-        small_p = min(cfg["state_small_p"], BP)
-        sms = sm_count(dev)
-        if S * H * triton.cdiv(P, small_p) * triton.cdiv(N, SBN) < cfg["state_small_per_sm"] * sms:
-            SBP, state_warps = small_p, cfg["state_small_warps"]  # few sequences: many small one-warp walks
-        elif S * H * triton.cdiv(P, SBP) * triton.cdiv(N, cfg["state_wide_n"]) >= cfg["state_wide_per_sm"] * sms:
-            SBN = min(cfg["state_wide_n"], BN)  # enough sequences to fill the GPU with the wider tile
+    SBP, SBN, state_warps = state_tiles(S, H, P, N, tg, overrides)
     SBK = min(cfg["state_block_k"], QI)
     x_rows, B_rows, C_rows = _rows_of(x, P), _rows_of(B, N), _rows_of(C, N)
     sx_desc = sB_desc = None

@@ -32,7 +32,10 @@ from mambaserve.kernels._dispatch import HAS_TRITON, dt_prologue, locate_block, 
 
 if HAS_TRITON:
 
-    @triton.jit
+    # S and T (sequences and tokens of the call) are not specialised (== 1, % 16): they bound masks and index the
+    # [H, T] rows from a chunk's first token, never aligned anyway, so one compile serves every batch (the
+    # constexprs' variants are compiled at start: ``server/engine/warm_up.py``).
+    @triton.jit(do_not_specialize=["S", "T"])
     def _ssd_prep_kernel(dt_ptr, bias_ptr, A_ptr, cu_ptr, pos_ptr, dtp_ptr, cs_ptr, ws_ptr, meta_ptr, S, T, H,
                          dt_lo, dt_hi, dt_t, dt_h,
                          Q: tl.constexpr, HAS_POS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -78,7 +81,7 @@ if HAS_TRITON:
         w = tl.load(ws_ptr + h * T + k, mask=mk, other=0.0)  # 0 past the chunk's end (prep kernel)
         return tl.dot((xk * w[None, :]).to(DOT_T), Bk.to(DOT_T), acc, input_precision=PREC)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "T"])
     def _ssd_states_kernel(x_ptr, B_ptr, x_desc, B_desc, ws_ptr, cs_ptr, dtp_ptr, cu_ptr, pos_ptr, slot_ptr,
                            init_ptr, snap_ptr, snap_len_ptr, start_ptr, ssm_ptr,
                            bnd_ptr, bnd_dest_ptr, S, T, H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n,
@@ -258,7 +261,7 @@ if HAS_TRITON:
         s = tl.where(mk, dt * tl.exp(tl.minimum(r - cs, MAX_E)), 0.0)
         return xk, xk.to(tl.float32) * s[:, None]
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _ssd_chunk_scan_kernel(x_ptr, C_ptr, cb_ptr, D_ptr, dtp_ptr, cs_ptr, meta_ptr, start_ptr, y_ptr,
                                x_desc, xm_desc, C_desc, cb_desc, st_desc,
                                T, H, G, P, N, heads_per_group, x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p,

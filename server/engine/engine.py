@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mambaserve.kernels import compiles
 from mambaserve.server.config import ServerConfig
-from mambaserve.server.engine import timeline
+from mambaserve.server.engine import timeline, warm_up
 from mambaserve.server.engine.cuda_graphs import buckets_up_to, prefill_buckets
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.engine.kv_pool import KVPool, page_bytes
@@ -115,19 +115,11 @@ class Engine:
         self.track_interval = self._track_interval()
         runner = ModelRunner(self.model, self.pool, self.device, self.kv_pool)
         runner.host_pool = host_pool
-        if is_cuda:  # eager prefill variants first: the graphs capture what is compiled by then
-            t = time.monotonic()
-            runner.warm_up(d.chunk_size, self.track_interval,
-                           min(self.max_running, cfg.chunked_prefill_size))
-            self.startup["kernels"] = time.monotonic() - t
-            log.info("prefill kernels compiled in %.1f s", self.startup["kernels"])
-        if is_cuda and not cfg.disable_cuda_graph:
-            t = time.monotonic()
-            runner.enable_cuda_graphs(min(self.max_running, cfg.cuda_graph_max_bs),
-                                      cfg.chunked_prefill_size, self.max_running, self.context_length)
-            self.startup["graphs"] = time.monotonic() - t
-            if runner.graphs is not None or runner.prefill_graphs is not None:
-                log.info("CUDA graphs captured in %.1f s", self.startup["graphs"])
+        if is_cuda:  # every kernel variant a request can reach, then the CUDA graphs (engine/warm_up.py)
+            self.startup |= warm_up.compile_kernels(runner, warm_up.Limits(
+                max_running=self.max_running, chunk=cfg.chunked_prefill_size, context_length=self.context_length,
+                track_interval=self.track_interval,
+                graph_max_bs=0 if cfg.disable_cuda_graph else min(self.max_running, cfg.cuda_graph_max_bs)))
         self.scheduler = Scheduler(
             cfg, runner, self.metrics, max_running=self.max_running, context_length=self.context_length,
             track_interval=self.track_interval,

@@ -71,50 +71,6 @@ class ModelRunner:
                                                 self.device, self.kv_pool, context_length)
             self.prefill_graphs.capture()
 
-    def warm_up(self, chunk_size: int, track_interval: int = 0, max_seqs: int = 2) -> None:
-        """Run a prefill of each class of shape the Triton kernels compile a variant for (1, 2 and up to
-        ``max_seqs`` sequences per batch in ``seq_block`` steps, token counts a multiple of 16 or not,
-        from zero and resumed mid-chunk, tracked snapshots), a slot copy and a clear, on borrowed
-        slots (and, for hybrids, KV pages), so that no request waits seconds for a compile (the first
-        requests of benchmarks/multiturn.py did). Results are discarded."""
-        widths = [1, 2] + [w for w in (64, 128, 256, 512, 1024, 2048, 4096) if w // 2 < max_seqs]
-        n = chunk_size + 3  # ends mid-chunk: the resumed prefills below start there
-        kv = self.kv_pool.allocator if self.kv_pool is not None else None
-        slots: list[int] = []
-        pages: list[list[int]] = []  # hybrids: each borrowed slot's KV pages, for the most tokens it runs below
-        while len(slots) < max(3, min(widths[-1], max_seqs)) and (slot := self.pool.allocator.alloc()) is not None:
-            if kv is not None:
-                if not kv.ensure(("warm-up", slot), max(n + 19, track_interval + 3) if not slots else 19):
-                    self.pool.allocator.free(slot)
-                    break
-                pages.append(kv.pages(("warm-up", slot)))
-            slots.append(slot)
-        try:
-            if len(slots) < 3:
-                return
-            a, c = slots[0], slots[-1]
-            # Triton compiles a variant per int argument == 1, divisible by 16, or neither: one and two
-            # sequences, token counts a multiple of 16 or not, fresh and resumed mid-chunk, with and
-            # without the snapshot before the last token
-            cases = [((n,), (0,), [], []), ((n, 5), (0, 0), [], [])]
-            cases += [(lens, starts, [], snap) for lens in [(16,), (19,), (16, 16), (16, 19)]
-                      for starts in [(0,) * len(lens), (n,) + (0,) * (len(lens) - 1)] for snap in ([], [(0, c)])]
-            cases += [((1,) * w, (0,) * w, [], []) for w in widths[2:] if w <= len(slots) - 1]
-            if track_interval:
-                cases.append(((track_interval + 3,), (0,), [(0, track_interval, c)], []))
-            for lens, starts, track, snap in cases:
-                ids = [1 + i % 7 for i in range(sum(lens))]
-                self.forward(ForwardBatch(ForwardMode.EXTEND, ids, list(lens), list(starts), slots[:len(lens)],
-                                          StateOps([("copy", a, c), ("clear", c, c)]), track=track, snap=snap,
-                                          pages=pages[:len(lens)] if kv is not None else None))
-            if hasattr(self.model, "warm_up_kernels"):  # hybrids: the MoE tiles for long prefills too
-                self.model.warm_up_kernels()
-        finally:
-            for slot in slots:
-                self.pool.allocator.free(slot)
-                if kv is not None:
-                    kv.release(("warm-up", slot))
-
     def apply_state_ops(self, ops: StateOps) -> None:
         """In the order recorded, before the forward and in order with the steps before it: copies and
         clears batched per run and loads from the host on the forward's stream, offloads to the host on the

@@ -125,10 +125,10 @@ class NemotronMoE(nn.Module):
             y = self.fc2_latent_proj(y)
         return y + self.shared_experts(x)
 
-    def warm_up_experts(self) -> int:
+    def warm_up_experts(self, max_tokens: int) -> int:
         """Compile the expert kernels' variants (routing weights in fp32, as the router gives them)."""
-        return moe.moe_warm_up(self.experts.up_proj, self.experts.down_proj, self.m.top_k, act=self.m.act, gated=False,
-                               weights_dtype=torch.float32)
+        return moe.moe_warm_up(self.experts.up_proj, self.experts.down_proj, self.m.top_k, max_tokens, act=self.m.act,
+                               gated=False, weights_dtype=torch.float32)
 
 
 class GraniteRouter(nn.Module):
@@ -170,6 +170,7 @@ class GraniteMoE(nn.Module):
         return moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight, act=self.m.act,
                                gated=True, add=add, residual=residual, scale=scale)
 
-    def warm_up_experts(self) -> int:
+    def warm_up_experts(self, max_tokens: int) -> int:
         """Compile the expert kernels' variants (routing weights in the model dtype, as the router gives them)."""
-        return moe.moe_warm_up(self.input_linear.weight, self.output_linear.weight, self.m.top_k, act=self.m.act)
+        return moe.moe_warm_up(self.input_linear.weight, self.output_linear.weight, self.m.top_k, max_tokens,
+                               act=self.m.act)

@@ -140,11 +140,12 @@ class HybridForCausalLM(nn.Module):
                     "copies each expert's row count to the host every step (kernels.moe.moe_experts_ref)")
         return None
 
-    def warm_up_kernels(self) -> int:
-        """Compile the MoE experts' kernel variants (``kernels.moe.moe_warm_up``) on the first MoE layer: every
-        MoE layer of a model has the same shapes. Returns the runs (0: no MoE, or the torch loop runs)."""
+    def warm_up_kernels(self, max_tokens: int) -> int:
+        """Compile the MoE experts' kernel variants for steps of up to ``max_tokens`` tokens
+        (``kernels.moe.moe_warm_up``) on the first MoE layer: every MoE layer of a model has the same shapes.
+        Returns the runs (0: no MoE, or the torch loop runs)."""
         layer = next((m for m in self.modules() if hasattr(m, "warm_up_experts")), None)
-        return layer.warm_up_experts() if layer is not None else 0
+        return layer.warm_up_experts(max_tokens) if layer is not None else 0
 
     def refresh_derived(self) -> None:
         for m in self.mixers():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mambaserve.kernels.moe import (MOE_TILES, MoeAlignment, moe_align, moe_align_ref, moe_experts, moe_experts_ref,
-                                    moe_tiles, moe_warm_up, padded_capacity, warm_up_tokens)
+                                    launch_variant, moe_tiles, moe_warm_up, padded_capacity)
 from tests.kernels.helpers import TOL, assert_close, gen, randn
 
 
@@ -148,12 +148,24 @@ def test_experts_zero_tokens_and_bad_arguments(dev):
         moe_experts(x, ids[:, :1], wts, w1, w2, force_triton=True)
 
 
-def test_warm_up_runs_one_token_and_a_batch_per_tile_row(dev):
-    """Start-up compiles: one token (no align step), then token counts whose rows per expert pick each MOE_TILES row
-    in turn; where the torch loop runs there is nothing to compile."""
+def test_warm_up_runs_one_batch_per_launch_variant_up_to_its_token_count(dev):
+    """Start-up compiles: one token (no align step), then a token count per variant the launcher can pick (tile rows,
+    align programs) up to the most tokens a step takes; where the torch loop runs there is nothing to compile."""
+    from mambaserve.kernels._dispatch import H100
+
     _, _, _, w1, w2 = _case(1, 2, 4, 16, 8, True, "spread", torch.float32, dev, seed=2)
-    assert moe_warm_up(w1, w2, 2, force_triton=True) == 1 + len(MOE_TILES)
-    assert moe_warm_up(w1, w2, 2, force_triton=False) == 0
-    for E, k in ((64, 6), (4, 2), (128, 8), (8, 1)):  # granite-4.0-h-tiny: 1, 2, 129 and 513 tokens
-        tokens = warm_up_tokens(E, k)
-        assert tokens[0] == 1 and [moe_tiles(T * k, E) for T in tokens[1:]] == [t for _, t in MOE_TILES]
+    variants = {launch_variant(T, 2, 4, H100 if dev == "cuda" else _interpreter()) for T in range(1, 41)}
+    assert moe_warm_up(w1, w2, 2, 40, force_triton=True) == len(variants) > 2
+    assert moe_warm_up(w1, w2, 2, 40, force_triton=False) == 0
+    # granite-4.0-h-tiny (64 experts, top-6) on an H100 up to 2048 tokens: every MOE_TILES row, one token alone
+    # (direct), and the align step's one-program variants, its three-launch one past ALIGN_ONE_PROGRAM_MAX_PAIRS
+    granite = {launch_variant(T, 6, 64, H100) for T in range(1, 2049)}
+    assert {dict(v[0])["block_m"] for v in granite} == {t["block_m"] for _, t in MOE_TILES}
+    assert sum(v[1] for v in granite) == 1 and any(v[2] and "FILL" not in dict(v[2]) for v in granite)
+    assert 6 < len(granite) < 20  # a few seconds of compiles at start
+
+
+def _interpreter():
+    from mambaserve.kernels._dispatch import Target
+
+    return Target(compiled=False)

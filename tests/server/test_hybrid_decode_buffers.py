@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mambaserve import kernels
+from mambaserve.server.engine import warm_up
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from mambaserve.server.engine.decode_buffers import DecodeBuffers
@@ -166,12 +167,13 @@ def test_prefill_warm_up_of_a_hybrid_borrows_pages_and_gives_everything_back(gra
     """The engine's start-up warm-up (every prefill shape class the kernels compile a variant for) runs on a
     hybrid with KV pages borrowed beside the slots, and leaves every slot and page free."""
     runner = _runner(granite, 4)
-    runner.warm_up(chunk_size=8, max_seqs=4)
+    limits = warm_up.Limits(max_running=4, chunk=16, context_length=40, track_interval=8)
+    warm_up.compile_kernels(runner, limits)
     assert runner.pool.allocator.num_free == runner.pool.allocator.capacity
     assert runner.kv_pool.allocator.num_free == PAGES and not runner.kv_pool.allocator.owners()
     small = _runner(granite, 4)
-    small.kv_pool.allocator.ensure("other", (PAGES - 2) * 4)  # no room for the warm-up's pages: it skips
-    small.warm_up(chunk_size=8, max_seqs=4)
+    small.kv_pool.allocator.ensure("other", (PAGES - 2) * 4)  # room for 2 pages: the steps that need more skip
+    warm_up.compile_kernels(small, limits)
     assert small.pool.allocator.num_free == small.pool.allocator.capacity
     assert small.kv_pool.allocator.owners() == ["other"] and small.kv_pool.allocator.num_free == 2
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mambaserve.server.engine import warm_up
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.model.loader import load_model
 from mambaserve.server.engine.model_runner import ModelRunner
@@ -98,11 +99,17 @@ def test_A_is_derived_at_load_and_refreshed_in_place(ckpt):
 
 
 def test_warm_up_borrows_slots_and_gives_them_back(ckpt):
+    """The start-up warm-up's steps (one per class of step: engine/warm_up.py) run on three borrowed slots, padding
+    sequences making up the counts (here 33 sequences, tracked states, eager decode of 1 to 64 rows)."""
     runner = _runner(ckpt, slots=70)
     free = runner.pool.allocator.num_free
-    runner.warm_up(runner.model.dims.chunk_size, track_interval=runner.model.dims.chunk_size, max_seqs=64)
+    q = runner.model.dims.chunk_size
+    limits = warm_up.Limits(max_running=64, chunk=64, context_length=8 * q + 64, track_interval=q)
+    assert any(isinstance(s, warm_up.Prefill) and s.seqs == 33 and s.track for s in
+               warm_up.plan(limits, warm_up.shapes_of(runner, limits.context_length), warm_up.target(runner.pool.ssm)))
+    warm_up.compile_kernels(runner, limits)
     assert runner.pool.allocator.num_free == free
     while runner.pool.allocator.num_free > 2:
         runner.pool.allocator.alloc()  # too few slots left to borrow three: nothing runs, nothing leaks
-    runner.warm_up(runner.model.dims.chunk_size)
+    warm_up.compile_kernels(runner, limits)
     assert runner.pool.allocator.num_free == 2

@@ -219,12 +219,13 @@ def launch_variant(tokens: int, top_k: int, num_experts: int, tg: Target, tiles:
 
 
 def moe_warm_up(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *, act: str = "silu",
-                gated: bool = True, weights_dtype: torch.dtype | None = None,
+                gated: bool = True, ids_dtype: torch.dtype = torch.int64, weights_dtype: torch.dtype | None = None,
                 force_triton: bool | None = None) -> int:
     """Run the op once per launch variant it can pick for these weights and 1 to ``max_tokens`` tokens
     (``launch_variant``: one token, the tile rows of ``MOE_TILES``, the align step's programs; each a Triton
-    compile) on throwaway inputs in the weights' dtype, routing weights in ``weights_dtype`` (the router's; default
-    the same), so that no request waits seconds for a compile. Returns the runs (0 where the expert loop runs)."""
+    compile) on throwaway inputs in the weights' dtype, expert ids in ``ids_dtype`` and routing weights in
+    ``weights_dtype`` (the router's: a dtype is part of a compile; default the weights'), so that no request waits
+    seconds for a compile. Returns the runs (0 where the expert loop runs)."""
     if not moe_runs_triton(w1, force_triton):
         return 0
     E, H = w1.shape[0], w1.shape[2]
@@ -233,7 +234,7 @@ def moe_warm_up(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int,
     for T in range(1, max_tokens + 1):
         first.setdefault(launch_variant(T, top_k, E, tg), T)
     for T in first.values():
-        ids = torch.arange(T * top_k, device=w1.device).remainder(E).view(T, top_k)
+        ids = torch.arange(T * top_k, device=w1.device).remainder(E).view(T, top_k).to(ids_dtype)
         wts = torch.full((T, top_k), 1.0 / top_k, device=w1.device, dtype=weights_dtype or w1.dtype)
         moe_experts(w1.new_zeros(T, H), ids, wts, w1, w2, act=act, gated=gated, force_triton=force_triton)
     return len(first)

@@ -126,9 +126,10 @@ class NemotronMoE(nn.Module):
         return y + self.shared_experts(x)
 
     def warm_up_experts(self, max_tokens: int) -> int:
-        """Compile the expert kernels' variants (routing weights in fp32, as the router gives them)."""
+        """Compile the expert kernels' variants, routed in the dtypes the router gives."""
+        idx, w = self.gate(self.experts.up_proj.new_zeros(1, self.gate.weight.shape[1]))
         return moe.moe_warm_up(self.experts.up_proj, self.experts.down_proj, self.m.top_k, max_tokens, act=self.m.act,
-                               gated=False, weights_dtype=torch.float32)
+                               gated=False, ids_dtype=idx.dtype, weights_dtype=w.dtype)
 
 
 class GraniteRouter(nn.Module):
@@ -171,6 +172,8 @@ class GraniteMoE(nn.Module):
                                gated=True, add=add, residual=residual, scale=scale)
 
     def warm_up_experts(self, max_tokens: int) -> int:
-        """Compile the expert kernels' variants (routing weights in the model dtype, as the router gives them)."""
-        return moe.moe_warm_up(self.input_linear.weight, self.output_linear.weight, self.m.top_k, max_tokens,
-                               act=self.m.act)
+        """Compile the expert kernels' variants, routed in the dtypes the router gives."""
+        w1 = self.input_linear.weight
+        idx, w = self.router(w1.new_zeros(1, w1.shape[2]))
+        return moe.moe_warm_up(w1, self.output_linear.weight, self.m.top_k, max_tokens, act=self.m.act,
+                               ids_dtype=idx.dtype, weights_dtype=w.dtype)

@@ -58,3 +58,15 @@ def launched(model: str, extra: list[str], timeout: float = 300, process: bool =
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def kernel_compiles(url: str) -> dict[str, int]:
+    """The server's Triton compiles so far by phase (``warmup``: before it reported ready; ``serving``: after, each
+    one a stall of the requests running; should stay 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if fam.name == "mambaserve_kernel_compiles":
+            out.update({s.labels["phase"]: int(s.value) for s in fam.samples if s.name.endswith("_total")})
+    return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import shutil
 import tempfile
@@ -203,16 +204,45 @@ def hf_decode_step_s(model, batch: int, prompt_len: int, vocab: int, device: str
     return step
 
 
-def hf_prefill_tps(model, n_req: int, n_tok: int, vocab: int, device: str) -> float:
-    """Prompt tokens/s of one transformers forward over ``n_req`` x ``n_tok`` tokens (last logits only)."""
+def hf_prefill_tps(model, n_req: int, n_tok: int, vocab: int, device: str, piece: int | None = None) -> float:
+    """Prompt tokens/s of transformers forwards over ``n_req`` x ``n_tok`` tokens (last logits only), ``piece``
+    requests a forward (default all at once)."""
+    piece = piece or n_req
     ids = torch.randint(1, vocab, (n_req, n_tok), device=device)
     with torch.no_grad():
         model(ids[:1, :64], use_cache=False, logits_to_keep=1)  # warm-up
         _sync(device)
         t = time.perf_counter()
-        model(ids, use_cache=False, logits_to_keep=1)
+        for i in range(0, n_req, piece):
+            model(ids[i:i + piece], use_cache=False, logits_to_keep=1)
         _sync(device)
     return n_req * n_tok / (time.perf_counter() - t)
+
+
+def unless_oom(device: str, fn, *args):
+    """``fn(*args)``, or None where it ran out of device memory, the memory it held given back (transformers'
+    pure-torch scan at batch 64 and at 8 x 2,048 ran an H100 out of memory before any engine number)."""
+    try:
+        return fn(*args)
+    except torch.cuda.OutOfMemoryError:
+        pass  # (leaving the except block drops the traceback, and with it the frames' tensors)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return None
+
+
+def hf_prefill_fitting(model, n_req: int, n_tok: int, vocab: int, device: str) -> tuple[float | None, int]:
+    """(transformers' prefill tokens/s, requests per forward): all at once, else in halves, quarters... that fit
+    (None, 0: not even one request fits)."""
+    piece = n_req
+    while piece >= 1:
+        tps = unless_oom(device, hf_prefill_tps, model, n_req, n_tok, vocab, device, piece)
+        if tps is not None:
+            return tps, piece
+        print(f"transformers prefill {piece}x{n_tok}: out of memory", flush=True)
+        piece //= 2
+    return None, 0
 
 
 def matmul_params_per_token(model, dims) -> int:
@@ -255,12 +285,19 @@ def run_hybrid(a: argparse.Namespace) -> dict:
     res = {"size": a.size, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "hf": [], "decode": [], "prefill": None, "ttft": []}
     for b in hf_batches:
-        step = hf_decode_step_s(hf, b, prompt_len, vocab, a.device, a.hf_tokens)
+        step = unless_oom(a.device, hf_decode_step_s, hf, b, prompt_len, vocab, a.device, a.hf_tokens)
+        if step is None:
+            res["hf"].append({"batch": b, "oom": True})
+            print(f"transformers decode b={b:4}: out of memory", flush=True)
+            continue
         res["hf"].append({"batch": b, "step_ms": step * 1e3, "tokens_per_s": b / step})
         print(f"transformers decode b={b:4}: {b / step:10.1f} tok/s, {step * 1e3:8.2f} ms/step", flush=True)
-    hf_prefill = hf_prefill_tps(hf, n_req, n_tok, vocab, a.device)
-    print(f"transformers prefill {n_req}x{n_tok}: {hf_prefill:10.1f} tok/s", flush=True)
+    hf_prefill, hf_piece = hf_prefill_fitting(hf, n_req, n_tok, vocab, a.device)
+    if hf_prefill is not None:
+        print(f"transformers prefill {n_req}x{n_tok}" + (f" ({hf_piece} a forward)" if hf_piece < n_req else "")
+              + f": {hf_prefill:10.1f} tok/s", flush=True)
     del hf
+    gc.collect()
     if a.device == "cuda":
         torch.cuda.empty_cache()
 
@@ -269,7 +306,8 @@ def run_hybrid(a: argparse.Namespace) -> dict:
     running = max(batches + [n_req])
     engine = Engine(ServerConfig(model=str(ckpt), device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32",
                                  max_running_requests=running, mamba_cache_size=running, chunked_prefill_size=8192,
-                                 disable_radix_cache=True, context_length=ctx, cuda_graph_max_bs=max(batches)))
+                                 disable_radix_cache=True, context_length=ctx, cuda_graph_max_bs=max(batches),
+                                 kernel_cache_dir=a.kernel_cache_dir))
     engine.start()
     print(f"engine ready in {time.perf_counter() - t:.1f} s (CUDA graphs captured: "
           f"{engine.scheduler.runner.graphs is not None}); {engine.pool.allocator.capacity} state slots, "
@@ -282,6 +320,7 @@ def run_hybrid(a: argparse.Namespace) -> dict:
         return [torch.randint(1, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
     asyncio.run(timed_batch(engine, prompts(2, 16), 4))  # warm-up
+    engine.mark_ready()  # compiles from here on are counted as serving's: they should not happen
     context = prompt_len + a.decode_tokens // 2  # the decode window's mean KV length
     for b in batches:
         bound = decode_bytes(engine.model, engine.dims, b, context, engine.pool, engine.kv_pool) / bw
@@ -296,7 +335,10 @@ def run_hybrid(a: argparse.Namespace) -> dict:
     tps, res["ttft"] = prefill_and_ttft(engine, prompts, n_req, n_tok, ttft_lens)
     flops = 2 * matmul_params_per_token(engine.model, engine.dims) * tps
     res["prefill"] = {"requests": n_req, "tokens": n_tok, "tokens_per_s": tps, "hf_tokens_per_s": hf_prefill,
-                      "matmul_tflops": flops / 1e12}
+                      "hf_requests_per_forward": hf_piece, "matmul_tflops": flops / 1e12,
+                      "peak_share": flops / 1e12 / a.peak_tflops}
+    res["kernel_compiles"] = dict(engine.compiles)
+    res["startup_s"] = dict(engine.startup)
     engine.stop()
     print_hybrid_table(res, a.peak_tflops)
     if not a.checkpoint:
@@ -305,7 +347,8 @@ def run_hybrid(a: argparse.Namespace) -> dict:
 
 
 def print_hybrid_table(res: dict, peak_tflops: float) -> None:
-    hf = {r["batch"]: r for r in res["hf"]}
+    hf = {r["batch"]: r for r in res["hf"] if not r.get("oom")}
+    oom = {r["batch"] for r in res["hf"] if r.get("oom")}
     print(f"\n{res['size']} on {res['device']} (copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s)")
     print("| decode batch | mambaserve tok/s | ms/step | bound ms | x bound | transformers tok/s | x transformers |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -313,13 +356,19 @@ def print_hybrid_table(res: dict, peak_tflops: float) -> None:
         h = hf.get(r["batch"])
         x_bound = r["step_ms"] / r["bound_ms"] if r["bound_ms"] == r["bound_ms"] else float("nan")
         print(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {r['bound_ms']:.3f} | {x_bound:.2f} | "
-              + (f"{h['tokens_per_s']:.1f} | {r['tokens_per_s'] / h['tokens_per_s']:.1f}x |" if h else "— | — |"))
+              + (f"{h['tokens_per_s']:.1f} | {r['tokens_per_s'] / h['tokens_per_s']:.1f}x |" if h else
+                 "out of memory | — |" if r["batch"] in oom else "— | — |"))
     p = res["prefill"]
+    hf_prefill = (f"{p['hf_tokens_per_s']:.0f}" + (f" ({p['hf_requests_per_forward']} a forward)"
+                                                   if p["hf_requests_per_forward"] != p["requests"] else "")
+                  + f" | {p['tokens_per_s'] / p['hf_tokens_per_s']:.1f}x |" if p["hf_tokens_per_s"] else
+                  "out of memory | — |")
     print(f"| prefill {p['requests']}x{p['tokens']} | {p['tokens_per_s']:.0f} tok/s | {p['matmul_tflops']:.1f} TFLOP/s "
-          f"(weights) = {p['matmul_tflops'] / peak_tflops:.2f} of {peak_tflops:g} | | | {p['hf_tokens_per_s']:.0f} | "
-          f"{p['tokens_per_s'] / p['hf_tokens_per_s']:.1f}x |")
+          f"(weights) = {p['matmul_tflops'] / peak_tflops:.2f} of {peak_tflops:g} | | | " + hf_prefill)
     for r in res["ttft"]:
         print(f"| TTFT {r['prompt']} tokens | {r['ttft_ms']:.1f} ms | | | | | |")
+    print(f"kernel compiles: {res['kernel_compiles']['warmup']} before ready, {res['kernel_compiles']['serving']} after "
+          f"(start: " + ", ".join(f"{k} {v:.1f} s" for k, v in res["startup_s"].items()) + ")")
 
 
 def main() -> None:
@@ -338,6 +387,7 @@ def main() -> None:
     p.add_argument("--checkpoint", help="hybrids: the checkpoint to use, built here (and kept) when absent")
     p.add_argument("--sequential-baseline", action="store_true",
                    help="hybrids: also time each decode batch without overlap scheduling (Mamba2 sizes always do)")
+    p.add_argument("--kernel-cache-dir", help="Triton's compile cache for the engine (the server flag of that name)")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak for the hybrid prefill ratio (H100 SXM: 989)")
     a = p.parse_args()
@@ -364,7 +414,7 @@ def main() -> None:
                                  dtype="bfloat16" if a.device == "cuda" else "float32",
                                  max_running_requests=max(batches + [n_req]), mamba_cache_size=max(batches + [n_req]) + 8,
                                  chunked_prefill_size=8192, disable_radix_cache=True, context_length=ctx,
-                                 cuda_graph_max_bs=max(batches)))
+                                 cuda_graph_max_bs=max(batches), kernel_cache_dir=a.kernel_cache_dir))
     engine.start()
     print(f"engine ready in {time.perf_counter() - t:.1f} s (CUDA graphs captured: "
           f"{engine.scheduler.runner.graphs is not None})", flush=True)
@@ -379,7 +429,8 @@ def main() -> None:
     res = {"size": a.size, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "state_bytes_per_request": state_bytes,
            "decode": [], "hf": [], "prefill": None, "ttft": []}
-    asyncio.run(timed_batch(engine, prompts(2, 16), 4))  # warm-up (Triton compile, allocator)
+    asyncio.run(timed_batch(engine, prompts(2, 16), 4))  # warm-up (allocator)
+    engine.mark_ready()
     for b in batches:
         row = {"batch": b, "bound_ms": (weight_bytes + 2 * b * state_bytes) / bw * 1e3}
         for overlap in (False, True):
@@ -392,9 +443,15 @@ def main() -> None:
               f"{row['bound_ms']:7.3f} ms/step -> {row['step_ms'] / row['bound_ms']:5.2f}x the bound", flush=True)
     tps, res["ttft"] = prefill_and_ttft(engine, prompts, n_req, n_tok, ttft_lens)
     res["prefill"] = {"requests": n_req, "tokens": n_tok, "tokens_per_s": tps}
+    res["kernel_compiles"] = dict(engine.compiles)
+    print(f"kernel compiles: {engine.compiles['warmup']} before ready, {engine.compiles['serving']} after", flush=True)
     engine.stop()
     for b in [int(x) for x in (a.hf_batches or "1,8").split(",")]:
-        hf_tps = hf_generate_tps(hf, b, 32, a.hf_tokens, cfg["vocab_size"], a.device)
+        hf_tps = unless_oom(a.device, hf_generate_tps, hf, b, 32, a.hf_tokens, cfg["vocab_size"], a.device)
+        if hf_tps is None:
+            res["hf"].append({"batch": b, "oom": True})
+            print(f"transformers generate b={b}: out of memory", flush=True)
+            continue
         ours = next((d["tokens_per_s"] for d in res["decode"] if d["batch"] == b), None)
         res["hf"].append({"batch": b, "tokens_per_s": hf_tps})
         print(f"transformers generate b={b}: {hf_tps:8.1f} tok/s" +

@@ -26,7 +26,7 @@ import time
 
 import httpx
 
-from _server import launched  # noqa: E402 (the script's folder is on sys.path)
+from _server import kernel_compiles, launched  # noqa: E402 (the script's folder is on sys.path)
 from ttft import STAGES, stage_sums  # noqa: E402
 
 
@@ -99,17 +99,21 @@ def main() -> None:
     p.add_argument("--out", default="multiturn.json")
     a = p.parse_args()
 
-    results, refused = {}, {}
+    results, refused, servers = {}, {}, {}
     if a.url:
         results["server"] = asyncio.run(run_benchmark(a.url, a))
+        servers["server"] = {"kernel_compiles": kernel_compiles(a.url)}
     else:
         base = a.server_args.split() + ["--context-length", str(a.request_length + a.rounds * (
             a.question_length + a.output_length) + 64)]
         modes = {"radix": base, "no_cache": base + ["--disable-radix-cache"]} if a.compare else {"radix": base}
         for name, flags in modes.items():
+            t = time.perf_counter()
             try:
                 with launched(a.model, flags) as url:
+                    ready = time.perf_counter() - t  # process start to /health 200: load, warm-up, graphs
                     results[name] = asyncio.run(run_benchmark(url, a))
+                    servers[name] = {"ready_s": round(ready, 1), "kernel_compiles": kernel_compiles(url)}
             except RuntimeError as e:
                 if not str(e).startswith("server did not start"):
                     raise
@@ -135,9 +139,13 @@ def main() -> None:
         for n in names:
             for r in results[n]:
                 print(f"  {n} round {r['round']}: " + " ".join(f"{s} {v}" for s, v in r["stages_ms"].items() if v))
+    for n, srv in servers.items():
+        c = srv["kernel_compiles"]
+        print(f"{n} server: ready in {srv.get('ready_s', '?')} s, kernel compiles {c.get('warmup')} before ready, "
+              f"{c.get('serving')} after")
     with open(a.out, "w") as f:
-        json.dump({"args": vars(a) | {"request_rate": str(a.request_rate)}, "results": results, "refused": refused},
-                  f, indent=1)
+        json.dump({"args": vars(a) | {"request_rate": str(a.request_rate)}, "results": results, "refused": refused,
+                   "servers": servers}, f, indent=1)
     print(f"wrote {a.out}")
 
 

@@ -338,7 +338,7 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     x_rows, B_rows, C_rows = _rows_of(x, P), _rows_of(B, N), _rows_of(C, N)
     sx_desc = sB_desc = None
     # TMA descriptors only where the GPU work is big (SCAN_CONFIG's note: short prompts' TTFT)
-    tma_ok = T >= cfg["tma_min_tokens"]
+    tma_ok = (least := tma_tokens(tg, overrides)) is not None and T >= least
     if tma_ok and cfg["state_tma"] and x_rows and B_rows and P % SBP == 0 and N % SBN == 0:
         sx_desc = _descriptor(x, T, H * P, x_rows, [SBK, SBP])
         sB_desc = _descriptor(B, T, G * N, B_rows, [SBK, SBN])

@@ -41,11 +41,15 @@ def triton_compile_hooks(key: str = "[('*fp32', 'D'), ('i32', 'D'), ('constexpr'
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import JITFunction
 
+    import inspect
+
     fn = JITFunction(_probe_kernel)
     target = GPUTarget("cuda", 90, 32)
     options = CUDABackend(target).parse_options({"num_warps": 4, "enable_fp_fusion": True})
-    args = (key, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, target, 0, {("BLOCK",): 64}, options,
-            [{}], False)
+    signature = {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    # (Triton 3.9 passes the target too; 3.4-3.6 do not)
+    with_target = "target" in inspect.signature(JITFunction._call_hook).parameters
+    args = (key, signature, *([target] if with_target else []), 0, {("BLOCK",): 64}, options, [{}], False)
     skip = fn._call_hook(knobs.runtime.jit_cache_hook, *args)
     fn._call_hook(knobs.runtime.jit_post_compile_hook, *args)
     return skip

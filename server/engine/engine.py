@@ -35,6 +35,7 @@ from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, r
 from mambaserve.server.model.registry import resolve
 from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
 from mambaserve.server.sessions import snapshot as session_snapshot
+from mambaserve.server.sessions.snapshot_store import SnapshotStore
 from mambaserve.server.sessions.table import SessionError, TurnParams
 
 log = logging.getLogger(__name__)
@@ -122,9 +123,10 @@ class Engine:
                 graph_max_bs=0 if cfg.disable_cuda_graph else min(self.max_running, cfg.cuda_graph_max_bs)))
         self.scheduler = Scheduler(
             cfg, runner, self.metrics, max_running=self.max_running, context_length=self.context_length,
-            track_interval=self.track_interval,
-            compat=session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]),
-            storage_compat=self._storage_compat() if cfg.storage_dir else None)
+            track_interval=self.track_interval, storage_compat=self._storage_compat() if cfg.storage_dir else None)
+        self.snapshots = SnapshotStore(Path(cfg.session_snapshot_dir),
+                                       session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]),
+                                       cfg.session_snapshot_max_bytes, cfg.session_snapshot_max_per_session)
         eos = set(self.dims.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -392,17 +394,32 @@ class Engine:
         await self.run_in_scheduler(lambda: self.scheduler.sessions.close(session_id))
 
     async def snapshot_session(self, session_id: str, name: str | None) -> dict:
+        """The session's tokens and state copied out between two steps, then written by the snapshot store's
+        thread: no file is touched on the scheduler thread."""
+        name = name or f"{session_id}.safetensors"
+        session_snapshot.snapshot_path(self.snapshots.directory, name)  # a bad name: 400 before any work
         for _ in range(500):  # a turn that just answered folds its last token within a step
             try:
-                return await self.run_in_scheduler(lambda: self.scheduler.session_files.save(session_id, name))
+                out = await self.run_in_scheduler(lambda: self.scheduler.session_files.export(session_id))
+                break
             except SessionError as e:
                 if e.code != "session_folding":
                     raise
             await asyncio.sleep(0.01)
-        raise SessionError(503, f"session {session_id!r} did not become idle", "session_busy")
+        else:
+            raise SessionError(503, f"session {session_id!r} did not become idle", "session_busy")
+        return await asyncio.wrap_future(self.snapshots.save(session_id, name, out.tokens, out.meta, out.state,
+                                                             out.ready))
 
     async def restore_session(self, name: str, session_id: str | None) -> dict:
-        return await self.run_in_scheduler(lambda: self.scheduler.session_files.restore(name, session_id))
+        """The file read and verified on the snapshot store's thread; the session recreated between two steps."""
+        meta, tokens, state = await asyncio.wrap_future(self.snapshots.load(name, self._check_snapshot))
+        return await self.run_in_scheduler(
+            lambda: self.scheduler.session_files.restore(meta, tokens, state, session_id))
+
+    def _check_snapshot(self, meta: dict, tokens: list[int], state: dict | None) -> None:
+        if state is not None and not self.scheduler.session_files.fits(state):
+            raise SessionError(409, "snapshot state shapes do not match this model", "snapshot_incompatible")
 
     # ---- info ---------------------------------------------------------------------------------------
     def model_info(self) -> dict:

@@ -22,13 +22,13 @@ takes that snapshot's slot over instead of waiting. ``check_invariants`` asserts
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from mambaserve.server.cache.host_tier import HostTier
@@ -49,6 +49,8 @@ from mambaserve.server.sessions.table import SessionError, SessionTable
 
 log = logging.getLogger(__name__)
 
+CALLS_BUDGET_S = 0.002  # the scheduler's time for control calls between two steps while requests run
+
 
 def session_slot_limit(fraction: float, capacity: int) -> int:
     """Slots idle streaming sessions may hold: a share of the pool, always leaving one for requests."""
@@ -57,11 +59,11 @@ def session_slot_limit(fraction: float, capacity: int) -> int:
 
 class Scheduler:
     def __init__(self, cfg: ServerConfig, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int,
-                 context_length: int, track_interval: int = 0, compat: dict | None = None,
-                 storage_compat: dict | None = None):
+                 context_length: int, track_interval: int = 0, storage_compat: dict | None = None):
         self.runner, self.metrics = runner, metrics
         self.slots = runner.pool.allocator
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.calls: collections.deque = collections.deque()  # (fn, future) taken from the inbox, not run yet
         page_size = cfg.page_size or 1
         host = HostTier(runner.host_pool.capacity, page_size) if runner.host_pool is not None else None
         # hybrid models: KV pages, reserved per request at admission and released at its end (the page-aligned
@@ -79,9 +81,7 @@ class Scheduler:
                                        self._free_session_state, self._keep_or_free,
                                        lambda reason: metrics.sessions_closed.labels(reason).inc(),
                                        self.storage.forget_session if persist else lambda sid: None)
-        self.session_files = SessionFiles(self.sessions, self.cache, runner, metrics, Path(cfg.session_snapshot_dir),
-                                          compat or {}, cfg.session_snapshot_max_bytes,
-                                          cfg.session_snapshot_max_per_session, states=self.pages is None)
+        self.session_files = SessionFiles(self.sessions, self.cache, runner, metrics, states=self.pages is None)
         self.queues = RequestQueues()
         self.sampler = Sampler(runner.device, cfg.seed)
         self.rolling = RollingSnapshots(self.cache, page_size)
@@ -208,11 +208,12 @@ class Scheduler:
         return self.prefetcher is not None and self.prefetcher.all_held()
 
     def _drain_inbox(self, block: bool, timeout: float = 0.5) -> None:
+        block = block and not self.calls  # (calls left over from the step before run now)
         try:
             item = self.inbox.get(timeout=timeout) if block else self.inbox.get_nowait()
         except queue.Empty:
-            return
-        while True:
+            item = None
+        while item is not None:
             kind, arg = item
             if kind == "add":
                 self._add(arg)
@@ -224,14 +225,25 @@ class Scheduler:
                 except Exception:  # a bad entry or record must not stop the scheduler thread
                     log.exception("applying a storage result failed")
             elif kind == "call":
-                fn, fut = arg
-                try:
-                    fut.set_result(fn())
-                except Exception as e:
-                    fut.set_exception(e)
+                self.calls.append(arg)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
+                item = None
+        self._run_calls()
+
+    def _run_calls(self) -> None:
+        """Control calls (sessions, accounting, flush, a snapshot's state copy): while requests run, at most
+        CALLS_BUDGET_S of them per step (at least one), the rest after the next step, so that a burst of
+        them never holds decoding up; all of them otherwise."""
+        start = time.monotonic()
+        while self.calls:
+            fn, fut = self.calls.popleft()
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+            if self.queues.running and time.monotonic() - start >= CALLS_BUDGET_S:
                 return
 
     def _add(self, req: Req) -> None:

@@ -1,66 +1,62 @@
-"""A session's tokens and live state to a snapshot file and back (``/sessions/{id}/snapshot``, ``/sessions/restore``).
+"""A session's tokens and live state out of the scheduler for a snapshot file, and back in from one
+(``/sessions/{id}/snapshot``, ``/sessions/restore``).
 
-Runs on the scheduler thread between steps: the session manager says what a session holds, the
-model runner reads or writes its slot (after the deferred state ops, so no stale copy lands on it),
-``sessions.snapshot`` owns the file format.
+Only the parts that touch the scheduler's data run on its thread, between steps, and neither touches a
+file: ``export`` (the session's fields and a copy of its live state, queued on the device) and ``restore``
+(a slot for a file's state, the session recreated). The files themselves, quotas and the directory's
+index are ``sessions.snapshot_store``'s, on its own thread; ``Engine`` chains the two.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
+
+import torch
 
 from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
-from mambaserve.server.sessions import snapshot
 from mambaserve.server.sessions.manager import SessionManager
 from mambaserve.server.sessions.table import SessionError
 
 
+@dataclass
+class Exported:
+    """What a snapshot file keeps of a session: its tokens, fields and live state (host tensors, complete once
+    ``ready`` has passed: a CUDA event, None on the CPU)."""
+
+    tokens: list[int]
+    meta: dict
+    state: dict[str, torch.Tensor] | None
+    ready: object | None = None
+
+
 class SessionFiles:
     def __init__(self, sessions: SessionManager, cache: DisabledCache, runner: ModelRunner, metrics: ServerMetrics,
-                 directory: Path, compat: dict, max_bytes: int, max_per_session: int, states: bool = True):
+                 states: bool = True):
         self.sessions, self.cache, self.runner, self.metrics = sessions, cache, runner, metrics
         # hybrid models: a file keeps the tokens only (a live state is worthless without its KV pages, which
         # stay on the device); the restored session's next turn prefills its history through the cache
         self.states = states
-        self.directory, self.compat = directory, compat
-        self.max_bytes, self.max_per_session = max_bytes, max_per_session
 
-    def save(self, sid: str, name: str | None) -> dict:
-        """Write the session's file. A file of another session is never overwritten; each session may
-        keep ``max_per_session`` files and the directory ``max_bytes`` in all."""
+    def export(self, sid: str) -> Exported:
+        """The session between turns, its state copied to the host without waiting for the device."""
         s, tokens, meta = self.sessions.export(sid)
-        path = snapshot.snapshot_path(self.directory, name or f"{sid}.safetensors")
-        exists = path.is_file()
-        if exists and snapshot.owner(path) != sid:
-            raise SessionError(409, f"snapshot {path.name!r} belongs to another session; choose another name",
-                               "snapshot_exists")
-        total, per_session = snapshot.usage(self.directory)
-        if not exists and per_session.get(sid, 0) >= self.max_per_session:
-            raise SessionError(429, f"session {sid!r} has {self.max_per_session} snapshots already "
-                               "(--session-snapshot-max-per-session); overwrite one by its name", "snapshot_quota")
-        state = None
         if not self.states:
-            meta = {**meta, "in_state": 0}
-        elif s.slot is not None:
-            self.runner.apply_state_ops(self.cache.take_pending())
-            state = self.runner.read_slot(s.slot)
-        size = snapshot.estimate_bytes(tokens, state)
-        if total - (path.stat().st_size if exists else 0) + size > self.max_bytes:
-            raise SessionError(507, f"the snapshot directory would exceed its quota of {self.max_bytes} bytes "
-                               "(--session-snapshot-max-bytes)", "snapshot_quota")
-        size = snapshot.write(path, self.compat, meta, tokens, state)
-        return {"name": path.name, "bytes": size, "tokens": len(tokens), "has_state": state is not None}
+            return Exported(list(tokens), {**meta, "in_state": 0}, None)
+        if s.slot is None:
+            return Exported(list(tokens), meta, None)
+        self.runner.apply_state_ops(self.cache.take_pending())  # a deferred copy into its slot runs first
+        state = {k: v.to("cpu", non_blocking=True) for k, v in self.runner.read_slot(s.slot).items()}  # (pinned)
+        return Exported(list(tokens), meta, state, self.runner.fence())
 
-    def restore(self, name: str, session_id: str | None) -> dict:
-        meta, tokens, state = snapshot.read(snapshot.snapshot_path(self.directory, name), self.compat)
+    def restore(self, meta: dict, tokens: list[int], state: dict[str, torch.Tensor] | None,
+                session_id: str | None) -> dict:
+        """Recreate a session from a file's verified contents (``SnapshotStore.load``)."""
         slot = None
         if not self.states:
             state = None
         if state is not None:
-            if not self.runner.fits_slot(state):
-                raise SessionError(409, "snapshot state shapes do not match this model", "snapshot_incompatible")
             slot = self.cache.alloc()
             if slot is None:
                 raise SessionError(503, "no free state slot to restore the session into; retry later", "no_capacity")
@@ -75,3 +71,7 @@ class SessionFiles:
             self.runner.write_slot(slot, state)
         self.metrics.session_restores.inc()
         return {"session_id": s.id, "tokens": len(tokens), "has_state": slot is not None}
+
+    def fits(self, state: dict[str, torch.Tensor]) -> bool:
+        """Whether a file's state has this model's shapes (checked on the store's thread: no pool is read)."""
+        return self.runner.fits_slot(state)

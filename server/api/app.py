@@ -89,11 +89,14 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health", response_class=PlainTextResponse, responses={**PLAIN_TEXT, 503: ERRORS[503]})
     async def health(stuck_step_timeout: float | None = None):
-        """200 while the scheduler runs. With ``stuck_step_timeout`` (seconds; a liveness probe's), also 503
+        """200 while the scheduler runs and its accounting adds up (503 once a failed step left slots or pages
+        that could not be reclaimed). With ``stuck_step_timeout`` (seconds; a liveness probe's), also 503
         when a step has run longer than that with requests pending (a wedged GPU or a hung kernel); an idle
         server stays live."""
         if not engine.healthy:
             return error_response(503, "scheduler is not running", "unavailable", "server_error")
+        if engine.capacity_lost:
+            return error_response(503, engine.capacity_lost, "unavailable", "server_error")
         if stuck_step_timeout is None:
             return PlainTextResponse("OK")
         live, p = engine.liveness(stuck_step_timeout)

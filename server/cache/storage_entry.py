@@ -36,7 +36,8 @@ MAX_HEADER_BYTES = 64 * 2**20  # a header announcing more is corrupt (a prompt o
 
 
 class EntryError(Exception):
-    """An entry that must not be loaded; ``reason`` is ``corrupt``, ``incompatible`` or ``missing``."""
+    """An entry that must not be loaded; ``reason`` is ``corrupt``, ``invalid`` (well-formed, but not contents
+    this server wrote: deleted as corrupt ones are), ``incompatible`` or ``missing``."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -95,6 +96,20 @@ def check_compatible(header: dict, compat: dict) -> None:
     if header.get("format_version") != FORMAT_VERSION or header.get("compat") != compat:
         raise EntryError("incompatible", f"entry written by {header.get('compat')} (format "
                          f"{header.get('format_version')}), this server is {compat}")
+
+
+def check_contents(header: dict, vocab: int, page_size: int, shapes: dict[str, list[int]]) -> None:
+    """What a compatible entry's header must hold before its tokens are indexed or its state loaded (a valid
+    checksum proves only that the bytes are those written): its tokens a non-empty whole number of pages of
+    ids in [0, vocab), this tier's page size and this model's state shapes. EntryError(invalid) otherwise."""
+    tokens = header.get("tokens")
+    if not tokens or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+        raise EntryError("invalid", f"its tokens are not a non-empty list of ids in [0, {vocab})")
+    if header.get("page_size") != page_size or len(tokens) % page_size:
+        raise EntryError("invalid", f"{len(tokens)} tokens in pages of {header.get('page_size')!r}, this tier's "
+                                    f"are {page_size}")
+    if header.get("shapes") != shapes:
+        raise EntryError("invalid", f"state shapes {header.get('shapes')!r}, this model's are {shapes}")
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:

@@ -267,9 +267,9 @@ class StorageTier:
                 self.metrics.storage_load_seconds.observe(res.seconds)
             else:
                 self.host.release(slot)
-                if res.reason in ("corrupt", "incompatible"):
+                if res.reason in ("corrupt", "invalid", "incompatible"):
                     self.metrics.storage_rejected.labels(res.reason).inc()
-                if res.reason in ("corrupt", "incompatible", "missing") and job.name in self.by_name:
+                if res.reason in ("corrupt", "invalid", "incompatible", "missing") and job.name in self.by_name:
                     self._forget(self.by_name[job.name], delete=False)
         elif job.kind == "get_record":
             _, then = ctx
@@ -277,8 +277,9 @@ class StorageTier:
             if res.ok and res.data:
                 try:
                     record = json.loads(res.data)
-                except ValueError:
-                    self.metrics.storage_rejected.labels("corrupt").inc()
+                except ValueError as e:  # (truncated by a crash, or damaged)
+                    self.metrics.files_rejected.labels("record", "corrupt").inc()
+                    log.warning("persisted session %s not restored (corrupt): its record is not JSON: %s", job.name, e)
             then(record)
 
     def _apply_scan(self, res: Result) -> None:

@@ -64,9 +64,10 @@ class StorageWorker:
     """Runs jobs on one daemon thread; ``post(result)`` is called on that thread (make it thread-safe)."""
 
     def __init__(self, backend: StorageBackend, compat: dict, host_conv: torch.Tensor, host_ssm: torch.Tensor,
-                 post: Callable[[Result], None], page_size: int = 1, rescan_s: float = 10.0):
-        self.backend, self.compat, self.page_size = backend, compat, page_size
+                 post: Callable[[Result], None], page_size: int = 1, rescan_s: float = 10.0, vocab: int = 2**63):
+        self.backend, self.compat, self.page_size, self.vocab = backend, compat, page_size, vocab
         self.conv, self.ssm = host_conv, host_ssm
+        self.shapes = {"conv": list(host_conv.shape[1:]), "ssm": list(host_ssm.shape[1:])}
         self.post, self.rescan_s = post, rescan_s
         self.q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._seen: dict[str, float] = {}  # entry name -> mtime whose header was read (scans read new ones only)
@@ -119,8 +120,7 @@ class StorageWorker:
         if job.event is not None:
             job.event.synchronize()  # the device-to-host copy of this slot has landed
         conv, ssm = fmt.as_bytes(self.conv[job.host_slot]), fmt.as_bytes(self.ssm[job.host_slot])
-        shapes = {"conv": list(self.conv.shape[1:]), "ssm": list(self.ssm.shape[1:])}
-        head = fmt.header_bytes(self.compat, job.tokens, self.page_size, shapes, conv.nbytes + ssm.nbytes)
+        head = fmt.header_bytes(self.compat, job.tokens, self.page_size, self.shapes, conv.nbytes + ssm.nbytes)
         h = hashlib.sha256(head)
         h.update(conv)
         h.update(ssm)
@@ -135,8 +135,8 @@ class StorageWorker:
         try:
             size = self._read_into(job)
         except EntryError as e:
-            if e.reason == "corrupt":
-                log.warning("storage entry %s is corrupt (%s): deleted", job.name, e)
+            if e.reason in ("corrupt", "invalid"):
+                log.warning("storage entry %s is %s (%s): deleted", job.name, e.reason, e)
                 self._delete(job)
             return Result(job, ok=False, reason=e.reason)
         except FileNotFoundError:
@@ -157,6 +157,7 @@ class StorageWorker:
             prefix = first + f.read(span - len(first))
             header, _ = fmt.parse_header(prefix)
             fmt.check_compatible(header, self.compat)
+            fmt.check_contents(header, self.vocab, self.page_size, self.shapes)
             if tuple(header["tokens"]) != tuple(job.tokens):
                 raise EntryError("corrupt", "tokens do not match the entry's name")
             conv, ssm = fmt.as_bytes(self.conv[job.host_slot]), fmt.as_bytes(self.ssm[job.host_slot])
@@ -175,6 +176,8 @@ class StorageWorker:
             if trailer != h.digest():
                 raise EntryError("corrupt", "checksum mismatch" if len(trailer) == fmt.CHECKSUM_BYTES
                                  else "truncated or overlong")
+            if not (torch.isfinite(self.conv[job.host_slot]).all() and torch.isfinite(self.ssm[job.host_slot]).all()):
+                raise EntryError("invalid", "its state is not finite")
             return len(prefix) + conv.nbytes + ssm.nbytes + len(trailer)
 
     def _barrier(self, job: Job) -> None:
@@ -207,11 +210,12 @@ class StorageWorker:
                     span = fmt.header_span(first)
                     header, _ = fmt.parse_header(first + f.read(max(0, span - len(first))))
                 fmt.check_compatible(header, self.compat)
-                if fmt.entry_name(header["tokens"], int(header.get("page_size", 1))) != name:
+                fmt.check_contents(header, self.vocab, self.page_size, self.shapes)
+                if fmt.entry_name(header["tokens"], self.page_size) != name:
                     raise EntryError("corrupt", "name does not match the tokens")
             except EntryError as e:
                 res.rejected.append((name, e.reason))
-                if e.reason == "corrupt":
+                if e.reason in ("corrupt", "invalid"):
                     self._delete(Job("delete", name=name))
                     res.names.discard(name)
                 continue

@@ -366,6 +366,11 @@ class Engine:
     def healthy(self) -> bool:
         return self.scheduler.alive
 
+    @property
+    def capacity_lost(self) -> str | None:
+        """Why the pools' accounting no longer adds up after a failed step (None: it does)."""
+        return self.scheduler.lost
+
     def liveness(self, timeout: float) -> tuple[bool, dict]:
         """(live, progress): not live when the scheduler thread is gone, or when its step has run longer than
         ``timeout`` seconds with requests pending (a wedged GPU, a hung kernel). An idle server stays live."""
@@ -412,14 +417,21 @@ class Engine:
                                                              out.ready))
 
     async def restore_session(self, name: str, session_id: str | None) -> dict:
-        """The file read and verified on the snapshot store's thread; the session recreated between two steps."""
-        meta, tokens, state = await asyncio.wrap_future(self.snapshots.load(name, self._check_snapshot))
+        """The file read and verified (checksum, then contents) on the snapshot store's thread; the session
+        recreated between two steps. A refused file is logged and counted by reason."""
+        try:
+            meta, tokens, state = await asyncio.wrap_future(self.snapshots.load(name, self._check_snapshot))
+        except session_snapshot.SnapshotError as e:
+            if e.reason:
+                self.metrics.files_rejected.labels("snapshot", e.reason).inc()
+                log.warning("snapshot %r refused (%s): %s", name, e.reason, e)
+            raise
         return await self.run_in_scheduler(
             lambda: self.scheduler.session_files.restore(meta, tokens, state, session_id))
 
     def _check_snapshot(self, meta: dict, tokens: list[int], state: dict | None) -> None:
-        if state is not None and not self.scheduler.session_files.fits(state):
-            raise SessionError(409, "snapshot state shapes do not match this model", "snapshot_incompatible")
+        session_snapshot.check_snapshot(meta, tokens, state, self.dims.vocab_size, self.context_length,
+                                        None if self.hybrid else self.pool.slot_shapes)
 
     # ---- info ---------------------------------------------------------------------------------------
     def model_info(self) -> dict:

@@ -30,6 +30,9 @@ class ServerMetrics:
                                   "Requests failed alone because their row of a step had no finite distribution: "
                                   "the model's logits (its state or input) or its sampling parameters", ["source"],
                                   registry=r)
+        self.reclaimed = Counter("mambaserve_reclaimed_after_failure",
+                                 "State slots and KV pages that a failed step had taken and nobody held, returned to "
+                                 "the free lists after it (each one a bug worth reporting)", ["resource"], registry=r)
         self.prompt_tokens = Counter("mambaserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("mambaserve_generation_tokens", "Generated tokens", registry=r)
         self.running = Gauge("mambaserve_num_running_requests", "Requests holding a state slot", registry=r)
@@ -94,7 +97,8 @@ class ServerMetrics:
                                                "Time to write one snapshot from host memory to the storage tier",
                                                buckets=STORAGE_BUCKETS, registry=r)
         self.storage_rejected = Counter("mambaserve_cache_storage_rejected_entries",
-                                        "Storage entries refused: corrupt (deleted) or incompatible with this model",
+                                        "Storage entries refused: corrupt or invalid (deleted), or incompatible with "
+                                        "this model",
                                         ["reason"], registry=r)
         self.storage_degraded = Gauge("mambaserve_cache_storage_degraded",
                                       "1 while the storage tier is off because its directory is full, read-only or "
@@ -104,6 +108,10 @@ class ServerMetrics:
                                         "State slots held by streaming sessions between turns", registry=r)
         self.sessions_closed = Counter("mambaserve_sessions_closed", "Closed sessions by reason", ["reason"],
                                        registry=r)
+        self.files_rejected = Counter("mambaserve_session_files_rejected",
+                                      "Session files refused on reading back (snapshot files, persisted session "
+                                      "records), by reason: corrupt, incompatible, tokens, too_long, empty, fields, "
+                                      "state", ["file", "reason"], registry=r)
         self.session_restores = Counter("mambaserve_session_restores", "Sessions restored from a snapshot",
                                         registry=r)
         self.kernel_compiles = Counter("mambaserve_kernel_compiles",
@@ -120,7 +128,7 @@ class ServerMetrics:
             self.tier_capacity_bytes.labels(tier)
         for direction in ("gpu_to_host", "host_to_gpu", "host_to_storage", "storage_to_host"):
             self.tier_bytes.labels(direction)
-        for reason in ("corrupt", "incompatible"):
+        for reason in ("corrupt", "invalid", "incompatible"):
             self.storage_rejected.labels(reason)
         for stage in STAGES[1:]:
             self.stages.labels(stage)
@@ -132,6 +140,8 @@ class ServerMetrics:
             self.kernel_compiles.labels(phase)
         for source in ("logits", "sampling"):
             self.non_finite.labels(source)
+        for resource in ("state_slots", "kv_pages"):
+            self.reclaimed.labels(resource)
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
 

@@ -141,10 +141,6 @@ class ModelRunner:
         """A copy of one slot's state, every layer: ``{"conv": [L, conv_dim, K-1], "ssm": [L, H, P, N]}``."""
         return {"conv": self.pool.conv[:, slot].clone(), "ssm": self.pool.ssm[:, slot].clone()}
 
-    def fits_slot(self, state: dict[str, torch.Tensor]) -> bool:
-        return (tuple(state["conv"].shape) == tuple(self.pool.conv[:, 0].shape)
-                and tuple(state["ssm"].shape) == tuple(self.pool.ssm[:, 0].shape))
-
     def write_slot(self, slot: int, state: dict[str, torch.Tensor]) -> None:
         self._join_copies([slot])
         self.pool.conv[:, slot] = state["conv"].to(self.pool.conv.device, self.pool.conv.dtype)

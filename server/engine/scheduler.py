@@ -91,7 +91,7 @@ class Scheduler:
         self.persistence = None
         if persist:
             self.persistence = SessionPersistence(self.storage, self.cache, self.sessions, metrics, storage_compat or {},
-                                                  runner.model.dims.vocab_size)
+                                                  runner.model.dims.vocab_size, context_length)
             self.output.persist_turn = self.persistence.persist_turn
         self.admission = Admission(self.queues, self.cache, self.sessions, self.output, metrics,
                                    max_running=max_running, chunk=cfg.chunked_prefill_size,
@@ -105,6 +105,7 @@ class Scheduler:
         self.inflight: Launched | None = None
         self.steps = 0
         self.stalled_steps = 0  # consecutive steps that ran nothing while requests waited and none ran
+        self.lost: str | None = None  # capacity a failed step left that could not be reclaimed (/health says it)
         # Liveness (progress()): when the step now running began (None between steps), and when one last ended.
         self.step_started: float | None = None
         self.last_step_ended = time.monotonic()
@@ -163,6 +164,7 @@ class Scheduler:
                 log.exception("step failed; failing its requests")
                 self.inflight = None
                 self.output.fail_running("internal error; the server log has the details")
+                self._reclaim()
             finally:
                 self.step_started, self.last_step_ended = None, time.monotonic()
         if self.inflight is not None:  # stopping: read the last launched step's tokens
@@ -331,6 +333,33 @@ class Scheduler:
                 if now - req.created > self.request_timeout and not req.finished:
                     self.output.finish(req, FinishReason.ABORT, error_code="request_timeout",
                                        error=f"the request ran past the server's timeout of {self.request_timeout:g} s")
+
+    def _reclaim(self) -> None:
+        """After a failed step, its requests failed: what it had taken and not booked yet (a prefill's snapshot
+        slot, KV pages of a request that never started) goes back to the free lists, and the accounting is
+        checked. What still does not add up is ``lost``: /health reports it until a restart."""
+        running, sessions = self.queues.running, self.sessions.table.sessions.values()
+        owned = {r.slot for r in running} | set(self.rolling.slots()) | set(self.sessions.held_slots)
+        if self.cache.enabled:
+            owned |= set(self.cache.tree.all_slots())
+        slots = sorted(self.slots.used_slots() - owned)
+        for slot in slots:
+            self.cache.free(slot)
+        pages = 0
+        if self.pages is not None:
+            holds = {id(r.kv) for r in running} | {id(s.kv) for s in sessions}
+            for hold in [h for h in self.pages.owners() if id(h) not in holds]:
+                pages += len(self.pages.pages(hold))
+                self.cache.release_kv(hold)
+        if slots or pages:
+            log.warning("after the failed step: %d state slots and %d KV pages nobody held returned", len(slots), pages)
+            self.metrics.reclaimed.labels("state_slots").inc(len(slots))
+            self.metrics.reclaimed.labels("kv_pages").inc(pages)
+        try:
+            self.check_invariants()
+        except AssertionError as e:
+            self.lost = f"the accounting does not add up after a failed step ({e}); restart the server"
+            log.error("%s", self.lost)
 
     # ---- bookkeeping --------------------------------------------------------------------------------
     def _count_moves(self, ops) -> None:

@@ -71,7 +71,3 @@ class SessionFiles:
             self.runner.write_slot(slot, state)
         self.metrics.session_restores.inc()
         return {"session_id": s.id, "tokens": len(tokens), "has_state": slot is not None}
-
-    def fits(self, state: dict[str, torch.Tensor]) -> bool:
-        """Whether a file's state has this model's shapes (checked on the store's thread: no pool is read)."""
-        return self.runner.fits_slot(state)

@@ -22,6 +22,11 @@ class MambaStatePool:
         self.ssm = torch.zeros(num_layers, capacity, num_heads, head_dim, state_size, dtype=ssm_dtype, device=device)
 
     @property
+    def slot_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One slot's state, every layer: what ``ModelRunner.read_slot`` returns and ``write_slot`` takes."""
+        return {"conv": tuple(self.conv[:, 0].shape), "ssm": tuple(self.ssm[:, 0].shape)}
+
+    @property
     def bytes_per_slot(self) -> int:
         return (self.conv[:, 0].numel() * self.conv.element_size() + self.ssm[:, 0].numel() * self.ssm.element_size())
 

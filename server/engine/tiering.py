@@ -22,6 +22,7 @@ from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.request import Req, RequestQueues
 from mambaserve.server.sessions.manager import SessionManager
+from mambaserve.server.sessions.snapshot import SnapshotError, check_session
 from mambaserve.server.sessions.table import SessionError
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def build_storage_tier(cfg: ServerConfig, runner: ModelRunner, host: HostTier, m
     except OSError as e:
         log.error("storage tier: cannot create %s: %s", cfg.storage_dir, e.strerror)
     pool, page_size = runner.host_pool, host.tree.page_size
-    worker = StorageWorker(FileSystemBackend(cfg.storage_dir), compat, pool.conv, pool.ssm, post, page_size=page_size)
+    worker = StorageWorker(FileSystemBackend(cfg.storage_dir), compat, pool.conv, pool.ssm, post, page_size=page_size,
+                           vocab=runner.model.dims.vocab_size)
     tier = StorageTier(worker, host, metrics, page_size=page_size, capacity=cfg.storage_size,
                        entry_bytes=runner.pool.bytes_per_slot, write_policy=cfg.cache_write_policy,
                        write_threshold=cfg.cache_write_threshold, prefetch_policy=cfg.cache_prefetch_policy,
@@ -95,9 +97,9 @@ class SessionPersistence:
     the session, whose state then comes back as an ordinary prefix hit from storage."""
 
     def __init__(self, storage: StorageTier, cache: PrefixCache, sessions: SessionManager, metrics: ServerMetrics,
-                 compat: dict, vocab: int):
+                 compat: dict, vocab: int, context_length: int):
         self.storage, self.cache, self.sessions, self.metrics = storage, cache, sessions, metrics
-        self.compat, self.vocab = compat, vocab
+        self.compat, self.vocab, self.context_length = compat, vocab, context_length
 
     def persist_turn(self, req: Req) -> None:
         """A streaming turn ended with its state covering the whole history: the state goes to storage
@@ -129,13 +131,13 @@ class SessionPersistence:
         sid = req.session_id
         if record is None:
             return
-        if not valid_record(record, sid, self.vocab):
-            self.metrics.storage_rejected.labels("corrupt").inc()
-            log.warning("persisted session %s has an unreadable record: not restored", sid)
-        elif record.get("compat") != self.compat:
-            self.metrics.storage_rejected.labels("incompatible").inc()
-            log.warning("persisted session %s was written by another model or configuration: not restored", sid)
-        elif sid not in self.sessions.table.sessions:
+        try:
+            check_record(record, sid, self.compat, self.vocab, self.context_length)
+        except SnapshotError as e:
+            self.metrics.files_rejected.labels("record", e.reason).inc()
+            log.warning("persisted session %s not restored (%s): %s", sid, e.reason, e)
+            return
+        if sid not in self.sessions.table.sessions:
             meta = {"id": sid, "streaming": True, "timeout": record["timeout"], "capacity": record["capacity"],
                     "in_state": 0}
             try:
@@ -146,10 +148,14 @@ class SessionPersistence:
                 log.warning("persisted session %s not restored: %s", sid, e)
 
 
-def valid_record(record: object, sid: str, vocab: int) -> bool:
-    """A session record as ``persist_turn`` writes it (a damaged or foreign file is not trusted)."""
-    return (isinstance(record, dict) and record.get("id") == sid and record.get("streaming") is True
-            and isinstance(record.get("history"), list)
-            and all(isinstance(t, int) and 0 <= t < vocab for t in record["history"])
-            and isinstance(record.get("timeout"), (int, float))
-            and (record.get("capacity") is None or isinstance(record.get("capacity"), int)))
+def check_record(record: object, sid: str, compat: dict, vocab: int, context_length: int) -> None:
+    """A session record as ``persist_turn`` writes it: this session's, this model's, a history of at least one
+    turn that ``snapshot.check_session`` accepts (a damaged or foreign file is not trusted). Raises
+    SnapshotError with the reason."""
+    if not isinstance(record, dict) or record.get("id") != sid or record.get("streaming") is not True:
+        raise SnapshotError(400, "not this streaming session's record", "snapshot_invalid", "fields")
+    if record.get("compat") != compat:
+        raise SnapshotError(409, "written by another model or configuration", "snapshot_incompatible", "incompatible")
+    if record.get("history") == []:
+        raise SnapshotError(400, "an empty history (a record is written after a turn)", "snapshot_invalid", "empty")
+    check_session(record, record.get("history"), vocab, context_length)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -19,13 +20,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from mambaserve.server.sessions.table import SessionError
+from mambaserve.server.sessions.table import MAX_TIMEOUT_S, SessionError
 
 FORMAT_VERSION = 1
 
 
 class SnapshotError(SessionError):
-    """A snapshot file that cannot be written or read here (the status and code say why)."""
+    """A snapshot file that cannot be written or read here (the status and code say why; ``reason``, for a file
+    refused on reading: corrupt, incompatible, tokens, too_long, empty, fields or state)."""
+
+    def __init__(self, status: int, message: str, code: str, reason: str = ""):
+        super().__init__(status, message, code)
+        self.reason = reason
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -103,15 +109,71 @@ def read(path: Path, key: dict) -> tuple[dict, list[int], dict[str, torch.Tensor
         header = json.loads(meta["mambaserve"])
     except (SafetensorError, OSError, KeyError, json.JSONDecodeError, ValueError) as e:
         raise SnapshotError(400, f"{path.name} is not a mambaserve session snapshot (corrupt or truncated: "
-                            f"{type(e).__name__})", "snapshot_corrupt") from None
-    if header.get("format_version") != FORMAT_VERSION:
-        raise SnapshotError(409, f"snapshot format {header.get('format_version')} is not supported "
-                            f"(this server reads {FORMAT_VERSION})", "snapshot_incompatible")
+                            f"{type(e).__name__})", "snapshot_corrupt", "corrupt") from None
+    if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
+        version = header.get("format_version") if isinstance(header, dict) else None
+        raise SnapshotError(409, f"snapshot format {version} is not supported (this server reads {FORMAT_VERSION})",
+                            "snapshot_incompatible", "incompatible")
     if header.get("compat") != key:
         raise SnapshotError(409, f"snapshot was taken with {header.get('compat')}, this server runs {key}",
-                            "snapshot_incompatible")
-    tokens = header["tokens"]
+                            "snapshot_incompatible", "incompatible")
+    tokens = header.get("tokens")
     if _checksum(tensors, tokens) != header.get("checksum"):
         raise SnapshotError(400, f"{path.name}: checksum mismatch (the file was modified or damaged)",
-                            "snapshot_corrupt")
-    return header["session"], tokens, (tensors if header.get("has_state") else None)
+                            "snapshot_corrupt", "corrupt")
+    return header.get("session"), tokens, (tensors if header.get("has_state") else None)
+
+
+# ---- what a session read back must hold ---------------------------------------------------------------
+# A checksum proves that the bytes are those written, not that this server wrote them: a file crafted with a
+# valid checksum, or written by a bug, is refused here with a reason instead of restoring a session whose
+# tokens crash a step or whose every turn fails.
+
+def check_session(fields: object, tokens: object, vocab: int, context_length: int) -> None:
+    """A saved session's fields (id, streaming, timeout, capacity) and token history, as a turn will use them:
+    tokens are ints in [0, vocab), the history leaves room for a turn, the capacity holds the history.
+    Raises SnapshotError (400 ``snapshot_invalid``) naming what is wrong."""
+    def refuse(reason: str, what: str):
+        raise SnapshotError(400, f"the saved session is not usable here: {what}", "snapshot_invalid", reason)
+
+    if not isinstance(fields, dict):
+        refuse("fields", "no session fields")
+    sid = fields.get("id")
+    if not isinstance(sid, str) or not 1 <= len(sid) <= 128:
+        refuse("fields", "its id is not a string of 1 to 128 characters")
+    if not isinstance(fields.get("streaming"), bool):
+        refuse("fields", "streaming is not true or false")
+    timeout = fields.get("timeout")
+    if timeout is not None and not (_number(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        refuse("fields", f"timeout {timeout!r} is not in (0, {MAX_TIMEOUT_S}] seconds")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+        refuse("tokens", f"its history is not a list of token ids in [0, {vocab})")
+    if len(tokens) + 2 > context_length:  # (a turn adds one token at least and answers one)
+        refuse("too_long", f"its history of {len(tokens)} tokens leaves no room for a turn in the context of "
+                           f"{context_length}")
+    capacity = fields.get("capacity")
+    if capacity is not None and (type(capacity) is not int or capacity < 0 or 0 < capacity <= len(tokens)):
+        refuse("fields", f"capacity {capacity!r} does not hold its history of {len(tokens)} tokens and a turn")
+
+
+def check_snapshot(fields: dict, tokens: list[int], state: dict[str, torch.Tensor] | None, vocab: int,
+                   context_length: int, shapes: dict[str, tuple[int, ...]] | None) -> None:
+    """A snapshot file's contents: ``check_session``, its ``in_state`` within its history, and its state (when it
+    has one and ``shapes`` are given: this model's, one slot's) of those shapes and finite."""
+    check_session(fields, tokens, vocab, context_length)
+    in_state = fields.get("in_state", 0)
+    if type(in_state) is not int or not 0 <= in_state <= len(tokens):
+        raise SnapshotError(400, f"the saved session is not usable here: its state covers {in_state!r} tokens of a "
+                                 f"history of {len(tokens)}", "snapshot_invalid", "fields")
+    if state is None or shapes is None:
+        return
+    if set(state) != set(shapes) or any(tuple(state[k].shape) != tuple(v) for k, v in shapes.items()):
+        raise SnapshotError(409, "snapshot state shapes do not match this model", "snapshot_incompatible",
+                            "incompatible")
+    if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in state.values()):
+        raise SnapshotError(400, "the saved session is not usable here: its state is not finite",
+                            "snapshot_invalid", "state")
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

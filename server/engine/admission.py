@@ -9,6 +9,7 @@ the tree, tracked snapshots, requests that end without sampling). Runs on the sc
 
 from __future__ import annotations
 
+import collections
 import time
 
 from mambaserve.server.cache.pages import PageAllocator
@@ -24,7 +25,7 @@ from mambaserve.server.engine.sampling import Launched
 from mambaserve.server.sessions.manager import SessionManager
 
 Plan = list[tuple[Req, int]]  # (request, tokens it runs in the step)
-MAX_OVERTAKEN = 4  # admission rounds a waiting request may be passed by shorter prefills (policy.admission_order)
+MAX_OVERTAKEN = 4  # admission rounds a waiting request may be passed by others (policy.admission_order)
 # Prompt tokens per step of a request that wants the prompt's logprobs: each needs a row of fp32 logits and
 # one of log-softmax (2 x 1024 x 50k vocabulary x 4 B = 0.4 GB), where a whole 8k chunk would take 3.3 GB.
 PROMPT_LOGITS_PER_STEP = 1024
@@ -58,11 +59,12 @@ class Admission:
             return self._decode_batch(decode, inflight)
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in running if not r.prefill_done]
         now = time.monotonic()
-        ready = [(r, max(0, r.prefill_len - r.expected_cached), r.overtaken) for r in waiting
+        groups = collections.Counter(r.group for r in running)
+        ready = [(r, max(0, r.prefill_len - r.expected_cached), r.overtaken, groups[r.group]) for r in waiting
                  if (r.session is None or not r.session.awaiting_fold)  # the live state arrives next step
                  and not (self.cache.enabled and _waits_for_its_prompt(r))
                  and not (r.prefetch is not None and r.prefetch.holds(now))]  # its prefix is being read from disk
-        new_tokens = {id(r): n for r, n, _ in ready}
+        new_tokens = {id(r): n for r, n, _, _ in ready}
         cands += [PrefillCandidate(r, new_tokens[id(r)], True, not _has_live_slot(r))
                   for r in admission_order(ready, MAX_OVERTAKEN)]
         # with a host tier, idle sessions' live states can spill there when slots run short (_admit)

@@ -309,7 +309,7 @@ class Engine:
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
                  session_id: str | None = None, turn_params: TurnParams | None = None, stream: bool = True,
-                 follows=None) -> Generation:
+                 follows=None, group: str | None = None) -> Generation:
         """Submit a request now; its increments come from the returned async iterator until it finishes,
         and closing the iterator early aborts the request (call from the event loop).
 
@@ -336,7 +336,7 @@ class Engine:
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                   logprob_start_len=logprob_start_len if return_logprob else -1,
                   stop_token_ids=frozenset(stop_ids), session_id=session_id,
-                  turn_params=turn_params or TurnParams(), timeline=tl, follows=follows)
+                  turn_params=turn_params or TurnParams(), timeline=tl, follows=follows, group=group or rid)
         if req.logprob_start_len == 0:  # nothing predicts the first token
             req.input_logprobs, req.input_top_logprobs = [None], [None]
         self.scheduler.submit(req)
@@ -345,14 +345,15 @@ class Engine:
 
     def generate_n(self, prompt_ids: list[int], params: SamplingParams, n: int, **kw) -> list[Generation]:
         """``n`` answers to one prompt: the first prefills it; the others wait for that prefill and start
-        from its state (a snapshot copy through the radix cache) instead of prefilling it again. A
+        from its state (a snapshot copy through the radix cache) instead of prefilling it again. They are one
+        admission group: they take turns for slots with newer requests (``policy.admission_order``). A
         request seed gives copy i the seed + i (distinct answers, reproducible). Prompt logprobs
         (``logprob_start_len``) are computed by the first alone: the others' prompt is the same."""
         gens = [self.generate(prompt_ids, params, **kw)]
         kw["logprob_start_len"] = -1
         for i in range(1, n):
             p = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63)
-            gens.append(self.generate(prompt_ids, p, follows=gens[0].req, **kw))
+            gens.append(self.generate(prompt_ids, p, follows=gens[0].req, group=gens[0].rid, **kw))
         return gens
 
     def abort(self, rid: str) -> None:

@@ -44,14 +44,16 @@ def plan_prefill(candidates: list[PrefillCandidate], token_budget: int, free_slo
     return plan
 
 
-def admission_order(waiting: list[tuple[object, int, int]], max_overtaken: int) -> list[object]:
-    """Waiting requests ``(key, new tokens to prefill, times overtaken)`` (in arrival order) in the order
-    they are offered admission: first those overtaken ``max_overtaken`` times already, in arrival order;
-    then the others by fewest new tokens (a cache hit's short prefill before a long cold one), arrival
-    order among equals. A long request waits behind shorter ones at most ``max_overtaken`` rounds."""
-    aged = [key for key, _, n in waiting if n >= max_overtaken]
-    rest = sorted((w for w in waiting if w[2] < max_overtaken), key=lambda w: w[1])  # stable: arrival order kept
-    return aged + [key for key, _, _ in rest]
+def admission_order(waiting: list[tuple[object, int, int, int]], max_overtaken: int) -> list[object]:
+    """Waiting requests ``(key, new tokens to prefill, times overtaken, running places its group holds)`` (in
+    arrival order) in the order they are offered admission: first those overtaken ``max_overtaken`` times
+    already, in arrival order; then the others by fewest running places of their group (the choices of one
+    request with ``n`` > 1 are a group: they take turns with newer requests instead of holding admission
+    until all of them ran), then fewest new tokens (a cache hit's short prefill before a long cold one),
+    arrival order among equals. A request waits behind others at most ``max_overtaken`` rounds."""
+    aged = [key for key, _, n, _ in waiting if n >= max_overtaken]
+    rest = sorted((w for w in waiting if w[2] < max_overtaken), key=lambda w: (w[3], w[1]))  # stable: arrivals
+    return aged + [key for key, _, _, _ in rest]
 
 
 def next_mode_is_decode(has_prefill_work: bool, has_decode_work: bool, last_was_extend: bool) -> bool:

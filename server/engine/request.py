@@ -199,6 +199,7 @@ class Req:
     first_token_time: float | None = None
     timeline: Timeline | None = None  # where its time to first byte goes (HTTP requests)
     follows: Req | None = None  # another answer to the same prompt: admitted once that one has prefilled it
+    group: str = ""  # the rid of the first of a request's n choices (its own rid alone): admission's fairness
     prefetch: object | None = None  # cache.storage_tier.Prefetch: its prefix being read from the storage tier
     revived: bool = False  # its session was looked up in the storage tier already (--session-persist)
     last_token_time: float | None = None

@@ -4,7 +4,8 @@ snapshots outlive older ones, and short hit prefills go before long cold ones (f
 import asyncio
 
 from mambaserve.server.engine.policy import admission_order
-from tests.server.conftest import accounting, assert_idle, make_engine, run, serving
+from mambaserve.server.engine.request import SamplingParams
+from tests.server.conftest import accounting, assert_idle, make_engine, run, run_started, serving
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -14,10 +15,17 @@ def _prompt(n, seed):
 
 
 def test_admission_order_short_prefills_first_until_aged():
-    waiting = [("cold", 500, 0), ("hit", 12, 0), ("aged", 900, 4), ("hit2", 12, 1), ("mid", 40, 3)]
+    waiting = [("cold", 500, 0, 0), ("hit", 12, 0, 0), ("aged", 900, 4, 0), ("hit2", 12, 1, 0), ("mid", 40, 3, 0)]
     assert admission_order(waiting, max_overtaken=4) == ["aged", "hit", "hit2", "mid", "cold"]
     assert admission_order(waiting, max_overtaken=1) == ["aged", "hit2", "mid", "hit", "cold"]
     assert admission_order([], 4) == []
+
+
+def test_admission_order_groups_holding_fewer_running_places_first():
+    """The waiting choices of a request whose group runs three already go after a newer request of its own
+    (even a longer one), until they have been overtaken enough."""
+    waiting = [("choice-5", 1, 0, 3), ("choice-6", 1, 0, 3), ("newer", 200, 0, 0), ("choice-4", 1, 4, 3)]
+    assert admission_order(waiting, max_overtaken=4) == ["choice-4", "newer", "choice-5", "choice-6"]
 
 
 def test_conversations_keep_their_snapshots_in_a_pool_barely_larger_than_them(tiny_ckpt):
@@ -95,4 +103,33 @@ def test_resends_keep_hitting_in_a_pool_full_of_used_snapshots(tiny_ckpt):
 
     cached, acc = run(go())
     assert cached[1::2] == [19] * 8, cached  # every resend hits all but the last token
+    assert_idle(acc)
+
+
+def test_a_large_n_request_takes_turns_with_a_newer_one(tiny_ckpt):
+    """n = 12 choices on 4 running places, then a newer request: it gets a place when the first choice ends,
+    not after the twelve (before: 8 choices ran to their end while it waited)."""
+    engine = make_engine(tiny_ckpt, mamba_cache_size=8, max_running_requests=4)
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+
+    async def go():
+        done = []
+
+        async def choice(g):
+            async for out in g:
+                pass
+            done.append(out)
+        big = [asyncio.ensure_future(choice(g)) for g in engine.generate_n(_prompt(8, 1), params, 12)]
+        while (await engine.accounting())["running"] < 4:
+            await asyncio.sleep(0.005)
+        ended_before_first_token = None
+        async for out in engine.generate(_prompt(8, 2), params):
+            if ended_before_first_token is None:
+                ended_before_first_token = len(done)
+        await asyncio.gather(*big)
+        return ended_before_first_token, done, await accounting(engine)
+
+    ended, done, acc = run_started(engine, go)
+    assert ended <= 4, ended
+    assert len(done) == 12 and all(o.completion_tokens == 24 for o in done)
     assert_idle(acc)

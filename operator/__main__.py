@@ -18,9 +18,16 @@ import yaml
 
 from mambaserve.operator.builders import adapter_rules
 from mambaserve.operator.handlers import build_registry
-from mambaserve.operator.kube import Kube
+from mambaserve.operator import names, watches
+from mambaserve.operator.kube import SESSION_CHILD_KINDS, Kube
 from mambaserve.operator.metrics import OperatorMetrics
 from mambaserve.operator.settings import OperatorSettings, parse_settings
+
+
+# What the reconciler reads, from watch streams: its own kinds whole, and the children and pods it made
+# (every one carries this label). A session at rest then costs the API server no request.
+WATCHED = {"InferenceSession": None, "CacheTier": None,
+           **{kind: {names.MANAGED_BY_LABEL: names.MANAGER} for kind in (*SESSION_CHILD_KINDS, "Pod")}}
 
 
 async def run(settings: OperatorSettings, *, stop_flag: asyncio.Event | None = None,
@@ -28,6 +35,8 @@ async def run(settings: OperatorSettings, *, stop_flag: asyncio.Event | None = N
     """Run the operator until cancelled (or until ``stop_flag`` is set)."""
     metrics = metrics or OperatorMetrics()
     kube = Kube(timeout=settings.request_timeout)
+    kube.watch(WATCHED, settings.namespaces, watches.Timeouts(settings.watch_server_timeout,
+                                                              settings.watch_client_timeout))
     registry = build_registry(settings, kube, metrics)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
     try:

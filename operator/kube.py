@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from mambaserve.operator import drift, names
+from mambaserve.operator import drift, names, watches
 from mambaserve.operator.settings import FIELD_MANAGER, GROUP, VERSION
 
 # Owns a workload's replicas between the operator letting go of them and the autoscaler's first write.
@@ -103,15 +103,28 @@ def credentials(logger: Any, settings: kopf.OperatorSettings | None = None,
 
 
 class Kube:
-    """Async client over one connection (from Kopf's login), renewed when credentials change."""
+    """Async client over one connection (from Kopf's login), renewed when credentials change.
+
+    With ``watch(kinds, ...)`` reads of those kinds are answered from watch streams (watches.py) instead
+    of requests; every other read, and every write, is a request."""
 
     def __init__(self, connection: kopf.ConnectionInfo | None = None, *, timeout: float = 60.0) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._connection: kopf.ConnectionInfo | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
+        self._watched: dict[str, Mapping[str, str] | None] = {}  # kind -> label selector of its stream
+        self._watch_namespaces: tuple[str, ...] = ()
+        self._watch_timeouts = watches.Timeouts()
+        self._informers: dict[tuple[str, str | None], watches.Informer] = {}
         if connection is not None:
             self._connection = connection
+
+    def watch(self, kinds: Mapping[str, Mapping[str, str] | None], namespaces: Iterable[str] = (),
+              timeouts: watches.Timeouts = watches.Timeouts()) -> None:
+        """Answer reads of these kinds (kind -> the label selector of its stream, or None for all objects)
+        from watch streams over ``namespaces`` (empty: all), each started at its first read."""
+        self._watched, self._watch_namespaces, self._watch_timeouts = dict(kinds), tuple(namespaces), timeouts
 
     def login(self, connection: kopf.ConnectionInfo) -> None:
         if connection != self._connection:
@@ -121,6 +134,9 @@ class Kube:
                 asyncio.ensure_future(old.close())
 
     async def close(self) -> None:
+        for informer in self._informers.values():
+            await informer.stop()
+        self._informers.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -172,9 +188,57 @@ class Kube:
                 raise ApiError(response.status, reason, message)
             return json.loads(text) if text else None
 
+    async def _stream(self, url: str, params: Mapping[str, str], idle: float) -> Any:
+        """The events of one watch request (no total timeout: ``idle`` seconds without a byte end it)."""
+        client = await self._client()
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=idle)
+        async with client.get(url, params=params, headers={"Accept": "application/json"}, timeout=timeout) as response:
+            if response.status >= 400:
+                text = await response.text()
+                status = json.loads(text) if text.startswith("{") else {}
+                if response.status == 404 and _resource_missing(status.get("reason") or "", status.get("details")):
+                    raise ResourceNotInstalled(404, status.get("reason") or "", status.get("message") or text)
+                if response.status == 410:
+                    raise watches.Gone(status.get("message"))
+                raise ApiError(response.status, status.get("reason") or "", status.get("message") or text[:500])
+            async for event in watches.json_lines(response):
+                yield event
+
+    async def _informer(self, kind: str, namespace: str | None) -> watches.Informer | None:
+        """The synced informer that holds ``kind`` in ``namespace``, or None when reads go to the API server."""
+        if kind not in self._watched or (self._watch_namespaces and namespace not in self._watch_namespaces):
+            return None
+        scope = namespace if self._watch_namespaces else None
+        informer = self._informers.get((kind, scope))
+        if informer is None:
+            labels = self._watched[kind]
+            informer = watches.Informer(
+                self._request, self._stream, self._url(kind, scope),
+                names.selector_string(labels) if labels else None,
+                lambda obj: not labels or matches((obj.get("metadata") or {}).get("labels"), labels),
+                self._watch_timeouts)
+            self._informers[kind, scope] = informer
+            informer.start()
+        await asyncio.wait_for(informer.synced.wait(), self._timeout.total)
+        if informer.missing:
+            raise ResourceNotInstalled(404, "NotFound", f"the cluster does not serve {kind}")
+        return informer
+
+    def _remember(self, obj: Any) -> None:
+        """Write-through: what a write returned is in the local copy before its watch event arrives."""
+        if isinstance(obj, Mapping) and obj.get("kind") in KINDS:
+            namespace = (obj.get("metadata") or {}).get("namespace")
+            informer = self._informers.get((obj["kind"], namespace if self._watch_namespaces else None))
+            if informer is not None:
+                informer.store(obj)
+
     # --- reads --------------------------------------------------------------------------------
 
     async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The object, or None. From the watch streams where the kind is watched (do not modify it)."""
+        informer = await self._informer(kind, namespace)
+        if informer is not None:
+            return informer.objects.get((namespace, name))
         try:
             return await self._request("GET", self._url(kind, namespace, name))
         except ResourceNotInstalled:
@@ -186,9 +250,13 @@ class Kube:
 
     async def list(self, kind: str, namespace: str | None,
                    labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": names.selector_string(labels)} if labels else None
-        result = await self._request("GET", self._url(kind, namespace), params=params)
-        items = list((result or {}).get("items") or [])
+        informer = await self._informer(kind, namespace)
+        if informer is not None:
+            items = [o for (ns, _), o in informer.objects.items() if namespace is None or ns == namespace]
+        else:
+            params = {"labelSelector": names.selector_string(labels)} if labels else None
+            result = await self._request("GET", self._url(kind, namespace), params=params)
+            items = list((result or {}).get("items") or [])
         # Filter here too: it costs nothing and keeps the contract when a server ignores the selector.
         return [i for i in items if not labels or matches((i.get("metadata") or {}).get("labels"), labels)]
 
@@ -215,9 +283,11 @@ class Kube:
 
     async def merge_patch(self, kind: str, namespace: str | None, name: str, patch: Mapping[str, Any],
                           sub: str | None = None) -> dict[str, Any]:
-        return await self._request("PATCH", self._url(kind, namespace, name, sub), body=patch,
-                                   content_type="application/merge-patch+json",
-                                   params={"fieldManager": FIELD_MANAGER})
+        result = await self._request("PATCH", self._url(kind, namespace, name, sub), body=patch,
+                                     content_type="application/merge-patch+json",
+                                     params={"fieldManager": FIELD_MANAGER})
+        self._remember(result)
+        return result
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         await self.merge_patch(kind, namespace, name, {"status": status}, sub="status")
@@ -227,9 +297,11 @@ class Kube:
         the fields as ``manager``'s and removes those the manager applied before but leaves out now. ``force``
         takes back fields someone else changed meanwhile (their edit is the drift being undone)."""
         meta = obj["metadata"]
-        return await self._request("PATCH", self._url(obj["kind"], meta.get("namespace"), meta["name"]), body=obj,
-                                   content_type="application/apply-patch+yaml",
-                                   params={"fieldManager": manager, "force": "true"})
+        result = await self._request("PATCH", self._url(obj["kind"], meta.get("namespace"), meta["name"]), body=obj,
+                                     content_type="application/apply-patch+yaml",
+                                     params={"fieldManager": manager, "force": "true"})
+        self._remember(result)
+        return result
 
     async def apply(self, desired: Mapping[str, Any]) -> Applied:
         """Desired state by server-side apply, only when the live object is not already it (drift.in_sync)."""

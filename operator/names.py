@@ -13,6 +13,8 @@ SESSION_LABEL = f"{GROUP}/session"
 TIER_LABEL = f"{GROUP}/cache-tier"
 METRICS_LABEL = f"{GROUP}/metrics"
 COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGER = "mambaserve-operator"
 SPEC_HASH = f"{GROUP}/spec-hash"
 IMMUTABLE_HASH = f"{GROUP}/immutable-hash"
 
@@ -54,7 +56,7 @@ def session_labels(name: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/name": "mambaserve",
         "app.kubernetes.io/instance": name,
         COMPONENT_LABEL: component,
-        "app.kubernetes.io/managed-by": "mambaserve-operator",
+        MANAGED_BY_LABEL: MANAGER,
         SESSION_LABEL: name,
     }
 

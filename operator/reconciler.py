@@ -294,10 +294,13 @@ async def sessions_using(kube: Kube, namespace: str, tier_name: str, leaving: st
 
 
 async def sync_tier_bindings(kube: Kube, namespace: str, tier_name: str, leaving: str | None = None) -> None:
-    """Refresh a tier's boundSessions right away rather than at its next status tick."""
-    if await kube.get("CacheTier", namespace, tier_name) is None:
+    """Refresh a tier's boundSessions right away rather than at its next status tick (when they changed)."""
+    tier = await kube.get("CacheTier", namespace, tier_name)
+    if tier is None:
         return
     bound = await sessions_using(kube, namespace, tier_name, leaving)
+    if (tier.get("status") or {}).get("boundSessions") == bound:
+        return
     try:
         await kube.patch_status("CacheTier", namespace, tier_name,
                                 {"boundSessions": bound, "boundSessionCount": len(bound)})

@@ -27,7 +27,7 @@ def build_tier_claim(tier: CacheTier) -> dict[str, Any] | None:
             "labels": {
                 "app.kubernetes.io/name": "mambaserve",
                 "app.kubernetes.io/component": "cache-storage",
-                "app.kubernetes.io/managed-by": "mambaserve-operator",
+                names.MANAGED_BY_LABEL: names.MANAGER,
                 names.TIER_LABEL: tier.name,
             },
             "ownerReferences": [names.owner_reference("CacheTier", tier.name, tier.uid)],

@@ -16,7 +16,6 @@ from tests.charts.rbac import Access, Authorizer, access_of
 # Granted, but not exercised by the live scenario; each with the reason.
 GRANTED_UNUSED = {
     ("", "pods", "get"): "escalation prevention: the router Role the operator creates grants it",
-    ("", "pods", "watch"): "escalation prevention: the router Role the operator creates grants it",
 }
 
 

@@ -302,9 +302,8 @@ async def start_operator(cluster: Cluster) -> Any:
     running: list[RunningOperator] = []
 
     async def start(**overrides: Any) -> RunningOperator:
-        settings = OperatorSettings(api_server=cluster.url, status_interval=0.3, metrics_timeout=0.5,
-                                    tier_retry_delay=0.3, metrics_port=0, health_port=0,
-                                    **overrides)
+        settings = OperatorSettings(**{"api_server": cluster.url, "status_interval": 0.3, "metrics_timeout": 0.5,
+                                       "tier_retry_delay": 0.3, "metrics_port": 0, "health_port": 0, **overrides})
         stop = asyncio.Event()
         metrics = OperatorMetrics()
         task = asyncio.create_task(run(settings, stop_flag=stop, metrics=metrics))

@@ -125,7 +125,7 @@ async def create_ready_pods(cluster: Cluster, port: int, n: int = 2) -> None:
     for i in range(n):
         await cluster.create({
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"tiny-{i}", "labels": names.server_selector("tiny")},
+            "metadata": {"name": f"tiny-{i}", "labels": names.session_labels("tiny", "server")},
             "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
             "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
         })
@@ -145,7 +145,7 @@ async def test_status_from_pod_metrics(cluster: Cluster, start_operator: Any) ->
         await create_ready_pods(cluster, port)
         # A pod that is not ready is not scraped (and does not count).
         await cluster.create({"apiVersion": "v1", "kind": "Pod",
-                              "metadata": {"name": "tiny-x", "labels": names.server_selector("tiny")},
+                              "metadata": {"name": "tiny-x", "labels": names.session_labels("tiny", "server")},
                               "status": {"podIP": "127.0.0.9", "conditions": [{"type": "Ready", "status": "False"}]}})
         # Both ready pods are scraped (3 sessions each); the unready one is not.
         st = await eventually(lambda: (s := status(cluster, "InferenceSession", "tiny")).get("openSessions")
@@ -211,7 +211,7 @@ async def test_restart_makes_no_changes(cluster: Cluster, start_operator: Any) -
     writes_before = len(cluster.writes())
     second = await start_operator(service_monitors=True)
     # Let the new operator resume both objects and run a few status ticks.
-    await eventually(lambda: any(r.method == "GET" and r.url.path.endswith("/deployments/chat")
+    await eventually(lambda: any(r.method == "GET" and r.url.path.endswith("/deployments")  # its watch cache
                                  for r in list(cluster.kmock)[writes_before:]), timeout=5)
     await asyncio.sleep(1.5)
     await second.stop()

@@ -12,12 +12,9 @@ from mambaserve.operator import names
 from mambaserve.operator.pod_reasons import diagnose, pod_reasons, workload_reasons
 from tests.operator.conftest import Cluster, eventually, sample
 
-SELECTOR = names.server_selector("tiny")
-
-
 def pod(name: str, *, containers: list[dict[str, Any]] | None = None, init: list[dict[str, Any]] | None = None,
         conditions: list[dict[str, Any]] | None = None, deleting: bool = False) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "labels": dict(SELECTOR)}
+    meta: dict[str, Any] = {"name": name, "labels": names.session_labels("tiny", "server")}
     if deleting:
         meta["deletionTimestamp"] = "2025-01-01T00:00:00Z"
     status: dict[str, Any] = {"phase": "Pending", "conditions": conditions or []}

@@ -94,13 +94,13 @@ real operator and checks every request it makes against these rules.
 */}}
 {{- define "mambaserve.operatorRules" -}}
 # Kopf lists and watches the two kinds and patches their finalizers and progress annotations;
-# the reconciler lists InferenceSessions to find those bound to a CacheTier and reads CacheTiers.
+# the reconciler reads both from its own watch streams.
 - apiGroups: ["mambaserve.io"]
   resources: ["inferencesessions"]
   verbs: ["list", "watch", "patch"]
 - apiGroups: ["mambaserve.io"]
   resources: ["cachetiers"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "patch"]
 # Owner references with blockOwnerDeletion: where the OwnerReferencesPermissionEnforcement admission
 # plugin is on (OpenShift), setting one needs update on the owner's finalizers subresource.
 - apiGroups: ["mambaserve.io"]
@@ -114,47 +114,48 @@ real operator and checks every request it makes against these rules.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-# Server pods are listed to scrape their /metrics for status. get and watch are not used by the
-# operator itself: it needs them because the router Role it creates grants them, and RBAC only
-# lets a subject grant permissions it holds (escalation prevention).
+# Server pods are listed and watched (the operator's watch cache) to scrape their /metrics and to
+# say why they do not serve. get is not used by the operator itself: it needs it because the router
+# Role it creates grants it, and RBAC only lets a subject grant permissions it holds (escalation
+# prevention).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
-# Children of an InferenceSession: server-side applied (patch; create when the apply creates the
-# object), read (get), re-created when an immutable field changes (delete), pruned by label when
-# stale (list, delete). The optional kinds (KEDA, prometheus-operator) are listed on every prune even
-# when unused, so they are always granted.
+# Children of an InferenceSession: read from watch streams selected by the operator's
+# app.kubernetes.io/managed-by label (list, watch), server-side applied (patch; create when the
+# apply creates the object), re-created when an immutable field changes and pruned when stale (delete). The optional kinds (KEDA, prometheus-operator)
+# are watched whenever the cluster serves them, so they are always granted.
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
-  verbs: ["get", "list", "create", "patch", "delete"]
-# Claims: a CacheTier's shared storage claim and a session's model cache. Server-side applied (a
-# bound claim's spec never changes: only labels may), deleted with their owner; model caches are
-# pruned by label.
+  verbs: ["list", "watch", "create", "patch", "delete"]
+# Claims: a CacheTier's shared storage claim and a session's model cache. Watched, server-side
+# applied (a bound claim's spec never changes: only labels may), deleted with their owner; model
+# caches are pruned by label.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 # The Job that downloads a session's model into its model cache claim (re-created on a new revision).
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 {{- end -}}
 
 {{/*

@@ -104,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "server, or another one on the same --storage-dir, continues it by its session id")
     s.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
     s.add_argument("--session-timeout", type=float, default=600.0, help="default idle timeout of a session (s)")
+    s.add_argument("--max-session-timeout", type=float, default=3600.0,
+                   help="longest idle timeout a client may give its session (s); a longer one gets 400")
+    s.add_argument("--max-sessions-per-client", type=int,
+                   help="open sessions one client may hold (its API key; without keys, its address), past it 429 "
+                        "(default: half of --max-sessions with several API keys, else no limit beyond "
+                        "--max-sessions: behind a router or proxy every caller has one address)")
+    s.add_argument("--require-session-secret", action="store_true",
+                   help="every session turn, close, snapshot and restore must send the session's secret (the "
+                        "x-session-secret response header at its opening) as session_params.secret or the "
+                        "x-session-secret header; 403 otherwise")
     s.add_argument("--session-slot-fraction", type=float, default=0.5,
                    help="share of the state pool idle streaming sessions may hold between turns; past it the least "
                         "recently active session's state becomes an ordinary cache snapshot (its next turn starts "
@@ -134,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "finish_reason 'abort' and an error (default: no limit beyond max_tokens)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint except /health and "
                    "/metrics (also --api-key-file, or the MAMBASERVE_API_KEY environment variable)")
-    s.add_argument("--api-key-file", help="read the API key from this file (a mounted Secret)")
+    s.add_argument("--api-key-file", help="read the API key from this file (a mounted Secret); several keys, one "
+                   "per line, are several clients (session quotas and ownership go by key)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     s.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own seed")
     s.add_argument("--max-request-bytes", type=byte_size, default="8MiB",
@@ -168,19 +179,24 @@ def byte_size(text: str) -> int:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "api_key_file")}
-    fields["api_key"] = api_key(args.api_key, args.api_key_file, os.environ.get("MAMBASERVE_API_KEY"))
+    keys = api_keys(args.api_key, args.api_key_file, os.environ.get("MAMBASERVE_API_KEY"))
+    fields["api_key"], fields["api_keys"] = (keys[0] if keys else None), keys
     return ServerConfig(**fields)
 
 
-def api_key(flag: str | None, path: str | None, env: str | None) -> str | None:
-    """The key from the flag, else the file, else the environment; an empty key is an error, not "no key"."""
+def api_keys(flag: str | None, path: str | None, env: str | None) -> tuple[str, ...]:
+    """The key from the flag, else the file's (one per line), else the environment; an empty key is an
+    error, not "no key"."""
     try:
-        key = flag if flag is not None else Path(path).read_text() if path else env
+        text = flag if flag is not None else Path(path).read_text() if path else env
     except OSError as e:
         raise SystemExit(f"mambaserve: cannot read --api-key-file: {e.strerror}: {path}") from None
-    if key is not None and not key.strip():
+    if text is None:
+        return ()
+    keys = tuple(dict.fromkeys(line.strip() for line in text.splitlines() if line.strip()))
+    if not keys:
         raise SystemExit("mambaserve: the API key is empty (--api-key, --api-key-file or MAMBASERVE_API_KEY)")
-    return key.strip() if key else None
+    return keys
 
 
 def serve(cfg: ServerConfig) -> None:

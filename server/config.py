@@ -37,6 +37,9 @@ class ServerConfig:
     session_persist: bool = False  # streaming sessions written to the storage tier at every turn's end
     max_sessions: int = 1024
     session_timeout: float = 600.0
+    max_session_timeout: float = 3600.0  # a session's own timeout may not exceed it
+    max_sessions_per_client: int | None = None  # None: half of max_sessions with several API keys, else no quota
+    require_session_secret: bool = False
     session_slot_fraction: float = 0.5
     session_snapshot_dir: str = "mambaserve-sessions"
     session_snapshot_max_bytes: int = 16 * 2**30
@@ -57,6 +60,15 @@ class ServerConfig:
     http_header_timeout: float = 20.0
     http_body_timeout: float = 60.0
     api_key: str | None = field(default=None, repr=False)  # never logged
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # every key accepted (default: api_key alone)
+
+    @property
+    def sessions_per_client(self) -> int | None:
+        """Open sessions one client may hold: the flag, else half the table when clients are told apart by
+        their API keys (two or more), else no quota beyond the table (every caller would be one client)."""
+        if self.max_sessions_per_client is not None:
+            return self.max_sessions_per_client
+        return max(1, self.max_sessions // 2) if len(self.api_keys) > 1 else None
 
     def __post_init__(self) -> None:
         """Values no model is needed to judge are refused here, before anything loads (ValueError, one line)."""
@@ -104,6 +116,13 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.session_timeout) and self.session_timeout > 0):
             raise ValueError(f"--session-timeout must be a positive number of seconds, got {self.session_timeout}")
+        if not (math.isfinite(self.max_session_timeout) and self.max_session_timeout >= self.session_timeout):
+            raise ValueError(f"--max-session-timeout must be at least --session-timeout ({self.session_timeout:g} s), "
+                             f"got {self.max_session_timeout}")
+        if self.max_sessions_per_client is not None and self.max_sessions_per_client < 1:
+            raise ValueError(f"--max-sessions-per-client must be >= 1, got {self.max_sessions_per_client}")
+        if self.api_key and not self.api_keys:
+            object.__setattr__(self, "api_keys", (self.api_key,))
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
         for name in ("http_header_timeout", "http_body_timeout"):

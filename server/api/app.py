@@ -131,7 +131,7 @@ def create_app(engine: Engine) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=engine.cfg.max_request_bytes,
                        on_reject=lambda: engine.metrics.rejected.labels("too_large").inc())
     if engine.cfg.api_key:  # added last: it runs first, before any body is read
-        app.add_middleware(ApiKeyAuth, key=engine.cfg.api_key,
+        app.add_middleware(ApiKeyAuth, keys=engine.cfg.api_keys,
                            on_reject=lambda: engine.metrics.rejected.labels("unauthorized").inc())
     app.add_middleware(StageTimer, histogram=engine.metrics.stages)  # outermost: stamps arrival first
     app.include_router(native_routes(engine))

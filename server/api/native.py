@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from mambaserve.server.api.ownership import secret_header, turn_with_caller
 from mambaserve.server.api.protocol import AbortRequest, GenerateRequest
 from mambaserve.server.api.responses import admitted_all, collect, error_response, finish_info, merged, sse
 from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse, Load, ModelInfo, ServerInfo,
@@ -49,7 +50,7 @@ def native_routes(engine: Engine) -> APIRouter:
         return {"success": True, "freed_snapshots": freed}
 
     @router.post("/generate", responses=streamed(GenerateResponse))
-    async def generate(body: GenerateRequest, request: Request):
+    async def generate(body: GenerateRequest, request: Request, response: Response):
         body.check_supported()
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
@@ -69,16 +70,20 @@ def native_routes(engine: Engine) -> APIRouter:
                              f"(prompts of {min(len(i) for i in ids)} tokens)")
         kw = dict(return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
                   logprob_start_len=body.logprob_start_len, stream=body.stream)
+        headers = {}
         if many:
             gens = [g for i, p in zip(ids, params) for g in engine.generate_n(i, p, n, **kw)]
         else:
-            gens = [engine.generate(ids[0], params[0], rid=body.rid,
-                                    session_id=sp.session_id(request.headers) if sp else None,
-                                    turn_params=sp.turn() if sp else None, **kw)]
+            session_id = sp.session_id(request.headers) if sp else None
+            turn = turn_with_caller(request, session_id, sp.turn() if sp else None, sp.secret if sp else None)
+            gens = [engine.generate(ids[0], params[0], rid=body.rid, session_id=session_id, turn_params=turn, **kw)]
+            headers = secret_header(turn)
+            response.headers.update(headers)
         payload = _Payload(engine.tokenizer if body.return_text_in_logprobs else None, body.return_logprob, n)
         if body.stream:
             streams = await admitted_all(request, gens)
-            return StreamingResponse(_native_stream(streams, payload, many), media_type="text/event-stream")
+            return StreamingResponse(_native_stream(streams, payload, many), media_type="text/event-stream",
+                                     headers=headers)
         results = await collect(request, *gens)
         answers = [payload(outs, results, i) for i, outs in enumerate(results)]
         return answers if many else answers[0]

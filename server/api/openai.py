@@ -6,9 +6,10 @@ import contextlib
 import time
 import uuid
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from mambaserve.server.api.ownership import secret_header, turn_with_caller
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
 from mambaserve.server.api.responses import admitted_all, collect, ended_early, merged, sse
 from mambaserve.server.api.schemas import (ERRORS, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
@@ -96,13 +97,15 @@ def openai_routes(engine: Engine) -> APIRouter:
         return model_card()
 
     @app.post("/v1/completions", responses=streamed(CompletionResponse))
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest, request: Request, response: Response):
         check_model(body.model)
         body.check_supported()
         explicit = body.max_tokens is not None
         base = body.sampling(body.max_tokens if explicit else DEFAULT_COMPLETION_TOKENS)
         n, want_lp = body.n, body.logprobs is not None
         session_id, turn = body.session(request.headers)
+        turn = turn_with_caller(request, session_id, turn, body.session_params and body.session_params.secret)
+        response.headers.update(secret_header(turn))
         if session_id and (len(body.prompts()) != 1 or n != 1):
             raise BadRequest("a session turn takes a single prompt and n = 1", code="unsupported_parameter")
         if session_id and body.echo and want_lp:
@@ -170,7 +173,7 @@ def openai_routes(engine: Engine) -> APIRouter:
                                "choices": [], "usage": _usage([o[-1] if o else None for o in outs], n)})
                 yield sse("[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream", headers=secret_header(turn))
 
         results = await collect(request, *gens)
         choices = []
@@ -189,11 +192,13 @@ def openai_routes(engine: Engine) -> APIRouter:
                 "choices": choices, "usage": _usage([outs[-1] for outs in results], n)}
 
     @app.post("/v1/chat/completions", responses=streamed(ChatCompletionResponse))
-    async def chat(body: ChatRequest, request: Request):
+    async def chat(body: ChatRequest, request: Request, response: Response):
         check_model(body.model)
         body.check_supported()
         n = body.n
         session_id, turn = body.session(request.headers)
+        turn = turn_with_caller(request, session_id, turn, body.session_params and body.session_params.secret)
+        response.headers.update(secret_header(turn))
         if session_id and n != 1:
             raise BadRequest("a session turn takes n = 1", code="unsupported_parameter")
         engine.check_load(n)
@@ -231,7 +236,7 @@ def openai_routes(engine: Engine) -> APIRouter:
                                "model": engine.model_name, "choices": [], "usage": _usage(lasts, n)})
                 yield sse("[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream", headers=secret_header(turn))
         results = await collect(request, *gens)
         choices = []
         for i, outs in enumerate(results):

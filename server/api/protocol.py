@@ -254,6 +254,7 @@ class SessionParams(_Body):
     timeout: float | None = Field(default=None, allow_inf_nan=False)
     capacity_of_str_len: int | None = Field(default=None, ge=0)
     close: bool = False
+    secret: str | None = Field(default=None, max_length=256)  # the session's (x-session-secret at its opening)
 
     def session_id(self, headers) -> str:
         """``id``, else the routing key: behind sglang-router the session id need be given only once."""
@@ -278,15 +279,18 @@ class OpenSessionRequest(_Body):
 
 class CloseSessionRequest(_Body):
     session_id: str
+    session_secret: str | None = Field(default=None, max_length=256)
 
 
 class SnapshotRequest(_Body):
     name: str | None = None
+    session_secret: str | None = Field(default=None, max_length=256)
 
 
 class RestoreRequest(_Body):
     name: str
     session_id: str | None = None
+    session_secret: str | None = Field(default=None, max_length=256)
 
 
 for _model in (CompletionRequest, ChatRequest, GenerateRequest):

@@ -29,13 +29,15 @@ class ErrorBody(_Out):
 ERROR_STATUSES = {
     400: "invalid request (malformed JSON, values out of range, prompt too long, ...)",
     401: "missing or wrong API key (servers started with --api-key)",
+    403: "a session (or its snapshot) used without its secret or with another API key than its opener's",
     404: "unknown model, session, turn or snapshot",
+    408: "the request's headers or body did not arrive within --http-header-timeout / --http-body-timeout",
     409: "conflict: duplicate request id, busy session, existing session or snapshot, cache busy",
     413: "request body over --max-request-bytes",
     422: "a field of the wrong type or shape",
-    429: "too many open sessions, or a snapshot quota reached",
+    429: "too many open sessions (in all, or for this client), or a snapshot quota reached",
     500: "internal error (the server log has the details); other requests are unaffected",
-    503: "overloaded (queue full; see Retry-After) or not ready",
+    503: "overloaded (queue full or too many connections; see Retry-After) or not ready",
     504: "the request ran past --request-timeout",
     507: "the snapshot directory's quota is reached",
 }

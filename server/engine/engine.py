@@ -36,7 +36,7 @@ from mambaserve.server.model.registry import resolve
 from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
 from mambaserve.server.sessions import snapshot as session_snapshot
 from mambaserve.server.sessions.snapshot_store import SnapshotStore
-from mambaserve.server.sessions.table import SessionError, TurnParams
+from mambaserve.server.sessions.table import Caller, SessionError, TurnParams
 
 log = logging.getLogger(__name__)
 
@@ -392,21 +392,21 @@ class Engine:
 
     # ---- sessions -----------------------------------------------------------------------------------
     async def open_session(self, session_id: str | None, streaming: bool, timeout: float | None,
-                           capacity: int | None) -> str:
+                           capacity: int | None, caller: Caller = Caller()) -> str:
         return await self.run_in_scheduler(lambda: self.scheduler.sessions.open(session_id, streaming, timeout,
-                                                                                capacity))
+                                                                                capacity, caller))
 
-    async def close_session(self, session_id: str) -> None:
-        await self.run_in_scheduler(lambda: self.scheduler.sessions.close(session_id))
+    async def close_session(self, session_id: str, caller: Caller = Caller()) -> None:
+        await self.run_in_scheduler(lambda: self.scheduler.sessions.close(session_id, caller=caller))
 
-    async def snapshot_session(self, session_id: str, name: str | None) -> dict:
+    async def snapshot_session(self, session_id: str, name: str | None, caller: Caller = Caller()) -> dict:
         """The session's tokens and state copied out between two steps, then written by the snapshot store's
         thread: no file is touched on the scheduler thread."""
         name = name or f"{session_id}.safetensors"
         session_snapshot.snapshot_path(self.snapshots.directory, name)  # a bad name: 400 before any work
         for _ in range(500):  # a turn that just answered folds its last token within a step
             try:
-                out = await self.run_in_scheduler(lambda: self.scheduler.session_files.export(session_id))
+                out = await self.run_in_scheduler(lambda: self.scheduler.session_files.export(session_id, caller))
                 break
             except SessionError as e:
                 if e.code != "session_folding":
@@ -417,7 +417,7 @@ class Engine:
         return await asyncio.wrap_future(self.snapshots.save(session_id, name, out.tokens, out.meta, out.state,
                                                              out.ready))
 
-    async def restore_session(self, name: str, session_id: str | None) -> dict:
+    async def restore_session(self, name: str, session_id: str | None, caller: Caller = Caller()) -> dict:
         """The file read and verified (checksum, then contents) on the snapshot store's thread; the session
         recreated between two steps. A refused file is logged and counted by reason."""
         try:
@@ -428,7 +428,7 @@ class Engine:
                 log.warning("snapshot %r refused (%s): %s", name, e.reason, e)
             raise
         return await self.run_in_scheduler(
-            lambda: self.scheduler.session_files.restore(meta, tokens, state, session_id))
+            lambda: self.scheduler.session_files.restore(meta, tokens, state, session_id, caller))
 
     def _check_snapshot(self, meta: dict, tokens: list[int], state: dict | None) -> None:
         session_snapshot.check_snapshot(meta, tokens, state, self.dims.vocab_size, self.context_length,

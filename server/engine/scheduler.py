@@ -76,7 +76,9 @@ class Scheduler:
             self.storage = self.cache.storage = build_storage_tier(
                 cfg, runner, host, metrics, storage_compat or {}, lambda result: self.inbox.put(("storage", result)))
         persist = cfg.session_persist and self.storage is not None
-        self.sessions = SessionManager(SessionTable(cfg.max_sessions, cfg.session_timeout),
+        table = SessionTable(cfg.max_sessions, cfg.session_timeout, cfg.max_session_timeout,
+                             cfg.sessions_per_client, cfg.require_session_secret)
+        self.sessions = SessionManager(table,
                                        session_slot_limit(cfg.session_slot_fraction, self.slots.capacity),
                                        self._free_session_state, self._keep_or_free,
                                        lambda reason: metrics.sessions_closed.labels(reason).inc(),
@@ -263,7 +265,8 @@ class Scheduler:
             tp, opened = req.turn_params, False
             try:
                 if tp.open is not None:  # a turn that opens its session (behind a router: no /open_session)
-                    self.sessions.open(req.session_id, tp.open.streaming, tp.open.timeout, tp.open.capacity)
+                    self.sessions.open(req.session_id, tp.open.streaming, tp.open.timeout, tp.open.capacity,
+                                       tp.caller)
                     opened = True
                 prompt = self.sessions.turn_prompt(req.session_id, req.prompt_ids, tp)
                 req.params = fit_to_context(len(prompt), req.params, self.context_length, False,

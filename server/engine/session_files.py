@@ -17,7 +17,7 @@ from mambaserve.server.cache.prefix_cache import DisabledCache
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.sessions.manager import SessionManager
-from mambaserve.server.sessions.table import SessionError
+from mambaserve.server.sessions.table import Caller, SessionError
 
 
 @dataclass
@@ -39,9 +39,9 @@ class SessionFiles:
         # stay on the device); the restored session's next turn prefills its history through the cache
         self.states = states
 
-    def export(self, sid: str) -> Exported:
+    def export(self, sid: str, caller: Caller = Caller()) -> Exported:
         """The session between turns, its state copied to the host without waiting for the device."""
-        s, tokens, meta = self.sessions.export(sid)
+        s, tokens, meta = self.sessions.export(sid, caller)
         if not self.states:
             return Exported(list(tokens), {**meta, "in_state": 0}, None)
         if s.slot is None:
@@ -51,8 +51,9 @@ class SessionFiles:
         return Exported(list(tokens), meta, state, self.runner.fence())
 
     def restore(self, meta: dict, tokens: list[int], state: dict[str, torch.Tensor] | None,
-                session_id: str | None) -> dict:
-        """Recreate a session from a file's verified contents (``SnapshotStore.load``)."""
+                session_id: str | None, caller: Caller = Caller()) -> dict:
+        """Recreate a session from a file's verified contents (``SnapshotStore.load``); with ``new_secret`` when
+        the file had no owner and the session took the caller's new secret."""
         slot = None
         if not self.states:
             state = None
@@ -61,7 +62,7 @@ class SessionFiles:
             if slot is None:
                 raise SessionError(503, "no free state slot to restore the session into; retry later", "no_capacity")
         try:
-            s = self.sessions.restore(meta, tokens, session_id, slot)
+            s = self.sessions.restore(meta, tokens, session_id, slot, caller)
         except SessionError:
             if slot is not None:
                 self.cache.free(slot)
@@ -70,4 +71,7 @@ class SessionFiles:
             self.runner.apply_state_ops(self.cache.take_pending())  # a stale deferred op must not land on it
             self.runner.write_slot(slot, state)
         self.metrics.session_restores.inc()
-        return {"session_id": s.id, "tokens": len(tokens), "has_state": slot is not None}
+        out = {"session_id": s.id, "tokens": len(tokens), "has_state": slot is not None}
+        if caller.new_secret and not meta.get("owner"):
+            out["new_secret"] = True  # the file had no owner: the session took the caller's new secret
+        return out

@@ -23,7 +23,7 @@ from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.request import Req, RequestQueues
 from mambaserve.server.sessions.manager import SessionManager
 from mambaserve.server.sessions.snapshot import SnapshotError, check_session
-from mambaserve.server.sessions.table import SessionError
+from mambaserve.server.sessions.table import Caller, SessionError
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class SessionPersistence:
             return
         self.cache.write_to_storage(tokens, req.slot)
         record = {"id": s.id, "streaming": True, "timeout": s.timeout, "capacity": s.capacity, "history": tokens,
-                  "compat": self.compat}
+                  "compat": self.compat, "owner": s.owner, "key": s.key}
         self.storage.put_session(s.id, record, self.cache.pending,
                                  still_open=lambda: self.sessions.table.sessions.get(s.id) is s and not s.closing)
 
@@ -139,9 +139,10 @@ class SessionPersistence:
             return
         if sid not in self.sessions.table.sessions:
             meta = {"id": sid, "streaming": True, "timeout": record["timeout"], "capacity": record["capacity"],
-                    "in_state": 0}
-            try:
-                self.sessions.restore(meta, record["history"], sid, None)
+                    "in_state": 0, "owner": record.get("owner")}
+            key = record.get("key") if isinstance(record.get("key"), str) else None
+            try:  # its owner and API key come back with it; the turn that revived it is checked against them
+                self.sessions.restore(meta, record["history"], sid, None, Caller(key=key), check=False)
                 self.metrics.session_restores.inc()
                 log.info("session %s continued from its persisted turn (%d tokens)", sid, len(record["history"]))
             except SessionError as e:

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Callable
 
-from mambaserve.server.sessions.table import Session, SessionError, SessionTable, Turn, TurnParams
+from mambaserve.server.sessions.table import Caller, Session, SessionError, SessionTable, Turn, TurnParams
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,15 @@ class SessionManager:
         self._on_close = on_close  # called with the close reason (metrics)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def open(self, session_id: str | None, streaming: bool, timeout: float | None, capacity: int | None) -> str:
-        return self.table.open(session_id, streaming, timeout, capacity).id
+    def open(self, session_id: str | None, streaming: bool, timeout: float | None, capacity: int | None,
+             caller: Caller = Caller()) -> str:
+        return self.table.open(session_id, streaming, timeout, capacity, caller=caller).id
 
-    def close(self, sid: str, reason: str = "client") -> None:
+    def close(self, sid: str, reason: str = "client", caller: Caller | None = None) -> None:
+        """Close ``sid`` (a client's close names itself as ``caller``, checked like a turn)."""
         s = self.table.get(sid)
+        if caller is not None:
+            self.table.check(s, caller)
         if s.in_flight is not None:
             s.closing = reason  # released when the in-flight turn ends
             return
@@ -143,21 +147,30 @@ class SessionManager:
         return True
 
     # ---- export / import ----------------------------------------------------------------------------
-    def export(self, sid: str) -> tuple[Session, list[int], dict]:
+    def export(self, sid: str, caller: Caller = Caller()) -> tuple[Session, list[int], dict]:
         """A session between turns: (session, its tokens, the fields a snapshot file keeps)."""
-        s = self.table.get(sid)
+        s = self.table.check(self.table.get(sid), caller)
         if s.in_flight is not None:
             raise SessionError(409, f"session {sid!r} has a turn in flight; snapshot it between turns", "session_busy")
         if s.awaiting_fold:
             raise SessionError(409, f"session {sid!r} is finishing its last turn", "session_folding")
         tokens = s.history if s.streaming else (s.turns[s.last_rid].tokens if s.last_rid else [])
         meta = {"id": s.id, "streaming": s.streaming, "timeout": s.timeout, "capacity": s.capacity,
-                "in_state": s.in_state if s.slot is not None else 0}
+                "in_state": s.in_state if s.slot is not None else 0, "owner": s.owner}
         return s, tokens, meta
 
-    def restore(self, meta: dict, tokens: list[int], session_id: str | None, slot: int | None) -> Session:
-        """Recreate a session from a snapshot's fields; ``slot`` (already written) holds its live state."""
-        s = self.table.open(session_id or meta["id"], meta["streaming"], meta["timeout"], meta["capacity"])
+    def restore(self, meta: dict, tokens: list[int], session_id: str | None, slot: int | None,
+                caller: Caller = Caller(), check: bool = True) -> Session:
+        """Recreate a session from a snapshot's fields; ``slot`` (already written) holds its live state. It
+        keeps the file's owner (the same secret works; with ``check`` the caller must prove it, else its
+        turns will), or gets the caller's new secret if the file has none. A timeout over this server's
+        longest is cut to it."""
+        owner = meta.get("owner") if isinstance(meta.get("owner"), str) and meta.get("owner") else None
+        if owner is not None and check:
+            self.table.check_owner(owner, caller, "this snapshot")
+        timeout = meta["timeout"] if meta["timeout"] is None else min(meta["timeout"], self.table.max_timeout)
+        s = self.table.open(session_id or meta["id"], meta["streaming"], timeout, meta["capacity"],
+                            caller=caller, owner=owner)
         if s.streaming:
             s.history = list(tokens)
         elif tokens:

@@ -46,17 +46,23 @@ def snapshot_path(directory: Path, name: str) -> Path:
     return directory / name
 
 
+def owner_of(session: dict) -> str:
+    """Who owns a session's files: the hash of its secret (a session id reopened after a close has another),
+    for files of an older version its id."""
+    return session.get("owner") or f"id:{session['id']}"
+
+
 def owner(path: Path) -> str | None:
-    """The session id recorded in a snapshot file's header (None if unreadable)."""
+    """The owner (``owner_of``) recorded in a snapshot file's header (None if unreadable)."""
     try:
         with safe_open(str(path), "pt") as f:
-            return json.loads((f.metadata() or {})["mambaserve"])["session"]["id"]
+            return owner_of(json.loads((f.metadata() or {})["mambaserve"])["session"])
     except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError, ValueError):
         return None
 
 
 def usage(directory: Path) -> tuple[int, dict[str, int]]:
-    """(bytes of every snapshot file in ``directory``, snapshot files per session id)."""
+    """(bytes of every snapshot file in ``directory``, snapshot files per owner)."""
     total, per_session = 0, {}
     if directory.is_dir():
         for entry in os.scandir(directory):

@@ -31,14 +31,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _File:
-    owner: str | None  # the session id in its header (None: unreadable)
+    owner: str | None  # ``snapshot.owner_of`` its header's session (None: unreadable)
     size: int
     mtime_ns: int
 
 
 class SnapshotStore:
-    """``max_bytes``: the directory's quota in all; ``max_per_session``: files one session may keep (overwriting
-    its own by name is always allowed). Every method returns a Future; the work runs on the store's thread."""
+    """``max_bytes``: the directory's quota in all; ``max_per_session``: files one session (one opening of it) may
+    keep (overwriting its own by name is always allowed). Every method returns a Future; the work runs on the store's thread."""
 
     def __init__(self, directory: Path, compat: dict, max_bytes: int, max_per_session: int):
         self.directory, self.compat = Path(directory), compat
@@ -67,11 +67,11 @@ class SnapshotStore:
     def _save(self, sid: str, name: str, tokens: list[int], meta: dict, state, ready) -> dict:
         path = snapshot.snapshot_path(self.directory, name)
         self._refresh()
-        mine = self._files.get(path.name)
-        if mine is not None and mine.owner != sid:
+        mine, owner = self._files.get(path.name), snapshot.owner_of(meta)  # (a reopened id: another owner)
+        if mine is not None and mine.owner != owner:
             raise SessionError(409, f"snapshot {path.name!r} belongs to another session; choose another name",
                                "snapshot_exists")
-        if mine is None and sum(f.owner == sid for f in self._files.values()) >= self.max_per_session:
+        if mine is None and sum(f.owner == owner for f in self._files.values()) >= self.max_per_session:
             raise SessionError(429, f"session {sid!r} has {self.max_per_session} snapshots already "
                                "(--session-snapshot-max-per-session); overwrite one by its name", "snapshot_quota")
         total = sum(f.size for f in self._files.values())
@@ -81,7 +81,7 @@ class SnapshotStore:
         if ready is not None:
             ready.synchronize()  # the state's copy from the device has landed
         size = snapshot.write(path, self.compat, meta, tokens, state)
-        self._files[path.name] = _File(sid, size, path.stat().st_mtime_ns)
+        self._files[path.name] = _File(owner, size, path.stat().st_mtime_ns)
         self._dir_mtime = self._mtime()  # (this write's own change)
         return {"name": path.name, "bytes": size, "tokens": len(tokens), "has_state": state is not None}
 

@@ -10,17 +10,46 @@ Plain Python; the scheduler owns the slots this table names (docs/design.md §6)
   one (``rid``, default the last; ``offset`` cuts that turn's tokens; ``drop_previous_output`` leaves
   its output out; ``replace`` forgets the parent's other branches) and reuses state through the
   radix cache.
+
+Ownership (docs/server-interface.md, "Session ownership"): a session is opened with a secret (made by the
+API layer, returned to the client) whose hash it keeps as its ``owner``; snapshot files and persisted
+records carry that hash, so a session restored from them answers to the same secret, and a session id
+reopened after a close has a new owner. A caller who presents a secret must present the right one, and
+with ``require_secret`` every caller must. A session opened with an API key answers only to that key.
+Quotas: ``max_per_client`` open sessions per caller (its API key, else its address).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
 
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a finite bound: an idle session must be reaped some day
+MAX_TIMEOUT_S = 7 * 24 * 3600  # no --max-session-timeout above it: an idle session must be reaped some day
+
+
+def secret_hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks for a session verb: ``key`` (an API key's fingerprint), ``address`` (the peer's), ``secret``
+    (the session secret it presented), ``new_secret`` (the one a session it opens gets)."""
+
+    key: str | None = None
+    address: str | None = None
+    secret: str | None = None
+    new_secret: str | None = None
+
+    @property
+    def client(self) -> str | None:
+        """Whom quotas count: the API key, else the address."""
+        return f"key:{self.key}" if self.key else f"addr:{self.address}" if self.address else None
 
 
 class SessionError(Exception):
@@ -54,6 +83,9 @@ class Session:
     awaiting_fold: str | None = None  # rid of an answered turn whose last token is still being folded in
     turns: dict[str, Turn] = field(default_factory=dict)
     last_rid: str | None = None
+    owner: str = ""  # secret_hash of the secret it was opened with ("": none, e.g. a file of an older version)
+    key: str | None = None  # the API key (fingerprint) that opened it: no other key may use it
+    client: str | None = None  # Caller.client of its opener (quotas)
 
 
 @dataclass(frozen=True)
@@ -73,28 +105,66 @@ class TurnParams:
     drop_previous_output: bool = False
     open: OpenParams | None = None  # open the session (this id) before the turn
     close: bool = False  # close the session once the turn ends
+    caller: Caller = Caller()
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int, default_timeout: float):
+    def __init__(self, max_sessions: int, default_timeout: float, max_timeout: float = 3600.0,
+                 max_per_client: int | None = None, require_secret: bool = False):
         self.max_sessions = max_sessions
         self.default_timeout = default_timeout
+        self.max_timeout = max_timeout
+        self.max_per_client = max_per_client
+        self.require_secret = require_secret
         self.sessions: dict[str, Session] = {}
+        self.per_client: dict[str, int] = {}
 
     def open(self, session_id: str | None, streaming: bool, timeout: float | None, capacity: int | None,
-             now: float | None = None) -> Session:
+             now: float | None = None, caller: Caller = Caller(), owner: str | None = None) -> Session:
+        """A new session; its owner is ``owner`` (restored from a file or record) or the hash of the caller's
+        ``new_secret``. Quotas count against ``caller``."""
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             raise SessionError(409, f"session {sid!r} already exists", "session_exists")
         if len(self.sessions) >= self.max_sessions:
             raise SessionError(429, f"too many open sessions ({self.max_sessions}); close one or retry later",
                                "too_many_sessions")
-        if timeout is not None and not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
-            raise SessionError(400, f"timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "invalid_request")
+        client = caller.client
+        if self.max_per_client is not None and client is not None \
+                and self.per_client.get(client, 0) >= self.max_per_client:
+            raise SessionError(429, f"this client has {self.max_per_client} open sessions, its quota "
+                               "(--max-sessions-per-client); close one or retry later", "too_many_sessions")
+        if timeout is not None and not (math.isfinite(timeout) and 0 < timeout <= self.max_timeout):
+            raise SessionError(400, f"timeout must be in (0, {self.max_timeout:g}] seconds "
+                               f"(--max-session-timeout), got {timeout}", "invalid_request")
+        if owner is None:
+            owner = secret_hash(caller.new_secret) if caller.new_secret else ""
         s = Session(sid, streaming, timeout or self.default_timeout, capacity,
-                    time.monotonic() if now is None else now)
+                    time.monotonic() if now is None else now, owner=owner, key=caller.key, client=client)
         self.sessions[sid] = s
+        if client is not None:
+            self.per_client[client] = self.per_client.get(client, 0) + 1
         return s
+
+    def check(self, s: Session, caller: Caller) -> Session:
+        """``caller`` may use ``s``: the API key that opened it, and its secret when one is presented (always,
+        with ``require_secret``). A refusal is 403 and changes nothing."""
+        if s.key is not None and caller.key != s.key:
+            raise SessionError(403, f"session {s.id!r} was opened with another API key", "session_forbidden")
+        self.check_owner(s.owner, caller, f"session {s.id!r}")
+        return s
+
+    def check_owner(self, owner: str, caller: Caller, what: str) -> None:
+        """The secret ``caller`` presents hashes to ``owner``; checked when it presents one, and always with
+        ``require_secret`` (then something without an owner cannot be used at all). A turn that opened its
+        session proves it by the new secret it gave it."""
+        if caller.secret is None and not self.require_secret:
+            return
+        proof = caller.secret or caller.new_secret
+        if not (proof and owner and hmac.compare_digest(secret_hash(proof), owner)):
+            raise SessionError(403, f"{what} needs its session's secret: the x-session-secret header of the "
+                               "response that opened the session, sent back as session_params.secret or the "
+                               "x-session-secret header", "session_forbidden")
 
     def get(self, sid: str) -> Session:
         s = self.sessions.get(sid)
@@ -105,10 +175,18 @@ class SessionTable:
         return s
 
     def remove(self, sid: str) -> Session:
-        return self.sessions.pop(sid)
+        s = self.sessions.pop(sid)
+        if s.client is not None:
+            left = self.per_client[s.client] - 1
+            if left:
+                self.per_client[s.client] = left
+            else:
+                del self.per_client[s.client]
+        return s
 
     def turn_prompt(self, s: Session, new_tokens: list[int], p: TurnParams) -> list[int]:
         """The full prompt of the next turn (history + new tokens); raises SessionError if not allowed."""
+        self.check(s, p.caller)
         if not new_tokens:
             raise SessionError(400, "a session turn needs new input tokens", "invalid_request")
         if s.in_flight is not None:

@@ -252,17 +252,19 @@ def test_api_key_guards_everything_but_health_and_metrics(tiny_ckpt, tmp_path):
     assert [r.status_code for r in allowed] == [200, 200]
     assert 'mambaserve_requests_rejected_total{reason="unauthorized"} 8.0' in metrics
 
-    from mambaserve.server.cli import api_key
+    from mambaserve.server.cli import api_keys
 
     (tmp_path / "key").write_text("from-file\n")
-    assert api_key(None, str(tmp_path / "key"), "from-env") == "from-file"
-    assert api_key("from-flag", None, "from-env") == "from-flag"
-    assert api_key(None, None, "from-env") == "from-env"
-    assert api_key(None, None, None) is None
+    assert api_keys(None, str(tmp_path / "key"), "from-env") == ("from-file",)
+    (tmp_path / "keys").write_text("one\n\n two \none\n")  # one client per key, blank lines and repeats dropped
+    assert api_keys(None, str(tmp_path / "keys"), None) == ("one", "two")
+    assert api_keys("from-flag", None, "from-env") == ("from-flag",)
+    assert api_keys(None, None, "from-env") == ("from-env",)
+    assert api_keys(None, None, None) == ()
     with pytest.raises(SystemExit, match="empty"):
-        api_key(None, None, "  ")
+        api_keys(None, None, "  ")
     with pytest.raises(SystemExit, match="cannot read"):
-        api_key(None, str(tmp_path / "missing"), None)
+        api_keys(None, str(tmp_path / "missing"), None)
     assert "s3cret" not in repr(engine.cfg)
 
 

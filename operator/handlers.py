@@ -13,6 +13,7 @@ from mambaserve.operator import reconciler
 from mambaserve.operator.conditions import Event
 from mambaserve.operator.kube import Kube, credentials
 from mambaserve.operator.metrics import OperatorMetrics
+from mambaserve.operator.metrics_flow import MetricsFlow
 from mambaserve.operator.settings import GROUP, VERSION, OperatorSettings, configure_kopf
 
 SESSIONS = (GROUP, VERSION, "inferencesessions")
@@ -53,10 +54,11 @@ def build_registry(settings: OperatorSettings, kube: Kube, metrics: OperatorMetr
         return info
 
     # --- InferenceSession -------------------------------------------------------------------
+    flow = MetricsFlow(kube, settings)  # remembers where autoscaling metrics were found
 
     async def reconcile_session(body: kopf.Body, patch: kopf.Patch) -> None:
         with metrics.track("InferenceSession"):
-            outcome = await reconciler.reconcile_session(kube, body, operator_settings)
+            outcome = await reconciler.reconcile_session(kube, body, operator_settings, flow)
         if _changed(body, outcome.status):
             patch.status.update(outcome.status)
         _post(body, outcome.events)
@@ -107,7 +109,7 @@ def build_registry(settings: OperatorSettings, kube: Kube, metrics: OperatorMetr
         for session in await reconciler.sessions_for_tier(kube, body["metadata"]["namespace"],
                                                           body["metadata"]["name"]):
             with metrics.track("InferenceSession"):
-                outcome = await reconciler.reconcile_session(kube, session, operator_settings)
+                outcome = await reconciler.reconcile_session(kube, session, operator_settings, flow)
             await kube.patch_status("InferenceSession", session["metadata"]["namespace"],
                                     session["metadata"]["name"], outcome.status)
             _post(session, outcome.events)

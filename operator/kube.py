@@ -48,6 +48,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+    Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
     Kind(f"{GROUP}/{VERSION}", "InferenceSession", "inferencesessions"),
     Kind(f"{GROUP}/{VERSION}", "CacheTier", "cachetiers"),
 )}

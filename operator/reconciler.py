@@ -13,6 +13,7 @@ from typing import Any
 from mambaserve.operator import builders, conditions, names
 from mambaserve.operator.conditions import Condition, Event
 from mambaserve.operator.kube import SESSION_CHILD_KINDS, ApiError, Kube, ResourceNotInstalled, owned_by
+from mambaserve.operator.metrics_flow import MetricsFlow
 from mambaserve.operator.pod_reasons import PRIORITY as POD_REASONS
 from mambaserve.operator.pod_reasons import PodReason, diagnose
 from mambaserve.operator.settings import OperatorSettings
@@ -62,18 +63,16 @@ def _workload_kind(session: InferenceSession, tier: CacheTier | None) -> str:
 
 
 async def _apply_children(kube: Kube, session: InferenceSession, tier: CacheTier | None,
-                          settings: OperatorSettings) -> tuple[list[Problem], list[Event], set[str]]:
-    """Apply every desired child; returns problems, events and the kinds the cluster does not serve."""
+                          settings: OperatorSettings, scale: builders.Scale) -> tuple[list[Problem], list[Event]]:
+    """Apply every desired child (those of kinds the cluster does not serve left out); problems and events."""
     problems: list[Problem] = []
     events: list[Event] = []
-    missing_kinds: set[str] = set()
-    desired = builders.build_session_children(session, tier, settings)
+    desired = builders.build_session_children(session, tier, settings, scale)
     for child in desired:
         kind, name = child["kind"], child["metadata"]["name"]
         try:
             applied = await kube.apply(child)
         except ResourceNotInstalled:
-            missing_kinds.add(kind)
             continue
         except ApiError as e:
             if not e.invalid:
@@ -86,18 +85,54 @@ async def _apply_children(kube: Kube, session: InferenceSession, tier: CacheTier
     deleted = await kube.prune(SESSION_CHILD_KINDS, session.namespace, {names.SESSION_LABEL: session.name},
                                session.uid, keep)
     events += [Event("Normal", "Deleted", f"deleted stale {kind} {name}") for kind, name in deleted]
-    return problems, events, missing_kinds
+    return problems, events
 
 
-async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: OperatorSettings) -> Outcome:
+AUTOSCALER_KIND = {"keda": "ScaledObject", "hpa": "HorizontalPodAutoscaler"}
+
+
+async def served(kube: Kube, kind: str, namespace: str) -> bool:
+    try:
+        await kube.list(kind, namespace)
+        return True
+    except ResourceNotInstalled:
+        return False
+
+
+async def _autoscaling(kube: Kube, session: InferenceSession, flow: MetricsFlow) -> tuple[builders.Scale, Condition]:
+    """Whether the autoscaler is rendered (its kind served, its metrics flowing), and the condition saying so."""
+    scaling = session.autoscaling
+    if not scaling.enabled:
+        return builders.Scale(False), Condition("Autoscaling", "False", "Disabled", "autoscaling.enabled is false")
+    kind = AUTOSCALER_KIND[scaling.engine]
+    held = f"replicas held at {builders.manual_replicas(session)}"
+    if not await served(kube, kind, session.namespace):
+        if scaling.engine == "keda":
+            return builders.Scale(False), Condition("Autoscaling", "False", "KedaNotInstalled",
+                                                    f"the keda.sh/v1alpha1 ScaledObject kind is not served by this "
+                                                    f"cluster; {held}")
+        return builders.Scale(False), Condition("Autoscaling", "False", "HPANotServed",
+                                                f"autoscaling/v2 is not served by this cluster; {held}")
+    metrics = await flow.check(session)
+    if not metrics.ok:
+        return builders.Scale(False), Condition("Autoscaling", "False", "MetricsMissing", f"{metrics.message}; {held}")
+    engine = "KEDA ScaledObject" if scaling.engine == "keda" else "HorizontalPodAutoscaler"
+    return builders.Scale(True), Condition(
+        "Autoscaling", "True", "Configured",
+        f"{engine} {session.name} scales the workload between {scaling.min_replicas} and {scaling.max_replicas} "
+        f"replicas; {metrics.message}")
+
+
+async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: OperatorSettings,
+                            flow: MetricsFlow | None = None) -> Outcome:
     session = parse_session(body)
     previous = (body.get("status") or {}).get("conditions") or []
     binding = await bind(kube, session)
     problems = builders.problems(session, binding.tier)
     events: list[Event] = []
-    missing_kinds: set[str] = set()
+    scale, autoscaling = await _autoscaling(kube, session, flow or MetricsFlow(kube, settings))
     if not binding.hold:
-        apply_problems, events, missing_kinds = await _apply_children(kube, session, binding.tier, settings)
+        apply_problems, events = await _apply_children(kube, session, binding.tier, settings, scale)
         problems += apply_problems
 
     kind = _workload_kind(session, binding.tier)
@@ -115,13 +150,15 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
 
     if model is not None and model.status != "True" and not reasons:
         reasons = [PodReason("WaitingForModel", model.message)]
+    want = builders.manual_replicas(session) if not scale.autoscaler else \
+        int(((workload or {}).get("spec") or {}).get("replicas") or session.autoscaling.min_replicas)
     conds = [
-        *_readiness(session, observed, workload is not None, binding, reasons),
+        *_readiness(want, observed, workload is not None, binding, reasons),
         _degraded(problems),
         binding.condition,
         _router_condition(session, router),
         *([model] if model is not None else []),
-        _autoscaling_condition(session, missing_kinds),
+        autoscaling,
     ]
     merged = conditions.merge(previous, conds, session.generation)
     status = _session_status(session, binding, kind, observed, merged)
@@ -154,9 +191,9 @@ def _explain(ready: int, want: int, reasons: list[PodReason]) -> tuple[str, str]
     return top.reason, "; ".join([f"{ready}/{want} server pods ready", *(r.describe() for r in reasons)])
 
 
-def _readiness(session: InferenceSession, observed: Observed, exists: bool, binding: Binding,
+def _readiness(want: int, observed: Observed, exists: bool, binding: Binding,
                reasons: list[PodReason] | None = None) -> list[Condition]:
-    want = session.replicas
+    """Ready and Progressing for ``want`` replicas (the autoscaler's count when it owns them)."""
     if not exists:
         reason = "WaitingForCacheTier" if binding.hold else "WorkloadMissing"
         return [Condition("Ready", "False", reason, "the server workload does not exist yet"),
@@ -221,20 +258,6 @@ def _router_condition(session: InferenceSession, router: Mapping[str, Any] | Non
     ok = ready >= 1
     return Condition("RouterReady", "True" if ok else "False", "RouterAvailable" if ok else "RouterNotReady",
                      f"{ready}/{session.router.replicas} router pods ready")
-
-
-def _autoscaling_condition(session: InferenceSession, missing_kinds: set[str]) -> Condition:
-    scaling = session.autoscaling
-    if not scaling.enabled:
-        return Condition("Autoscaling", "False", "Disabled", "autoscaling.enabled is false")
-    if scaling.engine == "keda" and "ScaledObject" in missing_kinds:
-        return Condition("Autoscaling", "False", "KedaNotInstalled",
-                         "the keda.sh/v1alpha1 ScaledObject kind is not served by this cluster")
-    if scaling.engine == "hpa" and "HorizontalPodAutoscaler" in missing_kinds:
-        return Condition("Autoscaling", "False", "HPANotServed", "autoscaling/v2 is not served by this cluster")
-    engine = "KEDA ScaledObject" if scaling.engine == "keda" else "HorizontalPodAutoscaler"
-    return Condition("Autoscaling", "True", "Configured",
-                     f"{engine} owns spec.replicas between {scaling.min_replicas} and {scaling.max_replicas}")
 
 
 def _session_status(session: InferenceSession, binding: Binding, kind: str, observed: Observed,

@@ -35,6 +35,7 @@ class OperatorSettings:
     router_image: str = "lmsysorg/sgl-model-gateway:v0.3.2"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     service_monitors: bool = False  # only when prometheus-operator's CRDs are installed
+    server_pod_monitor: str | None = None  # NAMESPACE/NAME of a PodMonitor scraping every server pod (the chart's)
     # Kopf's finalizer on InferenceSessions and CacheTiers: deletion waits for the operator's cleanup
     # (children deleted at once, a CacheTier held while sessions use it). Off: deletions never wait
     # for the operator; owner references let the garbage collector remove the children, and a
@@ -64,7 +65,10 @@ class OperatorSettings:
 _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("server-image", str, "default server image of InferenceSessions"),
     ("router-image", str, "default SGLang Model Gateway image"),
-    ("prometheus-url", str, "Prometheus that KEDA triggers query"),
+    ("prometheus-url", str, "Prometheus that KEDA triggers query, and that autoscaled sessions' series are "
+                            "looked for in"),
+    ("server-pod-monitor", str, "NAMESPACE/NAME of a PodMonitor that scrapes every server pod (autoscaling "
+                                "counts on it)"),
     ("status-interval", float, "seconds between status refreshes"),
     ("metrics-timeout", float, "seconds to wait for a pod's /metrics"),
     ("tier-retry-delay", float, "seconds between retries of a blocked CacheTier deletion"),
@@ -147,6 +151,9 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
             parser.error(f"--monitor-labels: {e}")
 
     settings = dataclasses.replace(defaults, **values)
+    if settings.server_pod_monitor is not None and not re.fullmatch(r"[a-z0-9][-a-z0-9.]*/[a-z0-9][-a-z0-9.]*",
+                                                                    settings.server_pod_monitor):
+        parser.error(f"--server-pod-monitor must be NAMESPACE/NAME, not {settings.server_pod_monitor!r}")
     if settings.log_level not in ("debug", "info", "warning", "error"):
         parser.error(f"--log-level must be debug, info, warning or error, not {settings.log_level!r}")
     return settings

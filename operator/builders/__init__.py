@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mambaserve.operator.builders.autoscaling import adapter_rules, build_hpa, build_scaled_object
@@ -17,16 +18,40 @@ from mambaserve.operator.builders.storage import build_tier_claim
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession
 
-__all__ = ["adapter_rules", "build_session_children", "build_tier_claim", "memory_footprint", "problems", "server_args",
+__all__ = ["Scale", "adapter_rules", "build_session_children", "default_scale", "manual_replicas", "build_tier_claim", "memory_footprint", "problems", "server_args",
            "service_url", "uses_cache"]
 
 
-def build_session_children(session: InferenceSession, tier: CacheTier | None,
-                           settings: OperatorSettings) -> list[dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """Who sets the workload's replicas: the autoscaler (rendered, and the field left to it), or the
+    operator at ``replicas`` (None: the session's own count)."""
+    autoscaler: bool
+    replicas: int | None = None
+
+
+def default_scale(session: InferenceSession) -> Scale:
+    """What a session asks for when its autoscaler's metrics flow (``render`` assumes they do)."""
+    return Scale(autoscaler=session.autoscaling.enabled)
+
+
+def manual_replicas(session: InferenceSession) -> int:
+    """spec.replicas, inside the autoscaling bounds while the autoscaler is withheld."""
+    scaling = session.autoscaling
+    if scaling.enabled:
+        return max(scaling.min_replicas, min(scaling.max_replicas, session.replicas))
+    return session.replicas
+
+
+def build_session_children(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings,
+                           scale: Scale | None = None) -> list[dict[str, Any]]:
     """Every object the session should own right now, in the order they are applied.
 
     Anything the session owns that is not in this list is stale and gets deleted.
     """
+    scale = scale or default_scale(session)
+    replicas = None if scale.autoscaler else (manual_replicas(session) if scale.replicas is None else scale.replicas)
+    workload = build_workload(session, tier, settings, replicas)
     children = []
     if uses_cache(session):
         # Before the workload: its pods mount the claim and wait for the Job's download.
@@ -34,7 +59,7 @@ def build_session_children(session: InferenceSession, tier: CacheTier | None,
     children += [
         build_config_map(session, tier),
         build_headless_service(session),
-        build_workload(session, tier, settings),
+        workload,
         build_client_service(session),
         build_pdb(session),
     ]
@@ -46,11 +71,11 @@ def build_session_children(session: InferenceSession, tier: CacheTier | None,
             build_router_deployment(session, settings),
             build_router_pdb(session),
         ]
-    if session.autoscaling.enabled:
+    if scale.autoscaler:
         if session.autoscaling.engine == "keda":
-            children.append(build_scaled_object(session, settings))
+            children.append(build_scaled_object(session, workload, settings))
         else:
-            children.append(build_hpa(session))
+            children.append(build_hpa(session, workload))
     if settings.service_monitors and session.monitoring.enabled:
         children.append(build_service_monitor(session, settings))
         if session.router.enabled:

@@ -1,7 +1,9 @@
 """Autoscaling on capacity misses: an HPA (through prometheus-adapter) or a KEDA ScaledObject.
 
-Both target the InferenceSession's scale subresource, so the autoscaler writes
-``InferenceSession.spec.replicas`` and the operator carries that count to the workload.
+Both target the server workload (Deployment or StatefulSet) itself, so scaling goes on while the
+operator is down; the operator then leaves the workload's replicas to the autoscaler (server-side apply
+without the field, kube.py hands it over). They are rendered only where the metrics flow (the reconciler
+checks, metrics_flow.py): with no series, KEDA reads 0 and an HPA nothing.
 
 The signal is the *capacity-miss ratio*: prompt tokens whose prefix had been cached and was evicted
 for space (``mambaserve_prefix_cache_capacity_miss_tokens_total``), over all prompt tokens looked
@@ -17,11 +19,12 @@ refused by the CRD (``minReplicas`` >= 1 with autoscaling) instead of never waki
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from mambaserve.operator import names
 from mambaserve.operator.builders.common import session_metadata
-from mambaserve.operator.settings import API_VERSION, OperatorSettings
+from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import Autoscaling, InferenceSession
 
 CAPACITY_MISS_METRIC = "mambaserve_cache_capacity_miss_ratio"
@@ -32,8 +35,8 @@ _QUERIED = "mambaserve_prefix_cache_queried_tokens_total"
 RATE_WINDOW = "2m"
 
 
-def _target(session: InferenceSession) -> dict[str, str]:
-    return {"apiVersion": API_VERSION, "kind": "InferenceSession", "name": session.name}
+def _target(workload: Mapping[str, Any]) -> dict[str, str]:
+    return {"apiVersion": workload["apiVersion"], "kind": workload["kind"], "name": workload["metadata"]["name"]}
 
 
 def _milli(value: float) -> str:
@@ -50,7 +53,7 @@ def _behavior(scaling: Autoscaling) -> dict[str, Any]:
     return {"scaleUp": rules(scaling.scale_up), "scaleDown": rules(scaling.scale_down)}
 
 
-def build_hpa(session: InferenceSession) -> dict[str, Any]:
+def build_hpa(session: InferenceSession, workload: Mapping[str, Any]) -> dict[str, Any]:
     scaling = session.autoscaling
     metrics: list[dict[str, Any]] = [{
         "type": "Pods",
@@ -72,7 +75,7 @@ def build_hpa(session: InferenceSession) -> dict[str, Any]:
         "kind": "HorizontalPodAutoscaler",
         "metadata": session_metadata(session, session.name, "autoscaler"),
         "spec": {
-            "scaleTargetRef": _target(session),
+            "scaleTargetRef": _target(workload),
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": metrics,
@@ -82,24 +85,27 @@ def build_hpa(session: InferenceSession) -> dict[str, Any]:
     return names.stamp(obj)
 
 
-def _series(session: InferenceSession) -> str:
+def series_selector(session: InferenceSession) -> str:
     # ServiceMonitor.podTargetLabels copies the session label onto every scraped series.
     label = names.SESSION_LABEL.replace(".", "_").replace("/", "_").replace("-", "_")
     return f'namespace="{session.namespace}",{label}="{session.name}"'
 
 
 def capacity_miss_query(session: InferenceSession) -> str:
-    """The session's capacity-miss ratio; no traffic makes it 0/0 (no value), and KEDA holds."""
-    sel = _series(session)
-    return (f"sum(rate({_CAPACITY_MISSES}{{{sel}}}[{RATE_WINDOW}])) / "
-            f"sum(rate({_QUERIED}{{{sel}}}[{RATE_WINDOW}]))")
+    """The session's capacity-miss ratio. Never NaN: without queries (0/0) it is the target itself, which
+    the autoscaler's formula (replicas x value / target) reads as "hold", as it does within its tolerance."""
+    sel = series_selector(session)
+    return (f"(sum(rate({_CAPACITY_MISSES}{{{sel}}}[{RATE_WINDOW}])) / "
+            f"(sum(rate({_QUERIED}{{{sel}}}[{RATE_WINDOW}])) > 0)) "
+            f"or vector({session.autoscaling.target_capacity_miss_ratio:g})")
 
 
 def queue_query(session: InferenceSession) -> str:
-    return f"sum({QUEUE_METRIC}{{{_series(session)}}})"
+    return f"sum({QUEUE_METRIC}{{{series_selector(session)}}})"
 
 
-def build_scaled_object(session: InferenceSession, settings: OperatorSettings) -> dict[str, Any]:
+def build_scaled_object(session: InferenceSession, workload: Mapping[str, Any],
+                        settings: OperatorSettings) -> dict[str, Any]:
     scaling = session.autoscaling
     address = scaling.prometheus_address or settings.prometheus_url
     triggers: list[dict[str, Any]] = [{
@@ -130,7 +136,7 @@ def build_scaled_object(session: InferenceSession, settings: OperatorSettings) -
         "kind": "ScaledObject",
         "metadata": session_metadata(session, session.name, "autoscaler"),
         "spec": {
-            "scaleTargetRef": _target(session),
+            "scaleTargetRef": _target(workload),
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
             "pollingInterval": scaling.polling_interval_seconds,
@@ -153,10 +159,11 @@ def adapter_rules() -> dict[str, Any]:
             "seriesQuery": f'{_QUERIED}{{namespace!="",pod!=""}}',
             "resources": pods,
             "name": {"matches": f"^{_QUERIED}$", "as": CAPACITY_MISS_METRIC},
-            # No traffic makes this 0/0: the adapter then returns no value and the HPA holds.
+            # Never NaN: a pod without queries has no value (not 0/0); with no value from any pod the HPA
+            # holds, and a pod without one counts conservatively beside pods that have one.
             "metricsQuery": (
                 f"sum by (<<.GroupBy>>) (rate({_CAPACITY_MISSES}{{<<.LabelMatchers>>}}[{RATE_WINDOW}])) / "
-                f"sum by (<<.GroupBy>>) (rate(<<.Series>>{{<<.LabelMatchers>>}}[{RATE_WINDOW}]))"
+                f"(sum by (<<.GroupBy>>) (rate(<<.Series>>{{<<.LabelMatchers>>}}[{RATE_WINDOW}])) > 0)"
             ),
         },
         {

@@ -259,11 +259,11 @@ def deployment_strategy(session: InferenceSession) -> dict[str, Any]:
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
-def build_workload(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings) -> dict[str, Any]:
+def build_workload(session: InferenceSession, tier: CacheTier | None, settings: OperatorSettings,
+                   replicas: int | None) -> dict[str, Any]:
     """Deployment, or StatefulSet when the cache tier gives each pod its own claim.
 
-    ``spec.replicas`` mirrors ``InferenceSession.spec.replicas``: with autoscaling enabled the HPA or
-    KEDA writes that field through the scale subresource and the operator only carries it over.
+    ``replicas`` None leaves the field out: an autoscaler that targets the workload owns it.
     """
     template = pod_template(session, tier, settings)
     selector = {"matchLabels": names.server_selector(session.name)}
@@ -290,7 +290,7 @@ def build_workload(session: InferenceSession, tier: CacheTier | None, settings: 
             "kind": "StatefulSet",
             "metadata": metadata,
             "spec": {
-                "replicas": session.replicas,
+                **({"replicas": replicas} if replicas is not None else {}),
                 **immutable,
                 "template": template,
                 "updateStrategy": {"type": "RollingUpdate"},
@@ -305,7 +305,7 @@ def build_workload(session: InferenceSession, tier: CacheTier | None, settings: 
         "kind": "Deployment",
         "metadata": metadata,
         "spec": {
-            "replicas": session.replicas,
+            **({"replicas": replicas} if replicas is not None else {}),
             "selector": selector,
             "template": template,
             "strategy": deployment_strategy(session),

@@ -106,8 +106,9 @@ def test_capacity_misses_scale_and_compulsory_misses_do_not(stack: Any) -> None:
     rng = random.Random(7)
     s = session()
     scaling = s.autoscaling
-    keda_query = build_scaled_object(s, OperatorSettings())["spec"]["triggers"][0]["metadata"]["query"]
-    hpa_target = build_hpa(s)["spec"]["metrics"][0]["pods"]["target"]["averageValue"]
+    workload = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "chat"}}
+    keda_query = build_scaled_object(s, workload, OperatorSettings())["spec"]["triggers"][0]["metadata"]["query"]
+    hpa_target = build_hpa(s, workload)["spec"]["metrics"][0]["pods"]["target"]["averageValue"]
     assert hpa_target == f"{round(scaling.target_capacity_miss_ratio * 1000)}m"
     raw_miss = keda_query.replace("mambaserve_prefix_cache_capacity_miss_tokens_total",
                                   "mambaserve_prefix_cache_hit_tokens_total")  # hits / queried

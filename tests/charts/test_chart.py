@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.charts.conftest import CHART, DATA, MONITORING_ON, NAMESPACE, ROOT, Rendered, helm, render
+from tests.charts.conftest import CHART, DATA, MONITORING_ON, NAMESPACE, ROOT, Rendered, authorizer, helm, render
+from tests.charts.rbac import Access
 from tests.operator.kube_versions import NEWEST, OLDEST, SUPPORTED
 from tests.operator.pod_security import pod_templates, restricted_violations, writable_root_filesystems
 
@@ -26,6 +27,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "operator-servicemonitors": {"operator": {"serviceMonitors": True},
                                  "monitoring": {"prometheusRule": {"enabled": True}}},
     "dashboards-off": {"dashboards": {"enabled": False}},
+    "autoscaling": {"autoscaling": {"enabled": True}, "operator": {"watchNamespaces": ["llm"]}},
     "bring-your-own-rbac": {"rbac": {"create": False},
                             "serviceAccount": {"create": False, "name": "platform-operator"}},
     "everything-customised": {
@@ -425,6 +427,31 @@ def _check_dashboard(name: str, dash: dict[str, Any]) -> None:
         for t in panel["targets"]:
             for var in re.findall(r"\$([a-z_]+)", t["expr"]):
                 assert var in variables or var == "__rate_interval", f"{name}: unknown variable ${var}"
+
+
+def test_autoscaling_turns_scraping_on_and_tells_the_operator() -> None:
+    """Autoscalers read the servers' series: with autoscaling.enabled the chart scrapes the server pods and
+    names its PodMonitor to the operator, which renders autoscalers only where a scrape exists."""
+    from mambaserve.operator.settings import parse_settings
+
+    def args(r: Rendered) -> list[str]:
+        return r.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    on = render({"autoscaling": {"enabled": True}})
+    monitor = on.one("PodMonitor")
+    named = parse_settings(args(on), environ={}).server_pod_monitor
+    assert named == f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}"
+    assert any(c["metadata"]["name"].endswith("adapter-rules") for c in on.of("ConfigMap"))
+    assert "MetricsMissing" not in on.notes
+    # ... which the operator may read, and nothing else of its kind.
+    ns, name = named.split("/")
+    assert authorizer(on).allows(Access("get", "monitoring.coreos.com", "podmonitors", ns, name))
+    assert not authorizer(on).allows(Access("get", "monitoring.coreos.com", "podmonitors", ns, "other"))
+    # The operator's ServiceMonitors already scrape every session: no second scrape, no flag.
+    per_session = render({"autoscaling": {"enabled": True}, "operator": {"serviceMonitors": True}})
+    assert per_session.of("PodMonitor") == [] and not any(a.startswith("--server-pod-monitor") for a in args(per_session))
+    off = render()
+    assert off.of("PodMonitor") == [] and "MetricsMissing" in off.notes
 
 
 def test_notes_give_the_next_commands(rendered: dict[str, Rendered]) -> None:

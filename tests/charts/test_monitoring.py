@@ -193,3 +193,44 @@ def test_the_load_moved_every_counter_the_panels_plot(live: LiveStack, metric: s
     """Guards the test above against passing on flat zeros: the load really produced these events."""
     assert live.load.errors == []
     assert float(live.prometheus.query(f"sum({metric})")[0]["value"][1]) > 0
+
+
+def test_promtool_autoscaling_queries_never_yield_nan(promtool: str, tmp_path: pathlib.Path) -> None:
+    """The operator's KEDA query and prometheus-adapter rule over a busy session and an idle one. Idle, a
+    ratio of rates is 0/0: NaN, which KEDA and prometheus-adapter read differently by version. The KEDA query
+    gives the target instead (the autoscaler's formula then holds the replicas) and the adapter rule no value
+    for an idle pod (an HPA without values holds); neither is ever NaN."""
+    from mambaserve.operator.builders.autoscaling import adapter_rules, capacity_miss_query
+    from mambaserve.operator.spec import parse_session
+    from tests.operator.conftest import sample
+
+    def session(name: str) -> Any:
+        body = sample("inferencesession-autoscaled")  # targetCapacityMissRatio 0.05
+        body["metadata"]["name"] = name
+        return parse_session(body)
+
+    rule = adapter_rules()["rules"][0]
+    adapter = (rule["metricsQuery"].replace("<<.Series>>", rule["seriesQuery"].split("{")[0])
+               .replace("<<.LabelMatchers>>", 'namespace="llm",pod=~".+"').replace("<<.GroupBy>>", "pod"))
+
+    def series(name: str, session_: str, pod: str, values: str) -> dict[str, str]:
+        return {"series": f'{name}{{namespace="llm",mambaserve_io_session="{session_}",pod="{pod}"}}', "values": values}
+
+    miss, queried = "mambaserve_prefix_cache_capacity_miss_tokens_total", "mambaserve_prefix_cache_queried_tokens_total"
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [series(miss, "busy", "busy-0", "0+25x20"), series(queried, "busy", "busy-0", "0+100x20"),
+                         series(miss, "idle", "idle-0", "30x20"), series(queried, "idle", "idle-0", "900x20")],
+        "promql_expr_test": [
+            {"expr": capacity_miss_query(session("busy")), "eval_time": "10m",
+             "exp_samples": [{"labels": "{}", "value": 0.25}]},
+            {"expr": capacity_miss_query(session("idle")), "eval_time": "10m",
+             "exp_samples": [{"labels": "{}", "value": 0.05}]},  # the target: hold
+            {"expr": capacity_miss_query(session("gone")), "eval_time": "10m",  # no series at all
+             "exp_samples": [{"labels": "{}", "value": 0.05}]},
+            {"expr": adapter, "eval_time": "10m", "exp_samples": [{"labels": '{pod="busy-0"}', "value": 0.25}]},
+        ]}]}
+    (tmp_path / "autoscaling_test.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", "autoscaling_test.yaml"], cwd=tmp_path, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import aiohttp.web
 import jsonpatch
 import kmock
@@ -152,6 +153,7 @@ EMULATED = [
 OPTIONAL = {
     "keda": ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True, ["status"]),
     "monitoring": ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True, []),
+    "podmonitors": ("monitoring.coreos.com/v1/podmonitors", "PodMonitor", True, []),
 }
 
 RESOURCE_OF = {kind: key for key, kind, _, _ in EMULATED + list(OPTIONAL.values())}
@@ -179,6 +181,12 @@ class Cluster:
         self.kmock = kmock
         self.url = str(kmock.url).rstrip("/")
 
+    @staticmethod
+    def _client() -> aiohttp.ClientSession:
+        # A session per call: kmock's own client is closed when an operator run in-process stops (Kopf's
+        # shutdown). The user agent marks the requests as this test's (kubectl's role), as kmock's does.
+        return aiohttp.ClientSession(headers={"User-Agent": "kmock/cluster"})
+
     def key(self, kind: str) -> str:
         return RESOURCE_OF[kind]
 
@@ -196,15 +204,16 @@ class Cluster:
         meta.setdefault("uid", f"uid-{next(_uids)}")
         meta.setdefault("generation", 1)
         meta.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
-        async with self.kmock.post(self.path(obj["kind"], meta["namespace"]), json=obj) as resp:
+        async with self._client() as client, client.post(self.url + self.path(obj["kind"], meta["namespace"]),
+                                                         json=obj) as resp:
             assert resp.status == 200, await resp.text()
             return await resp.json()
 
     async def patch(self, kind: str, name: str, patch: dict[str, Any], namespace: str = "llm",
                     sub: str | None = None, manager: str = "kubectl-edit") -> None:
-        async with self.kmock.patch(self.path(kind, namespace, name, sub), json=patch,
-                                    params={"fieldManager": manager},
-                                    headers={"Content-Type": "application/merge-patch+json"}) as resp:
+        async with self._client() as client, client.patch(
+                self.url + self.path(kind, namespace, name, sub), json=patch, params={"fieldManager": manager},
+                headers={"Content-Type": "application/merge-patch+json"}) as resp:
             assert resp.status == 200, await resp.text()
 
     async def update_spec(self, kind: str, name: str, spec_patch: dict[str, Any], namespace: str = "llm") -> None:
@@ -213,7 +222,7 @@ class Cluster:
         await self.patch(kind, name, {"spec": spec_patch, "metadata": {"generation": generation + 1}}, namespace)
 
     async def delete(self, kind: str, name: str, namespace: str = "llm") -> None:
-        async with self.kmock.delete(self.path(kind, namespace, name)) as resp:
+        async with self._client() as client, client.delete(self.url + self.path(kind, namespace, name)) as resp:
             assert resp.status == 200, await resp.text()
 
     def _object(self, kind: str, name: str, namespace: str) -> Any:
@@ -268,7 +277,7 @@ async def eventually(check: Callable[[], Any], timeout: float = 10.0, interval: 
     raise AssertionError(f"condition not reached within {timeout}s; last result: {last!r}")
 
 
-def register_resources(kmock: Any, optional: tuple[str, ...] = ("keda", "monitoring")) -> None:
+def register_resources(kmock: Any, optional: tuple[str, ...] = ("keda", "monitoring", "podmonitors")) -> None:
     for key, kind, namespaced, subresources in EMULATED + [OPTIONAL[o] for o in optional]:
         kmock.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=_ALL_VERBS,
                                                   subresources=subresources)

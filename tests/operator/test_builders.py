@@ -201,8 +201,10 @@ def test_autoscaled_session_with_shared_tier() -> None:
     assert pod["priorityClassName"] == "inference-high"
 
     hpa = children["HorizontalPodAutoscaler", "chat"]["spec"]
-    assert hpa["scaleTargetRef"] == {"apiVersion": "mambaserve.io/v1alpha1", "kind": "InferenceSession",
-                                     "name": "chat"}
+    # The autoscaler scales the workload itself (scaling goes on while the operator is down), and the
+    # workload leaves its replicas to it.
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "chat"}
+    assert "replicas" not in dep["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 8)
     assert hpa["metrics"][0]["pods"] == {"metric": {"name": CAPACITY_MISS_METRIC},
                                          "target": {"type": "AverageValue", "averageValue": "50m"}}
@@ -266,13 +268,15 @@ def test_keda_session_with_per_pod_tier_runs_as_statefulset() -> None:
     assert args[args.index("--model") + 1] == "/models/mamba2-1.3b"
 
     so = children["ScaledObject", "agents"]["spec"]
-    assert so["scaleTargetRef"]["kind"] == "InferenceSession"
+    assert so["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "agents"}
+    assert "replicas" not in sts
     assert (so["minReplicaCount"], so["maxReplicaCount"]) == (1, 4)
     trigger = so["triggers"][0]
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
     assert trigger["metadata"]["threshold"] == "0.1"
     # capacity misses over queried tokens: compulsory misses (never-seen prefixes) do not scale
-    assert trigger["metadata"]["query"].startswith("sum(rate(mambaserve_prefix_cache_capacity_miss_tokens_total{")
+    assert trigger["metadata"]["query"].startswith("(sum(rate(mambaserve_prefix_cache_capacity_miss_tokens_total{")
+    assert trigger["metadata"]["query"].endswith(" or vector(0.1)")  # never NaN: idle holds at the target
     assert "mambaserve_prefix_cache_hit_tokens_total" not in trigger["metadata"]["query"]
     assert 'mambaserve_io_session="agents"' in trigger["metadata"]["query"]
     assert ("HorizontalPodAutoscaler", "agents") not in children

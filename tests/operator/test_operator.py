@@ -79,9 +79,14 @@ async def test_session_lifecycle_create_update_scale_status_delete(cluster: Clus
     await eventually(lambda: args()[args().index("--chunked-prefill-size") + 1] == "8192")
     await eventually(lambda: status(cluster, "InferenceSession", "chat").get("observedGeneration") == 2)
 
-    # The HPA (or kubectl scale) writes spec.replicas through the scale subresource; the workload follows.
-    await cluster.patch("InferenceSession", "chat", {"spec": {"replicas": 5}}, sub="scale")
-    await eventually(lambda: cluster.get("Deployment", "chat")["spec"]["replicas"] == 5)
+    # The HPA scales the Deployment itself (it goes on while the operator is down); the operator leaves
+    # the count to it: the replicas it had applied were handed over, not removed.
+    hpa = cluster.get("HorizontalPodAutoscaler", "chat")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "chat"}
+    assert "replicas" not in cluster.get("Deployment", "chat")["spec"]  # left to the API server's default, 1
+    await cluster.patch("Deployment", "chat", {"spec": {"replicas": 5}}, manager="horizontal-pod-autoscaler")
+    await asyncio.sleep(1.0)  # three status ticks
+    assert cluster.get("Deployment", "chat")["spec"]["replicas"] == 5
 
     # The Deployment controller reports ready pods: the session becomes Ready, every tier setting honoured.
     await cluster.patch("Deployment", "chat", {"status": {"replicas": 5, "readyReplicas": 5, "updatedReplicas": 5}},

@@ -167,3 +167,13 @@ Cluster-scoped reads Kopf makes in both modes: it watches CRDs so that CRDs upgr
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
 {{- end -}}
+
+{{/*
+"true" when the chart's PodMonitor scrapes the server pods: asked for, or implied by autoscaling.enabled
+(autoscalers read the servers' series) unless the operator's per-session ServiceMonitors already do.
+*/}}
+{{- define "mambaserve.serverPodMonitor" -}}
+{{- if or .Values.monitoring.serverPodMonitor.enabled (and .Values.autoscaling.enabled (not .Values.operator.serviceMonitors)) -}}
+true
+{{- end -}}
+{{- end -}}

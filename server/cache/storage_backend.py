@@ -2,11 +2,12 @@
 
 The storage worker is the only caller (never the scheduler thread: every method here may block on
 disk or network I/O). A backend stores opaque named blobs written atomically: readers see a whole
-blob or none. Another backend (an object store) implements the same six methods.
+blob or none. Another backend (an object store) implements the same methods.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -30,6 +31,9 @@ class StorageBackend(Protocol):
     def delete(self, name: str) -> None:
         """Remove ``name`` (no error if it is gone already)."""
 
+    def size(self, name: str) -> int:
+        """``name``'s size in bytes; FileNotFoundError when there is none."""
+
     def list(self) -> Iterator[tuple[str, int, float]]:
         """Every blob: (name, size in bytes, last modification time)."""
 
@@ -39,12 +43,24 @@ class StorageBackend(Protocol):
     def probe(self) -> None:
         """Raise OSError unless a blob can be written and removed now."""
 
-    # session records: small documents by key, written atomically too
+    # session records: small documents by key, written atomically too, and the files a record names (its
+    # state, its KV), each by a name of its own under the key
     def put_record(self, key: str, data: bytes) -> None: ...
 
     def get_record(self, key: str) -> bytes | None: ...
 
-    def delete_record(self, key: str) -> None: ...
+    def delete_record(self, key: str) -> None:
+        """The record and every file of ``key``."""
+
+    def put_session_file(self, key: str, name: str, chunks: Iterable[bytes | memoryview]) -> int: ...
+
+    def open_session_file(self, key: str, name: str) -> BinaryIO: ...
+
+    def delete_session_file(self, key: str, name: str) -> None: ...
+
+    def sessions(self, expire_before: float) -> int:
+        """Remove the records last written before ``expire_before`` (a time.time()) with their files (sessions
+        nobody continued within their longest timeout); returns the bytes of the rest."""
 
 
 class FileSystemBackend:
@@ -92,6 +108,9 @@ class FileSystemBackend:
     def delete(self, name: str) -> None:
         entry_path(self.root, name).unlink(missing_ok=True)
 
+    def size(self, name: str) -> int:
+        return entry_path(self.root, name).stat().st_size
+
     def list(self) -> Iterator[tuple[str, int, float]]:
         top = self.root / "entries"
         if not self.root.is_dir():
@@ -125,9 +144,9 @@ class FileSystemBackend:
         probe.write_bytes(b"ok")
         probe.unlink()
 
-    def _record_path(self, key: str) -> Path:
+    def _record_path(self, key: str, name: str = "json") -> Path:
         # not "sessions": the operator points --session-snapshot-dir at STORAGE_PATH/sessions
-        return self.root / "session-records" / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.json"
+        return self.root / "session-records" / f"{record_stem(key)}.{name}"
 
     def put_record(self, key: str, data: bytes) -> None:
         path = self._record_path(key)
@@ -141,4 +160,44 @@ class FileSystemBackend:
             return None
 
     def delete_record(self, key: str) -> None:
-        self._record_path(key).unlink(missing_ok=True)
+        self._delete_stem(record_stem(key))
+
+    def _delete_stem(self, stem: str) -> None:
+        (self.root / "session-records" / f"{stem}.json").unlink(missing_ok=True)  # the record first
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.root / "session-records"):
+                if e.name.lstrip(".").startswith(stem + "."):  # (a temp file a writer left too)
+                    Path(e.path).unlink(missing_ok=True)
+
+    def put_session_file(self, key: str, name: str, chunks: Iterable[bytes | memoryview]) -> int:
+        path = self._record_path(key, name)
+        path.parent.mkdir(exist_ok=True)
+        return self._write_atomic(path, chunks)
+
+    def open_session_file(self, key: str, name: str) -> BinaryIO:
+        return open(self._record_path(key, name), "rb")
+
+    def delete_session_file(self, key: str, name: str) -> None:
+        self._record_path(key, name).unlink(missing_ok=True)
+
+    def sessions(self, expire_before: float) -> int:
+        stems: dict[str, list] = {}  # key hash -> [bytes, newest mtime]
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.root / "session-records"):
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                seen = stems.setdefault(e.name.lstrip(".").split(".", 1)[0], [0, 0.0])
+                seen[0] += st.st_size
+                seen[1] = max(seen[1], st.st_mtime)
+        for stem, (_, newest) in list(stems.items()):
+            if newest < expire_before:  # (files a record never came to name expire the same way)
+                self._delete_stem(stem)
+                del stems[stem]
+        return sum(size for size, _ in stems.values())
+
+
+def record_stem(key: str) -> str:
+    """The file name (less its suffix) of session ``key``'s record and files."""
+    return hashlib.sha256(key.encode()).hexdigest()[:40]

@@ -60,9 +60,10 @@ def entry_path(root: Path, name: str) -> Path:
 
 
 def header_bytes(compat: dict, tokens: Sequence[int], page_size: int, shapes: dict[str, list[int]],
-                 payload_bytes: int) -> bytes:
+                 payload_bytes: int, **extra) -> bytes:
+    """``extra``: more header fields (a session's KV file says which of its tokens it holds: ``kv_from``)."""
     header = {"format_version": FORMAT_VERSION, "compat": compat, "tokens": list(tokens), "page_size": page_size,
-              "shapes": shapes, "payload_bytes": payload_bytes}
+              "shapes": shapes, "payload_bytes": payload_bytes, **extra}
     body = json.dumps(header, separators=(",", ":")).encode()
     return MAGIC + _LEN.pack(len(body)) + body
 
@@ -98,14 +99,16 @@ def check_compatible(header: dict, compat: dict) -> None:
                          f"{header.get('format_version')}), this server is {compat}")
 
 
-def check_contents(header: dict, vocab: int, page_size: int, shapes: dict[str, list[int]]) -> None:
+def check_contents(header: dict, vocab: int, page_size: int, shapes: dict[str, list[int]],
+                   whole_pages: bool = True) -> None:
     """What a compatible entry's header must hold before its tokens are indexed or its state loaded (a valid
     checksum proves only that the bytes are those written): its tokens a non-empty whole number of pages of
-    ids in [0, vocab), this tier's page size and this model's state shapes. EntryError(invalid) otherwise."""
+    ids in [0, vocab) (a session's files, ``whole_pages=False``: any number), this tier's page size and this
+    model's state shapes. EntryError(invalid) otherwise."""
     tokens = header.get("tokens")
     if not tokens or not all(type(t) is int and 0 <= t < vocab for t in tokens):
         raise EntryError("invalid", f"its tokens are not a non-empty list of ids in [0, {vocab})")
-    if header.get("page_size") != page_size or len(tokens) % page_size:
+    if header.get("page_size") != page_size or (whole_pages and len(tokens) % page_size):
         raise EntryError("invalid", f"{len(tokens)} tokens in pages of {header.get('page_size')!r}, this tier's "
                                     f"are {page_size}")
     if header.get("shapes") != shapes:

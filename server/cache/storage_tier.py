@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 
 from mambaserve.server.cache.host_tier import HostLock, HostTier
 from mambaserve.server.cache.radix_tree import MambaRadixCache
-from mambaserve.server.cache.storage_worker import Job, Result, StorageWorker
+from mambaserve.server.cache.storage_worker import Job, Result, SessionFile, StorageWorker
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class StorageTier:
         self.by_name: dict[str, int] = {}
         self.used = 0
         self.pending_bytes = 0  # room taken by writes in flight (their entries are not in ``used`` yet)
+        self.session_bytes = 0  # persisted sessions' records and files (not evicted: deleted with their sessions)
         self.writing: set[tuple[int, ...]] = set()  # keys being written (names are the worker's to hash)
         self.reads: dict[str, Prefetch] = {}
         self.jobs: dict[int, tuple] = {}  # job id -> what its result completes
@@ -154,7 +155,7 @@ class StorageTier:
         return self.entry_bytes + 1024 + 8 * len(key)
 
     def _make_room(self, size: int) -> bool:
-        while self.used + self.pending_bytes + size > self.capacity:
+        while self.used + self.session_bytes + self.pending_bytes + size > self.capacity:
             freed: list = []
             ids = self.index.evict(1, keys=freed)
             if not ids:
@@ -177,9 +178,11 @@ class StorageTier:
         return dirty  # the caller records them on its op list (``PrefixCache.write_back``)
 
     # ---- reads ----------------------------------------------------------------------------------------
-    def prefetch(self, tokens: Sequence[int], have: int, now: float | None = None) -> Prefetch | None:
+    def prefetch(self, tokens: Sequence[int], have: int, now: float | None = None, hold: bool = False
+                 ) -> Prefetch | None:
         """Start reading the longest stored prefix of ``tokens`` into the host tier if it is longer than
-        ``have`` (what the tiers above hold); None when there is nothing to read or no room."""
+        ``have`` (what the tiers above hold); None when there is nothing to read or no room. ``hold``: the
+        request waits until the read has landed or failed, whatever the policy (a revived session's turn)."""
         if not self.usable or not self.entries:
             return None
         m = self.index.match_prefix(tokens)
@@ -194,7 +197,7 @@ class StorageTier:
         now = time.monotonic() if now is None else now
         wait = {"best_effort": 0.0, "wait_complete": float("inf"), "timeout": self.prefetch_timeout}
         key = tuple(tokens[:m.length])
-        ticket = Prefetch(key, now + wait[self.prefetch_policy])
+        ticket = Prefetch(key, now + (float("inf") if hold else wait[self.prefetch_policy]))
         jid = next(self._ids)
         self.jobs[jid] = ("read", slot, ticket)
         self.reads[entry.name] = ticket
@@ -211,24 +214,28 @@ class StorageTier:
             ticket.lock = None
 
     # ---- sessions -------------------------------------------------------------------------------------
-    def put_session(self, sid: str, record: dict, ops, still_open: Callable[[], bool]) -> None:
-        """Write a session's record after the writes ``ops`` will queue (its state's among them), unless the
-        session was closed meanwhile (its record's deletion is queued already: nothing may recreate it)."""
-        data = json.dumps(record).encode()
-
-        def submit(event) -> None:
-            if self.usable and still_open():
-                self.worker.submit(Job("put_record", 0, sid, data=data))
-        ops.on_done.append(submit)
-
-    def get_session(self, sid: str, then: Callable[[dict | None], None]) -> None:
-        """Look a session's record up; ``then(record or None)`` runs on the scheduler thread."""
+    def put_session(self, sid: str, record: dict, files: list[SessionFile], obsolete: list[str], event,
+                    done: Callable[[bool], None]) -> None:
+        """Write a persisted session's ``files`` (host tensors, complete once ``event`` has passed), then its
+        ``record`` naming them, then delete its ``obsolete`` files; ``done(ok)`` runs on the scheduler thread
+        once that is on disk (or failed, or was skipped: the tier is off)."""
         if not self.usable:
-            then(None)
+            done(False)
             return
         jid = next(self._ids)
-        self.jobs[jid] = ("get_record", then)
-        self.worker.submit(Job("get_record", jid, sid))
+        self.jobs[jid] = ("put_session", done)
+        self.worker.submit(Job("put_session", jid, sid, data=json.dumps(record).encode(), event=event, files=files,
+                               obsolete=obsolete))
+
+    def get_session(self, sid: str, then: Callable[[dict | None, dict | None, str], None]) -> None:
+        """Look a session's record up; ``then(record or None, its state read back or None, why not)`` runs on the
+        scheduler thread. Entries the record names that another pod wrote since the last scan are indexed first."""
+        if not self.usable:
+            then(None, None, "")
+            return
+        jid = next(self._ids)
+        self.jobs[jid] = ("get_session", then)
+        self.worker.submit(Job("get_session", jid, sid))
 
     def forget_session(self, sid: str) -> None:
         if self.usable:
@@ -271,8 +278,11 @@ class StorageTier:
                     self.metrics.storage_rejected.labels(res.reason).inc()
                 if res.reason in ("corrupt", "invalid", "incompatible", "missing") and job.name in self.by_name:
                     self._forget(self.by_name[job.name], delete=False)
-        elif job.kind == "get_record":
-            _, then = ctx
+        elif job.kind == "put_session":
+            ctx[1](res.ok)
+        elif job.kind == "get_session":
+            for name, tokens, size, _ in res.entries:
+                self._add(name, tokens, size)
             record = None
             if res.ok and res.data:
                 try:
@@ -280,7 +290,9 @@ class StorageTier:
                 except ValueError as e:  # (truncated by a crash, or damaged)
                     self.metrics.files_rejected.labels("record", "corrupt").inc()
                     log.warning("persisted session %s not restored (corrupt): its record is not JSON: %s", job.name, e)
-            then(record)
+            if res.state_error in ("corrupt", "invalid", "incompatible"):
+                self.metrics.storage_rejected.labels(res.state_error).inc()
+            ctx[1](record, res.state, res.state_error)
 
     def _apply_scan(self, res: Result) -> None:
         if not res.ok:
@@ -299,6 +311,7 @@ class StorageTier:
         for name, tokens, size, _ in res.entries:
             if name not in self.by_name:
                 self._add(name, tokens, size)
+        self.session_bytes = res.session_bytes
         self._make_room(0)
 
     def _add(self, name: str, key: Sequence[int], size: int) -> None:

@@ -197,7 +197,9 @@ class Admission:
         if live is not None:  # a streaming session's turn continues from its live state (and its KV pages)
             req.slot, req.in_state, req.kv = live
             req.cached_tokens = req.in_state
-            self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier="session")
+            # (a live state read back from storage, --session-persist: its first turn's hit is storage's)
+            tier, s.from_storage = "storage" if s.from_storage else "session", False
+            self.metrics.observe_lookup(len(req.prompt_ids), req.in_state, tier=tier)
             self._started(req)
             if req.prefill_done and req.params.max_new_tokens == 0:  # one new token, none to generate
                 self.output.finish_unsampled(req)

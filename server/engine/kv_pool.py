@@ -30,3 +30,14 @@ class KVPool:
     @property
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def token_index(self, table: list[int], a: int, b: int, device) -> torch.Tensor:
+        """Where tokens [a, b) of a sequence whose pages are ``table`` live in ``k``/``v`` viewed as
+        ``[La, pages * page_size, Hkv, D]``."""
+        ps = self.page_size
+        return torch.tensor([table[p // ps] * ps + p % ps for p in range(a, b)], dtype=torch.long, device=device)
+
+    def tokens_major(self, cache: torch.Tensor) -> torch.Tensor:
+        """``cache`` (``k`` or ``v``) as ``[pages * page_size, La, Hkv, D]``: one row per token slot (a view)."""
+        layers, pages, ps = cache.shape[:3]
+        return cache.view(layers, pages * ps, *cache.shape[3:]).transpose(0, 1)

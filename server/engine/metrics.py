@@ -112,8 +112,14 @@ class ServerMetrics:
                                       "Session files refused on reading back (snapshot files, persisted session "
                                       "records), by reason: corrupt, incompatible, tokens, too_long, empty, fields, "
                                       "state", ["file", "reason"], registry=r)
-        self.session_restores = Counter("mambaserve_session_restores", "Sessions restored from a snapshot",
-                                        registry=r)
+        self.session_restores = Counter("mambaserve_session_restores",
+                                        "Sessions restored from a snapshot file or a persisted record, by result: "
+                                        "loaded (its state read back), recomputed (its history prefilled again), "
+                                        "rejected (a record refused)", ["result"], registry=r)
+        self.session_restore_seconds = Histogram("mambaserve_session_restore_seconds",
+                                                 "Time from a turn naming a persisted session this server did not "
+                                                 "know to that session recreated, its state loaded",
+                                                 buckets=STORAGE_BUCKETS, registry=r)
         self.kernel_compiles = Counter("mambaserve_kernel_compiles",
                                        "Triton kernel compiles in this process (loads from the on-disk cache "
                                        "included): before the server reported ready (warmup), after it (serving: "
@@ -134,6 +140,8 @@ class ServerMetrics:
             self.stages.labels(stage)
         for reason in ("client", "timeout", "error"):
             self.sessions_closed.labels(reason)
+        for result in ("loaded", "recomputed", "rejected"):
+            self.session_restores.labels(result)
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)
         for phase in ("warmup", "serving"):

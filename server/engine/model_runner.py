@@ -24,6 +24,8 @@ from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
 
 log = logging.getLogger(__name__)
 
+KV_BLOCK = 2048  # tokens of K (or V) gathered or scattered at a time: a bounded device buffer (16 MB at 8B's shape)
+
 
 @dataclass
 class ForwardOutput:
@@ -136,6 +138,62 @@ class ModelRunner:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         event.record(self.copy_stream)
         return event
+
+    def copy_out(self, slot: int, kv: tuple[list[int], int, int] | None = None) -> tuple[dict, object]:
+        """A host copy of ``slot``'s state (``conv``, ``ssm``) and, with ``kv = (block table, a, b)``, of the K/V
+        of tokens [a, b) (``k``, ``v``: ``[b - a, La, Hkv, D]``), made after everything launched so far; nothing
+        waits for it. On CUDA: the state straight from its slot on the copy stream (the forward stream joins it
+        before writing that slot), the KV gathered on the forward stream a block of tokens at a time (what a
+        forward launched later writes is not read) and copied on the copy stream. Returns (tensors, a CUDA event
+        after which they are complete, None on the CPU)."""
+        pin = self.copy_stream is not None
+        out = {"conv": torch.empty(self.pool.conv[:, slot].shape, dtype=self.pool.conv.dtype, pin_memory=pin),
+               "ssm": torch.empty(self.pool.ssm[:, slot].shape, dtype=self.pool.ssm.dtype, pin_memory=pin)}
+        blocks = []
+        if kv is not None:
+            table, a, b = kv
+            pool = self.kv_pool
+            for name, cache in (("k", pool.k), ("v", pool.v)):
+                rows = pool.tokens_major(cache)
+                out[name] = torch.empty(b - a, *rows.shape[1:], dtype=cache.dtype, pin_memory=pin)
+                for i in range(a, b, KV_BLOCK):
+                    j = min(b, i + KV_BLOCK)
+                    blocks.append((out[name][i - a:j - a], rows.index_select(0, pool.token_index(table, i, j, self.device))))
+        if self.copy_stream is None:
+            out["conv"].copy_(self.pool.conv[:, slot])
+            out["ssm"].copy_(self.pool.ssm[:, slot])
+            for dst, src in blocks:
+                dst.copy_(src)
+            return out, None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            out["conv"].copy_(self.pool.conv[:, slot], non_blocking=True)
+            out["ssm"].copy_(self.pool.ssm[:, slot], non_blocking=True)
+            for dst, src in blocks:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self.copy_stream)  # (its memory is not reused before this copy has run)
+        done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        sources = self._copies[1] if self._copies else set()
+        self._copies = (done, sources | {slot})
+        return out, done
+
+    def load_in(self, slot: int, state: dict, table: list[int] | None = None) -> None:
+        """Write host tensors as ``copy_out`` makes them (a KV of tokens [0, n)) into ``slot`` and the pages of
+        ``table``, on the forward stream: after everything launched so far, before anything launched later
+        (pinned host tensors: nothing waits)."""
+        self._join_copies([slot])
+        self.pool.conv[:, slot].copy_(state["conv"], non_blocking=True)
+        self.pool.ssm[:, slot].copy_(state["ssm"], non_blocking=True)
+        if table is None or "k" not in state:
+            return
+        pool = self.kv_pool
+        for name, cache in (("k", pool.k), ("v", pool.v)):
+            rows, src = pool.tokens_major(cache), state[name]
+            for i in range(0, len(src), KV_BLOCK):
+                j = min(len(src), i + KV_BLOCK)
+                rows.index_copy_(0, pool.token_index(table, i, j, self.device),
+                                 src[i:j].to(self.device, non_blocking=True))
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
         """A copy of one slot's state, every layer: ``{"conv": [L, conv_dim, K-1], "ssm": [L, H, P, N]}``."""

@@ -30,7 +30,9 @@ class OutputProcessor:
         self.rolling = rolling  # hybrids: decode-time snapshots at page boundaries, to the tree at the end
         self.metrics = metrics
         self.context_length = context_length
-        self.persist_turn = None  # --session-persist: called with a streaming turn that completed (scheduler)
+        # --session-persist: called with a session's turn that completed and a function answering it, which it
+        # calls once the turn is on storage (returns False if it writes nothing: the turn is answered at once)
+        self.persist_turn = None
 
     def read(self, launched: Launched) -> None:
         """Append a launched step's tokens (waits only for that step's host copies)."""
@@ -102,7 +104,8 @@ class OutputProcessor:
             # turn prefills only its new tokens. (Usually the step launched meanwhile already runs it.)
             req.finish_reason, req.folding = finish, True
             self.sessions.turn_answered(req.session, req.rid, req.prompt_ids + req.output_ids)
-            self._emit_final(req, finish)
+            if self.persist_turn is None:  # (persisted: answered once its state is on storage, by finish)
+                self._emit_final(req, finish)
         else:
             self.finish(req, finish)
 
@@ -129,10 +132,10 @@ class OutputProcessor:
         self.queues.remove(req)
         self.cache.unlock(req.locked_node)
         req.locked_node = None
+        persist = False
         if req.session is not None:
             completed = (req.folding or reason is not FinishReason.ABORT) and not error
-            if completed and self.persist_turn is not None and not req.session.closing:
-                self.persist_turn(req)
+            persist = completed and self.persist_turn is not None and not req.session.closing
             if self.sessions.end_turn(req.session, req.rid, req.prompt_ids + req.output_ids, completed,
                                       req.slot, req.in_state, req.kv):
                 if req.kv is not None:  # (hybrids) the pages it reserved and did not write are freed
@@ -151,8 +154,12 @@ class OutputProcessor:
         self.sampler.forget(req.rid)
         self.metrics.requests.labels("error" if error else reason.value).inc()
         self.metrics.e2e.observe(time.monotonic() - req.created)
-        if emit:
-            self._emit_final(req, reason, error, error_code, error_status)
+        # --session-persist: a session's turn is answered once it is on storage (a folded turn's answer waited)
+        if emit or (req.folding and self.persist_turn is not None):
+            def answer() -> None:
+                self._emit_final(req, reason, error, error_code, error_status)
+            if not (persist and self.persist_turn(req, answer)):
+                answer()
 
     def _keep(self, req: Req) -> bool:
         """The final state to the tree; hybrids: with the KV of its tokens, where they end on a page (else its

@@ -93,7 +93,7 @@ class Scheduler:
         self.persistence = None
         if persist:
             self.persistence = SessionPersistence(self.storage, self.cache, self.sessions, metrics, storage_compat or {},
-                                                  runner.model.dims.vocab_size, context_length)
+                                                  runner.model.dims.vocab_size, context_length, runner)
             self.output.persist_turn = self.persistence.persist_turn
         self.admission = Admission(self.queues, self.cache, self.sessions, self.output, metrics,
                                    max_running=max_running, chunk=cfg.chunked_prefill_size,

@@ -70,7 +70,7 @@ class SessionFiles:
         if slot is not None:
             self.runner.apply_state_ops(self.cache.take_pending())  # a stale deferred op must not land on it
             self.runner.write_slot(slot, state)
-        self.metrics.session_restores.inc()
+        self.metrics.session_restores.labels("loaded" if slot is not None else "recomputed").inc()
         out = {"session_id": s.id, "tokens": len(tokens), "has_state": slot is not None}
         if caller.new_secret and not meta.get("owner"):
             out["new_secret"] = True  # the file had no owner: the session took the caller's new secret

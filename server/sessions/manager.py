@@ -160,11 +160,12 @@ class SessionManager:
         return s, tokens, meta
 
     def restore(self, meta: dict, tokens: list[int], session_id: str | None, slot: int | None,
-                caller: Caller = Caller(), check: bool = True) -> Session:
+                caller: Caller = Caller(), check: bool = True, turns: dict[str, Turn] | None = None,
+                last_rid: str | None = None) -> Session:
         """Recreate a session from a snapshot's fields; ``slot`` (already written) holds its live state. It
         keeps the file's owner (the same secret works; with ``check`` the caller must prove it, else its
         turns will), or gets the caller's new secret if the file has none. A timeout over this server's
-        longest is cut to it."""
+        longest is cut to it. ``turns`` (a non-streaming session's, persisted): its turns as they were."""
         owner = meta.get("owner") if isinstance(meta.get("owner"), str) and meta.get("owner") else None
         if owner is not None and check:
             self.table.check_owner(owner, caller, "this snapshot")
@@ -173,6 +174,11 @@ class SessionManager:
                             caller=caller, owner=owner)
         if s.streaming:
             s.history = list(tokens)
+        elif turns:
+            s.turns, s.last_rid = turns, last_rid
+            for t in turns.values():
+                if t.parent is not None:
+                    turns[t.parent].children.append(t.rid)
         elif tokens:
             s.turns["restored"] = Turn("restored", None, len(tokens), list(tokens))
             s.last_rid = "restored"

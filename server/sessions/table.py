@@ -86,6 +86,10 @@ class Session:
     owner: str = ""  # secret_hash of the secret it was opened with ("": none, e.g. a file of an older version)
     key: str | None = None  # the API key (fingerprint) that opened it: no other key may use it
     client: str | None = None  # Caller.client of its opener (quotas)
+    # --session-persist: what its record on storage names (the engine's, opaque here), and whether its live
+    # state was read from storage and no turn has used it yet
+    persisted: dict | None = None
+    from_storage: bool = False
 
 
 @dataclass(frozen=True)

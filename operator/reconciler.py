@@ -62,11 +62,66 @@ def _workload_kind(session: InferenceSession, tier: CacheTier | None) -> str:
     return "StatefulSet" if tier is not None and tier.storage.per_pod else "Deployment"
 
 
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    """A move between a Deployment and a StatefulSet (the tier's storage mode changed): the old workload
+    serves until the new one does, within the rollout strategy's GPUs."""
+    old: Mapping[str, Any]
+    new: Mapping[str, Any] | None
+    want: int  # replicas serving, old and new together
+    new_replicas: int
+    done: bool
+
+    def describe(self) -> str:
+        ready = int(((self.new or {}).get("status") or {}).get("readyReplicas") or 0)
+        return (f"moving from {self.old['kind']}/{self.old['metadata']['name']} to the new workload: {ready}/"
+                f"{self.want} new pods ready, the old one keeps serving until then")
+
+
+def _replicas(workload: Mapping[str, Any] | None, default: int = 0) -> int:
+    if workload is None:
+        return default
+    return int((workload.get("spec") or {}).get("replicas", 1))
+
+
+def _ready(workload: Mapping[str, Any] | None) -> int:
+    return int(((workload or {}).get("status") or {}).get("readyReplicas") or 0)
+
+
+async def _migration(kube: Kube, session: InferenceSession, kind: str, autoscaled: bool) -> Migration | None:
+    """The step of a workload migration due now, or None when there is none. Surge runs the new workload
+    at full size beside the old one; Replace moves one pod at a time (the old workload scaled down by one
+    once every new pod serves), so a full GPU pool never waits for a GPU the old pods hold."""
+    other = "StatefulSet" if kind == "Deployment" else "Deployment"
+    name = names.workload(session.name)
+    old = await kube.get(other, session.namespace, name)
+    if old is None or not owned_by(old, session.uid):
+        return None
+    new = await kube.get(kind, session.namespace, name)
+    old_replicas, new_replicas = _replicas(old), _replicas(new)
+    strategy, _ = builders.rollout(session)
+    if not autoscaled:
+        want = builders.manual_replicas(session)
+    else:  # the count the autoscaler had reached, carried across
+        want = old_replicas + (new_replicas if strategy == "Replace" else 0)
+    if strategy == "Surge":
+        return Migration(old, new, want, want, done=new is not None and _ready(new) >= want)
+    if new is None or _ready(new) >= new_replicas:  # the new pods so far serve: free the next GPU
+        if old_replicas > 0 and new_replicas + old_replicas >= want:
+            old_replicas -= 1
+            await kube.merge_patch(other, session.namespace, name, {"spec": {"replicas": old_replicas}})
+    new_replicas = max(want - old_replicas, 0)
+    return Migration(old, new, want, new_replicas, done=old_replicas == 0 and _ready(new) >= want)
+
+
 async def _apply_children(kube: Kube, session: InferenceSession, tier: CacheTier | None,
-                          settings: OperatorSettings, scale: builders.Scale) -> tuple[list[Problem], list[Event]]:
+                          settings: OperatorSettings, scale: builders.Scale,
+                          migration: Migration | None = None) -> tuple[list[Problem], list[Event]]:
     """Apply every desired child (those of kinds the cluster does not serve left out); problems and events."""
     problems: list[Problem] = []
     events: list[Event] = []
+    if migration is not None and not migration.done:
+        scale = builders.Scale(autoscaler=False, replicas=migration.new_replicas)
     desired = builders.build_session_children(session, tier, settings, scale)
     for child in desired:
         kind, name = child["kind"], child["metadata"]["name"]
@@ -82,6 +137,8 @@ async def _apply_children(kube: Kube, session: InferenceSession, tier: CacheTier
         if applied.action in ("created", "recreated"):
             events.append(Event("Normal", applied.action.capitalize(), f"{applied.action} {kind} {name}"))
     keep = {(c["kind"], c["metadata"]["name"]) for c in desired}
+    if migration is not None and not migration.done:
+        keep.add((migration.old["kind"], migration.old["metadata"]["name"]))  # still serving
     deleted = await kube.prune(SESSION_CHILD_KINDS, session.namespace, {names.SESSION_LABEL: session.name},
                                session.uid, keep)
     events += [Event("Normal", "Deleted", f"deleted stale {kind} {name}") for kind, name in deleted]
@@ -131,12 +188,18 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
     problems = builders.problems(session, binding.tier)
     events: list[Event] = []
     scale, autoscaling = await _autoscaling(kube, session, flow or MetricsFlow(kube, settings))
+    kind = _workload_kind(session, binding.tier)
+    migration = None if binding.hold else await _migration(kube, session, kind, scale.autoscaler)
+    if migration is not None and not migration.done and scale.autoscaler:
+        autoscaling = Condition("Autoscaling", "False", "WorkloadMigration",
+                                f"the autoscaler returns once the new workload serves; {migration.describe()}")
     if not binding.hold:
-        apply_problems, events = await _apply_children(kube, session, binding.tier, settings, scale)
+        apply_problems, events = await _apply_children(kube, session, binding.tier, settings, scale, migration)
         problems += apply_problems
 
-    kind = _workload_kind(session, binding.tier)
     workload = await kube.get(kind, session.namespace, names.workload(session.name))
+    if migration is not None and not migration.done:
+        workload = _together(workload, migration.old)  # both serve: readiness counts both
     router = await kube.get("Deployment", session.namespace, names.router(session.name)) \
         if session.router.enabled else None
     pods = await kube.list("Pod", session.namespace, names.server_selector(session.name))
@@ -150,10 +213,17 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
 
     if model is not None and model.status != "True" and not reasons:
         reasons = [PodReason("WaitingForModel", model.message)]
-    want = builders.manual_replicas(session) if not scale.autoscaler else \
-        int(((workload or {}).get("spec") or {}).get("replicas") or session.autoscaling.min_replicas)
+    if migration is not None and not migration.done:
+        want = migration.want
+    elif scale.autoscaler:
+        want = _replicas(workload, session.autoscaling.min_replicas)
+    else:
+        want = builders.manual_replicas(session)
+    readiness = _readiness(want, observed, workload is not None, binding, reasons)
+    if migration is not None and not migration.done:
+        readiness[1] = Condition("Progressing", "True", "WorkloadMigration", migration.describe())
     conds = [
-        *_readiness(want, observed, workload is not None, binding, reasons),
+        *readiness,
         _degraded(problems),
         binding.condition,
         _router_condition(session, router),
@@ -163,6 +233,14 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
     merged = conditions.merge(previous, conds, session.generation)
     status = _session_status(session, binding, kind, observed, merged)
     return Outcome(status, events + conditions.transitions(previous, merged) + _pod_events(previous, merged))
+
+
+def _together(new: Mapping[str, Any] | None, old: Mapping[str, Any]) -> dict[str, Any]:
+    """The two workloads of a migration as one, for readiness: their pods serve side by side."""
+    a, b = (new or {}).get("status") or {}, old.get("status") or {}
+    return {"kind": old["kind"], "metadata": old["metadata"], "spec": {},
+            "status": {key: int(a.get(key) or 0) + int(b.get(key) or 0)
+                       for key in ("replicas", "readyReplicas", "updatedReplicas")}}
 
 
 def _pod_events(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[Event]:

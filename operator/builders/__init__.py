@@ -12,14 +12,14 @@ from mambaserve.operator.builders.model import build_model_claim, build_model_jo
 from mambaserve.operator.builders.monitoring import build_router_monitor, build_service_monitor
 from mambaserve.operator.builders.router import (build_router_deployment, build_router_pdb, build_router_role,
                                                  build_router_role_binding, build_router_service_account)
-from mambaserve.operator.builders.server import build_workload, memory_footprint, problems, server_args
+from mambaserve.operator.builders.server import build_workload, memory_footprint, problems, rollout, server_args
 from mambaserve.operator.builders.services import build_client_service, build_headless_service, service_url
 from mambaserve.operator.builders.storage import build_tier_claim
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession
 
-__all__ = ["Scale", "adapter_rules", "build_session_children", "default_scale", "manual_replicas", "build_tier_claim", "memory_footprint", "problems", "server_args",
-           "service_url", "uses_cache"]
+__all__ = ["Scale", "adapter_rules", "build_session_children", "build_tier_claim", "default_scale", "manual_replicas",
+           "memory_footprint", "problems", "rollout", "server_args", "service_url", "uses_cache"]
 
 
 @dataclasses.dataclass(frozen=True)

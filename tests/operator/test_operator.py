@@ -273,6 +273,11 @@ async def test_spec_changes_replace_and_prune_children(cluster: Cluster, start_o
                                                            "router": {"enabled": False},
                                                            "autoscaling": {"enabled": False}})
     await eventually(lambda: cluster.get("StatefulSet", "chat"))
+    # The Deployment serves until the StatefulSet does (tests/operator/test_migration.py has the steps).
+    await eventually(lambda: set(owned(cluster, uid)) == {
+        ("ConfigMap", "chat-config"), ("Service", "chat"), ("Service", "chat-headless"), ("Deployment", "chat"),
+        ("StatefulSet", "chat"), ("PodDisruptionBudget", "chat")})
+    await cluster.patch("StatefulSet", "chat", {"status": {"replicas": 1, "readyReplicas": 1}}, sub="status")
     await eventually(lambda: set(owned(cluster, uid)) == {
         ("ConfigMap", "chat-config"), ("Service", "chat"), ("Service", "chat-headless"),
         ("StatefulSet", "chat"), ("PodDisruptionBudget", "chat")})

@@ -138,6 +138,11 @@ OVERVIEW = Dashboard("mambaserve-overview", "mambaserve / Overview",
           "(non-streamed answers), first_byte.",
           [T(f"{rate('mambaserve_request_stage_seconds_sum', 'stage')} / "
              f"{rate('mambaserve_request_stage_seconds_count', 'stage')}", "{{stage}}")], unit="s", stack=True),
+    Panel("HTTP connections", "Open HTTP connections per pod (against --max-connections), and requests refused at "
+          "the edge per second: 408 (headers or body not in within --http-header-timeout / --http-body-timeout) "
+          "or 503 (too many connections).", [
+        T(f"mambaserve_http_connections{{{SEL}}}", f"open {POD}"),
+        T(rate("mambaserve_http_connections_refused_total", "reason"), "refused: {{reason}}")]),
 ])
 
 CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
@@ -225,10 +230,14 @@ CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
     Panel("Storage entries rejected", "Entries refused per second: corrupt (checksum or size wrong: deleted) or "
           "incompatible (another model, weights, dtype or layout on the same volume: never loaded).",
           [T(rate("mambaserve_cache_storage_rejected_entries_total", "reason"), "{{reason}}")], unit="ops"),
-    Panel("Storage tier degraded", "Pods whose storage tier is off because its directory is full, read-only or "
-          "gone (they serve from the GPU and host tiers).",
+    Panel("Storage tier degraded", "Pods whose storage tier writes nothing because its directory is full, "
+          "read-only or gone (they serve from the GPU and host tiers).",
           [T(f"sum(mambaserve_cache_storage_degraded{{{SEL}}})")], kind="stat", width=6, height=4, decimals=0,
           thresholds=[(None, "green"), (1, "red")]),
+    Panel("Storage tier read-only", "Of those, pods whose storage directory refuses writes (full, over a quota) "
+          "but is still read: stored prefixes and persisted sessions restore, nothing new is written.",
+          [T(f"sum(mambaserve_cache_storage_read_only{{{SEL}}})")], kind="stat", width=6, height=4, decimals=0,
+          thresholds=[(None, "green"), (1, "orange")]),
 ])
 
 SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",
@@ -250,6 +259,10 @@ SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",
           [T(rate("mambaserve_sessions_closed_total", "reason"), "{{reason}}")], unit="ops", stack=True),
     Panel("Session restores", "Sessions restored from a snapshot per second (migrations between pods, restarts).",
           [T(rate("mambaserve_session_restores_total", "namespace, mambaserve_io_session"), S)], unit="ops"),
+    Panel("Session turns not persisted", "--session-persist: streaming turns per second whose state was not "
+          "written (storage full, read-only or gone): a restart resumes those sessions from an earlier turn.",
+          [T(rate("mambaserve_session_turns_not_persisted_total", "namespace, mambaserve_io_session"), S)],
+          unit="ops"),
 ])
 
 _TARGETS = ("0.02", "0.05", "0.1", "0.2", "0.3", "0.5")

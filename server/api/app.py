@@ -97,15 +97,16 @@ def create_app(engine: Engine) -> FastAPI:
             return error_response(503, "scheduler is not running", "unavailable", "server_error")
         if engine.capacity_lost:
             return error_response(503, engine.capacity_lost, "unavailable", "server_error")
+        degraded = f"; {engine.storage_status}" if engine.storage_status else ""  # (serving all the same)
         if stuck_step_timeout is None:
-            return PlainTextResponse("OK")
+            return PlainTextResponse(f"OK{degraded}")
         live, p = engine.liveness(stuck_step_timeout)
         detail = (f"{p['steps']} steps, the last ended {p['last_step_seconds_ago']:.1f} s ago, "
                   f"{p['pending_requests']} requests pending")
         if not live:
             return error_response(503, f"a step has run {p['step_running_seconds']:.1f} s (stuck_step_timeout "
                                        f"{stuck_step_timeout:g} s); {detail}", "unavailable", "server_error")
-        return PlainTextResponse(f"OK: {detail}")
+        return PlainTextResponse(f"OK: {detail}{degraded}")
 
     # HEAD too: some load balancers' health checks send it
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)

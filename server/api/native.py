@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from mambaserve.server.api.ownership import secret_header, turn_with_caller
+from mambaserve.server.api.ownership import session_headers, turn_with_caller
 from mambaserve.server.api.protocol import AbortRequest, GenerateRequest
 from mambaserve.server.api.responses import admitted_all, collect, error_response, finish_info, merged, sse
 from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse, Load, ModelInfo, ServerInfo,
@@ -70,21 +70,20 @@ def native_routes(engine: Engine) -> APIRouter:
                              f"(prompts of {min(len(i) for i in ids)} tokens)")
         kw = dict(return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
                   logprob_start_len=body.logprob_start_len, stream=body.stream)
-        headers = {}
+        turn = None
         if many:
             gens = [g for i, p in zip(ids, params) for g in engine.generate_n(i, p, n, **kw)]
         else:
             session_id = sp.session_id(request.headers) if sp else None
             turn = turn_with_caller(request, session_id, sp.turn() if sp else None, sp.secret if sp else None)
             gens = [engine.generate(ids[0], params[0], rid=body.rid, session_id=session_id, turn_params=turn, **kw)]
-            headers = secret_header(turn)
-            response.headers.update(headers)
         payload = _Payload(engine.tokenizer if body.return_text_in_logprobs else None, body.return_logprob, n)
         if body.stream:
             streams = await admitted_all(request, gens)
             return StreamingResponse(_native_stream(streams, payload, many), media_type="text/event-stream",
-                                     headers=headers)
+                                     headers=session_headers(turn, gens))
         results = await collect(request, *gens)
+        response.headers.update(session_headers(turn, gens))
         answers = [payload(outs, results, i) for i, outs in enumerate(results)]
         return answers if many else answers[0]
 
@@ -109,6 +108,8 @@ class _Payload:
         last = outs[-1]
         meta = {"id": last.rid, "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                 "cached_tokens": last.cached_tokens, "finish_reason": finish_info(last)}
+        if last.session_persisted is not None:
+            meta["session_persisted"] = last.session_persisted
         if self.logprob:
             meta["output_token_logprobs"] = [self._entry(lp, t) for o in outs
                                              for lp, t in zip(o.logprobs or [], o.token_ids)]

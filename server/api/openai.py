@@ -9,7 +9,7 @@ import uuid
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from mambaserve.server.api.ownership import secret_header, turn_with_caller
+from mambaserve.server.api.ownership import session_headers, turn_with_caller
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest
 from mambaserve.server.api.responses import admitted_all, collect, ended_early, merged, sse
 from mambaserve.server.api.schemas import (ERRORS, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
@@ -105,7 +105,6 @@ def openai_routes(engine: Engine) -> APIRouter:
         n, want_lp = body.n, body.logprobs is not None
         session_id, turn = body.session(request.headers)
         turn = turn_with_caller(request, session_id, turn, body.session_params and body.session_params.secret)
-        response.headers.update(secret_header(turn))
         if session_id and (len(body.prompts()) != 1 or n != 1):
             raise BadRequest("a session turn takes a single prompt and n = 1", code="unsupported_parameter")
         if session_id and body.echo and want_lp:
@@ -152,9 +151,11 @@ def openai_routes(engine: Engine) -> APIRouter:
                     elif not out.text and not out.finished:
                         return None
                     offsets[i] += len(out.text)
-                    return {"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
-                            "choices": [{"index": i, "text": text, "logprobs": lp,
-                                         "finish_reason": out.finish_reason.value if out.finished else None}]}
+                    return persisted({"id": cid, "object": "text_completion", "created": created,
+                                      "model": engine.model_name,
+                                      "choices": [{"index": i, "text": text, "logprobs": lp,
+                                                   "finish_reason": out.finish_reason.value if out.finished else None}]},
+                                     out)
 
                 async with contextlib.aclosing(merged(streams)) as it:
                     async for i, out in it:
@@ -173,9 +174,10 @@ def openai_routes(engine: Engine) -> APIRouter:
                                "choices": [], "usage": _usage([o[-1] if o else None for o in outs], n)})
                 yield sse("[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream", headers=secret_header(turn))
+            return StreamingResponse(events(), media_type="text/event-stream", headers=session_headers(turn, gens))
 
         results = await collect(request, *gens)
+        response.headers.update(session_headers(turn, gens))
         choices = []
         for i, outs in enumerate(results):
             last = outs[-1]
@@ -198,7 +200,6 @@ def openai_routes(engine: Engine) -> APIRouter:
         n = body.n
         session_id, turn = body.session(request.headers)
         turn = turn_with_caller(request, session_id, turn, body.session_params and body.session_params.secret)
-        response.headers.update(secret_header(turn))
         if session_id and n != 1:
             raise BadRequest("a session turn takes n = 1", code="unsupported_parameter")
         engine.check_load(n)
@@ -229,15 +230,16 @@ def openai_routes(engine: Engine) -> APIRouter:
                         delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
                         choice = {"index": i, "delta": delta, "logprobs": chat_logprobs([out]) if body.logprobs else None,
                                   "finish_reason": out.finish_reason.value if out.finished else None}
-                        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                   "model": engine.model_name, "choices": [choice]})
+                        yield sse(persisted({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                             "model": engine.model_name, "choices": [choice]}, out))
                 if body.include_usage:
                     yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                                "model": engine.model_name, "choices": [], "usage": _usage(lasts, n)})
                 yield sse("[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream", headers=secret_header(turn))
+            return StreamingResponse(events(), media_type="text/event-stream", headers=session_headers(turn, gens))
         results = await collect(request, *gens)
+        response.headers.update(session_headers(turn, gens))
         choices = []
         for i, outs in enumerate(results):
             last = outs[-1]
@@ -250,3 +252,10 @@ def openai_routes(engine: Engine) -> APIRouter:
                 "choices": choices, "usage": _usage([outs[-1] for outs in results], n)}
 
     return app
+
+
+def persisted(chunk: dict, out: StepOutput) -> dict:
+    """A stream's last chunk of a ``--session-persist`` turn says whether the turn was written to storage."""
+    if out.session_persisted is not None:
+        chunk["session_persisted"] = out.session_persisted
+    return chunk

@@ -1,4 +1,4 @@
-"""Who calls a session verb (``sessions.table.Caller``): the API key it authenticated with, its address,
+"""Session headers, and who calls a session verb (``sessions.table.Caller``): the API key it authenticated with, its address,
 the session secret it presents, and a fresh secret for a session it opens, returned in the
 ``x-session-secret`` response header (docs/server-interface.md, "Session ownership").
 
@@ -15,6 +15,7 @@ from fastapi import Request
 from mambaserve.server.sessions.table import Caller, TurnParams
 
 SECRET_HEADER = "x-session-secret"
+PERSISTED_HEADER = "x-session-persisted"
 API_KEY_SCOPE = "mambaserve.api_key"  # the ASGI scope key auth.py sets: the fingerprint of the key used
 
 
@@ -31,6 +32,15 @@ def turn_with_caller(request: Request, session_id: str | None, turn: TurnParams 
     return dataclasses.replace(turn or TurnParams(), caller=caller_of(request, secret))
 
 
-def secret_header(turn: TurnParams | None) -> dict[str, str]:
-    """The header of an answer to a turn that opened its session (its secret); else none."""
-    return {SECRET_HEADER: turn.caller.new_secret} if turn is not None and turn.open is not None else {}
+def session_headers(turn: TurnParams | None, gens: list) -> dict[str, str]:
+    """The headers of an answer to a session turn: the secret of a session the turn opened, and with
+    ``--session-persist``, once known (a non-streamed answer; a stream tells it in its last event), whether the
+    turn was written to storage (``false``: the tier is read-only or off, a restart resumes the session from
+    its last written turn)."""
+    headers = {}
+    if turn is not None and turn.open is not None:
+        headers[SECRET_HEADER] = turn.caller.new_secret
+    persisted = gens[0].req.persisted if turn is not None and len(gens) == 1 else None
+    if persisted is not None:
+        headers[PERSISTED_HEADER] = "true" if persisted else "false"
+    return headers

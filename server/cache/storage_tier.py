@@ -25,9 +25,11 @@ storage and nowhere higher starts a read; ``best_effort`` admits it whenever adm
 (using what has landed by then), ``wait_complete`` holds its admission until the read has landed or
 failed, ``timeout`` holds it at most ``--cache-prefetch-timeout`` seconds.
 
-A directory that is full, read-only or gone *degrades* the tier: one log line, the degraded gauge at
-1, no more reads or writes, requests served from the tiers above; a later scan that finds the
-directory usable again ends it.
+A directory that refuses writes (full, over a quota, a read-only filesystem) makes the tier *read-only*:
+one log line, the degraded and read-only gauges at 1, no more writes (session turns go unpersisted,
+counted), but entries and persisted sessions are still read, also at a start on a full volume. One that
+is gone or unreadable *degrades* it: no reads either, requests served from the tiers above. A later
+scan that finds the directory writable (and not nearly full) again ends either.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ class StorageTier:
         self.writing: set[tuple[int, ...]] = set()  # keys being written (names are the worker's to hash)
         self.reads: dict[str, Prefetch] = {}
         self.jobs: dict[int, tuple] = {}  # job id -> what its result completes
-        self.degraded = False
+        self.degraded = False  # nothing is read or written
+        self.read_only = ""  # why writes are refused ("": they are not); reads go on
         self.evictions = 0
         self.fence: Callable[[], object] = lambda: None  # ModelRunner.fence: a CUDA event after launched work
         self._ids = itertools.count(1)
@@ -109,8 +112,12 @@ class StorageTier:
 
     # ---- lookups --------------------------------------------------------------------------------------
     @property
-    def usable(self) -> bool:
+    def readable(self) -> bool:
         return not self.degraded
+
+    @property
+    def writable(self) -> bool:
+        return not self.degraded and not self.read_only
 
     def match_length(self, tokens: Sequence[int]) -> int:
         return self.index.match_prefix(tokens).length if self.entries else 0
@@ -122,7 +129,7 @@ class StorageTier:
         """Whether a snapshot at ``key`` should be written now (not in storage, not being written, and the
         disk not behind: a queued write pins its host entry, and a host tier pinned whole by a slow disk
         would drop every snapshot the device evicts, so a write that would pin more than half is skipped)."""
-        return (self.usable and len(key) > 0 and len(key) % self.page_size == 0 and not self.has(key)
+        return (self.writable and len(key) > 0 and len(key) % self.page_size == 0 and not self.has(key)
                 and tuple(key) not in self.writing and len(self.writing) < self.max_writing
                 and self.entry_bytes <= self.capacity)
 
@@ -140,7 +147,7 @@ class StorageTier:
 
     def _submit_write(self, lock: HostLock, key: tuple[int, ...], event) -> None:
         size = self._estimate(key)
-        if self.degraded or not self._make_room(size):
+        if not self.writable or not self._make_room(size):
             self.writing.discard(key)
             self.host.unlock(lock)
             return
@@ -168,7 +175,7 @@ class StorageTier:
         """``write_back``: queue writes of the least recently used host entries not in storage while the
         host tier is above its watermark, so that what it drops next has a copy on disk."""
         host = self.host
-        if (self.write_policy != "write_back" or not self.usable or len(self.writing) >= MAX_INFLIGHT_WRITES
+        if (self.write_policy != "write_back" or not self.writable or len(self.writing) >= MAX_INFLIGHT_WRITES
                 or host.allocator.num_used < WRITE_BACK_WATERMARK * host.allocator.capacity
                 or host.tree.clock == self._maintained_at):
             return
@@ -183,7 +190,7 @@ class StorageTier:
         """Start reading the longest stored prefix of ``tokens`` into the host tier if it is longer than
         ``have`` (what the tiers above hold); None when there is nothing to read or no room. ``hold``: the
         request waits until the read has landed or failed, whatever the policy (a revived session's turn)."""
-        if not self.usable or not self.entries:
+        if not self.readable or not self.entries:
             return None
         m = self.index.match_prefix(tokens)
         if m.length <= have:
@@ -218,8 +225,8 @@ class StorageTier:
                     done: Callable[[bool], None]) -> None:
         """Write a persisted session's ``files`` (host tensors, complete once ``event`` has passed), then its
         ``record`` naming them, then delete its ``obsolete`` files; ``done(ok)`` runs on the scheduler thread
-        once that is on disk (or failed, or was skipped: the tier is off)."""
-        if not self.usable:
+        once that is on disk (or failed, or was skipped: the tier is read-only or off)."""
+        if not self.writable:
             done(False)
             return
         jid = next(self._ids)
@@ -230,7 +237,7 @@ class StorageTier:
     def get_session(self, sid: str, then: Callable[[dict | None, dict | None, str], None]) -> None:
         """Look a session's record up; ``then(record or None, its state read back or None, why not)`` runs on the
         scheduler thread. Entries the record names that another pod wrote since the last scan are indexed first."""
-        if not self.usable:
+        if not self.readable:
             then(None, None, "")
             return
         jid = next(self._ids)
@@ -238,7 +245,7 @@ class StorageTier:
         self.worker.submit(Job("get_session", jid, sid))
 
     def forget_session(self, sid: str) -> None:
-        if self.usable:
+        if self.readable:  # (a deletion frees room on a full directory)
             self.worker.submit(Job("delete_record", 0, sid))
 
     # ---- results (scheduler thread) -------------------------------------------------------------------
@@ -247,6 +254,8 @@ class StorageTier:
         ctx = self.jobs.pop(job.id, None)
         if res.fatal:
             self._degrade(res.reason)
+        elif res.read_only and job.kind != "scan":
+            self._refuse_writes(res.reason)
         if job.kind == "scan":
             self._apply_scan(res)
         elif job.kind == "write":
@@ -300,15 +309,20 @@ class StorageTier:
         free, total = res.space
         if self.configured_capacity is None:
             self.capacity = default_capacity(self.used, free, total)
-        if self.degraded and free > MARGIN_FLOOR // 4:
+        if self.degraded:
             self.degraded = False
-            self.metrics.storage_degraded.set(0)
-            log.warning("storage tier usable again")
+            log.warning("storage tier readable again")
+        if res.read_only:
+            self._refuse_writes(res.reason)
+        elif self.read_only and free > MARGIN_FLOOR // 4:
+            self.read_only = ""
+            log.warning("storage tier writable again")
+        self._set_gauges()
         for name in [n for n in self.by_name if n not in res.names]:
             self._forget(self.by_name[name], delete=False)  # another pod's LRU deleted it
         for name, reason in res.rejected:
             self.metrics.storage_rejected.labels(reason).inc()
-        for name, tokens, size, _ in res.entries:
+        for name, tokens, size, _ in sorted(res.entries, key=lambda e: e[3]):  # oldest first: LRU by mtime
             if name not in self.by_name:
                 self._add(name, tokens, size)
         self.session_bytes = res.session_bytes
@@ -333,15 +347,36 @@ class StorageTier:
             node = self.index._owner.get(eid)
             if node is not None and not node.lock_ref:
                 self.index._drop(node)
-        elif self.usable:
+        elif self.readable:
             self.worker.submit(Job("delete", 0, e.name))
 
     def _degrade(self, reason: str) -> None:
         if not self.degraded:
             self.degraded = True
-            self.metrics.storage_degraded.set(1)
+            self._set_gauges()
             log.error("storage tier disabled: %s (requests are served from the device and host tiers; a later "
                       "scan re-enables it when the directory is usable)", reason)
+
+    def _refuse_writes(self, reason: str) -> None:
+        if not self.read_only:
+            self.read_only = reason
+            self._set_gauges()
+            log.error("storage tier read-only: %s (its entries and persisted sessions are still read; nothing "
+                      "more is written, session turns included, until a scan finds the directory writable)", reason)
+
+    def _set_gauges(self) -> None:
+        self.metrics.storage_degraded.set(int(self.degraded or bool(self.read_only)))
+        self.metrics.storage_read_only.set(int(bool(self.read_only) and not self.degraded))
+
+    @property
+    def status(self) -> str:
+        """What ``/health`` says of the tier: "" while it reads and writes."""
+        if self.degraded:
+            return "storage tier off (the directory is gone or unreadable); session turns are not persisted"
+        if self.read_only:
+            return (f"storage tier read-only ({self.read_only}): entries and sessions are still read, "
+                    "session turns are not persisted")
+        return ""
 
     # ---- life -----------------------------------------------------------------------------------------
     def rescan(self) -> None:

@@ -15,6 +15,7 @@ slot the tier has locked, a read fills a host slot reserved for it (in no tree y
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -33,7 +34,6 @@ from mambaserve.server.cache.storage_entry import EntryError
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 16 * 2**20
-
 
 @dataclass
 class Job:
@@ -64,7 +64,8 @@ class Result:
     job: Job
     ok: bool = True
     reason: str = ""  # a failed read: corrupt | incompatible | missing | io; a failed write: the OS error
-    fatal: bool = False  # the directory is unusable (full, read-only, gone): the tier degrades
+    fatal: bool = False  # the directory is unusable (gone, unreadable): the tier degrades
+    read_only: bool = False  # it refuses writes (full, quota, read-only filesystem): the tier only reads
     bytes: int = 0
     seconds: float = 0.0
     entries: list = field(default_factory=list)  # scan: (name, tokens, size, mtime) of entries not seen before
@@ -75,6 +76,16 @@ class Result:
     data: bytes | None = None  # get_session: the record's bytes
     state: dict | None = None  # get_session: the state its record names, read and checked (host tensors)
     state_error: str = ""  # get_session: why that state could not be read (a reason, as for entries)
+
+
+# errors of a directory that can still be read but takes no more bytes: the tier goes on reading
+NO_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def _refused(job, e: OSError):
+    """A write the directory refused: read-only for a full or read-only one, fatal otherwise."""
+    full = e.errno in NO_WRITES
+    return Result(job, ok=False, reason=e.strerror or type(e).__name__, fatal=not full, read_only=full)
 
 
 class StorageWorker:
@@ -143,7 +154,7 @@ class StorageWorker:
             size = self.backend.write(job.name, self._bytes(job.tokens, self.shapes,
                                                             [self.conv[job.host_slot], self.ssm[job.host_slot]]))
         except OSError as e:
-            return Result(job, ok=False, reason=e.strerror or type(e).__name__, fatal=True)
+            return _refused(job, e)
         return Result(job, bytes=size, seconds=time.monotonic() - t)
 
     def _bytes(self, tokens, shapes: dict, parts: list[torch.Tensor], **fields) -> list:
@@ -223,10 +234,17 @@ class StorageWorker:
         self._seen.pop(job.name, None)
 
     def _scan(self, job: Job) -> Result:
-        """Every entry present, and the tokens of those not seen before (their headers only)."""
+        """Every entry present, and the tokens of those not seen before (their headers only). A directory
+        that refuses the probe's write but can be listed (full, read-only) is scanned all the same, read-only:
+        what is on it can still be read (a restart on a full volume)."""
         res = Result(job)
         try:
-            self.backend.probe()
+            try:
+                self.backend.probe()
+            except OSError as e:
+                if e.errno not in NO_WRITES:
+                    raise
+                res.read_only, res.reason = True, e.strerror or type(e).__name__
             res.space = self.backend.space()
             listing = list(self.backend.list())
         except OSError as e:
@@ -284,7 +302,7 @@ class StorageWorker:
                 size += self.backend.put_session_file(job.name, f.name, self._bytes(f.tokens, shapes, f.parts, **fields))
             self.backend.put_record(job.name, job.data)
         except OSError as e:
-            return Result(job, ok=False, reason=e.strerror or type(e).__name__, fatal=True)
+            return _refused(job, e)
         for name in job.obsolete:
             try:
                 self.backend.delete_session_file(job.name, name)

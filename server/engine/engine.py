@@ -372,6 +372,12 @@ class Engine:
         """Why the pools' accounting no longer adds up after a failed step (None: it does)."""
         return self.scheduler.lost
 
+    @property
+    def storage_status(self) -> str:
+        """The storage tier's trouble in a line ("" when it reads and writes, or there is none)."""
+        storage = self.scheduler.storage
+        return storage.status if storage is not None else ""
+
     def liveness(self, timeout: float) -> tuple[bool, dict]:
         """(live, progress): not live when the scheduler thread is gone, or when its step has run longer than
         ``timeout`` seconds with requests pending (a wedged GPU, a hung kernel). An idle server stays live."""

@@ -100,9 +100,18 @@ class ServerMetrics:
                                         "Storage entries refused: corrupt or invalid (deleted), or incompatible with "
                                         "this model",
                                         ["reason"], registry=r)
+        self.storage_read_only = Gauge("mambaserve_cache_storage_read_only",
+                                       "1 while the storage tier's directory refuses writes (full, over a quota, a "
+                                       "read-only filesystem) but is still read: entries and persisted sessions "
+                                       "restore, nothing new is written", registry=r)
+        self.session_turns_not_persisted = Counter(
+            "mambaserve_session_turns_not_persisted",
+            "--session-persist: session turns that could not be written (storage read-only or off, or the write "
+            "failed), answered all the same: a restart resumes such a session from its last written turn", registry=r)
         self.storage_degraded = Gauge("mambaserve_cache_storage_degraded",
-                                      "1 while the storage tier is off because its directory is full, read-only or "
-                                      "gone (requests are served from the tiers above)", registry=r)
+                                      "1 while the storage tier writes nothing because its directory is full, "
+                                      "read-only or gone (requests are served from the tiers above; a full or "
+                                      "read-only one is still read: mambaserve_cache_storage_read_only)", registry=r)
         self.sessions_open = Gauge("mambaserve_sessions_open", "Open sessions", registry=r)
         self.session_held_slots = Gauge("mambaserve_session_held_slots",
                                         "State slots held by streaming sessions between turns", registry=r)

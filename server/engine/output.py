@@ -209,6 +209,7 @@ class OutputProcessor:
                            finish=reason, error=error)
         out.error_code = error_code or ("internal_error" if error else None)
         out.error_status = error_status
+        out.session_persisted = req.persisted
         self._emit(req, out)
 
     @staticmethod

@@ -159,6 +159,7 @@ class StepOutput:
     input_logprobs: list[float | None] | None = None
     input_token_ids: list[int] | None = None  # the prompt's tokens they are of
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    session_persisted: bool | None = None  # a --session-persist turn's last output: whether it is on storage
 
     @property
     def finished(self) -> bool:
@@ -202,6 +203,7 @@ class Req:
     group: str = ""  # the rid of the first of a request's n choices (its own rid alone): admission's fairness
     prefetch: object | None = None  # cache.storage_tier.Prefetch: its prefix being read from the storage tier
     revived: bool = False  # its session was looked up in the storage tier already (--session-persist)
+    persisted: bool | None = None  # --session-persist: whether this turn was written to storage (once known)
     last_token_time: float | None = None
     # what has been sent to the client
     sent_tokens: int = 0

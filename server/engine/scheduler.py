@@ -450,7 +450,8 @@ class Scheduler:
                 "held_by_requests": len(q.running) + len(self.rolling),  # (hybrids: their rolling decode snapshots)
                 "host_capacity": host.allocator.capacity if host else 0, "held_by_host": host.allocator.num_used if host else 0,
                 "storage_entries": len(st.entries) if st else 0, "storage_bytes": st.used if st else 0,
-                "storage_capacity_bytes": st.capacity if st else 0, "storage_degraded": int(bool(st and st.degraded)),
+                "storage_capacity_bytes": st.capacity if st else 0, "storage_degraded": int(bool(st and not st.writable)),
+                "storage_read_only": int(bool(st and st.readable and not st.writable)),
                 "held_by_tree": self.cache.tree_slots, "held_by_sessions": len(self.sessions.held_slots),
                 "evictable": self.cache.evictable_slots, "running": len(q.running), "waiting": len(q.waiting),
                 "sessions": len(self.sessions.table.sessions), "rolling_snapshots": len(self.rolling),

@@ -120,19 +120,29 @@ class SessionPersistence:
     # ---- writing ------------------------------------------------------------------------------------
     def persist_turn(self, req: Req, then: Callable[[], None]) -> bool:
         """``req``'s completed turn to storage (its slot and KV already handed to the session, or the cache);
-        ``then()`` runs once it is on disk (or its write failed). False when nothing is written (no call)."""
+        ``then()`` runs once it is on disk (or its write failed). False when nothing is written (no call).
+        ``req.persisted`` says which (its answer tells the client: ``x-session-persisted``)."""
         s = req.session
-        if self.sessions.table.sessions.get(s.id) is not s or not self.storage.usable:
+        if self.sessions.table.sessions.get(s.id) is not s:
             return False
+
+        def done(ok: bool) -> None:
+            req.persisted = ok
+            if not ok:  # full, read-only or gone: the session goes on, this turn unpersisted
+                self.metrics.session_turns_not_persisted.inc()
+            then()
+        if not self.storage.writable:
+            done(False)
+            return True
         if s.streaming:
-            return self._persist_streaming(s, then)
-        return self._persist_turns(s, req.rid, then)
+            return self._persist_streaming(s, done)
+        return self._persist_turns(s, req.rid, done)
 
     def _record(self, s) -> dict:
         return {"id": s.id, "streaming": s.streaming, "timeout": s.timeout, "capacity": s.capacity,
                 "compat": self.compat, "owner": s.owner, "key": s.key}
 
-    def _persist_streaming(self, s, then: Callable[[], None]) -> bool:
+    def _persist_streaming(self, s, then: Callable[[bool], None]) -> bool:
         """The live state if the session holds one covering its history (else the record names the state it
         named before: a restore prefills the rest), with the KV of the tokens since the last persisted turn."""
         done = s.persisted or {"state": 0, "kv": []}
@@ -154,11 +164,11 @@ class SessionPersistence:
         def written(ok: bool) -> None:
             if ok:
                 s.persisted = {"state": n, "kv": chunks}
-            then()
+            then(ok)
         self.storage.put_session(s.id, record, files, obsolete, event, written)
         return True
 
-    def _persist_turns(self, s, rid: str, then: Callable[[], None]) -> bool:
+    def _persist_turns(self, s, rid: str, then: Callable[[bool], None]) -> bool:
         """The record of every turn, with the state of this one: the deepest snapshot the tree holds on its tokens
         (kept there by its end), written to storage unless it is there already; the record goes after it."""
         states = dict((s.persisted or {}).get("turns", {}))
@@ -176,7 +186,7 @@ class SessionPersistence:
         def written(ok: bool) -> None:
             if ok:
                 s.persisted = {"turns": states}
-            then()
+            then(ok)
         # (queued after the state's write, which waits for its offload: both are issued with the next step)
         self.cache.pending.on_done.append(
             lambda event: self.storage.put_session(s.id, record, [], [], None, written))

@@ -259,7 +259,7 @@ SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",
           [T(rate("mambaserve_sessions_closed_total", "reason"), "{{reason}}")], unit="ops", stack=True),
     Panel("Session restores", "Sessions restored from a snapshot per second (migrations between pods, restarts).",
           [T(rate("mambaserve_session_restores_total", "namespace, mambaserve_io_session"), S)], unit="ops"),
-    Panel("Session turns not persisted", "--session-persist: streaming turns per second whose state was not "
+    Panel("Session turns not persisted", "--session-persist: session turns per second that could not be "
           "written (storage full, read-only or gone): a restart resumes those sessions from an earlier turn.",
           [T(rate("mambaserve_session_turns_not_persisted_total", "namespace, mambaserve_io_session"), S)],
           unit="ops"),

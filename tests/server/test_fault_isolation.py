@@ -9,15 +9,29 @@ import torch
 
 from mambaserve.server.engine.request import SamplingParams
 from tests.server.conftest import accounting, assert_idle, make_engine, run_started
+from tests.server.tiny_hybrids import make_hybrid_checkpoint
+from tests.server.tiny_models import make_checkpoint
 
 NEIGHBOUR = SamplingParams(max_new_tokens=24, temperature=0.7, seed=5, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "nemotron_h"])
-def engine(request, tiny_ckpt, nemotron):
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module", params=["mamba2", "nemotron_h", pytest.param("mamba2-cuda", marks=CUDA),
+                                        pytest.param("nemotron_h-cuda", marks=CUDA)])
+def engine(request, tiny_ckpt, nemotron, tmp_path_factory):
+    """CPU engines, and on a GPU the same models with the Triton kernels, bf16 and CUDA graphs (the culprit's
+    row replayed in the same decode graph as its neighbours')."""
+    hybrid = dict(page_size=4, chunked_prefill_size=8, max_running_requests=6, mamba_cache_size=12)
     if request.param == "mamba2":
         return make_engine(tiny_ckpt)
-    return make_engine(nemotron, page_size=4, chunked_prefill_size=8, max_running_requests=6, mamba_cache_size=12)
+    if request.param == "nemotron_h":
+        return make_engine(nemotron, **hybrid)
+    root = tmp_path_factory.mktemp("cuda")  # power-of-two chunk sizes: the Triton scan runs
+    if request.param == "mamba2-cuda":
+        return make_engine(make_checkpoint(root, "h8_g2", num_layers=3, chunk_size=16), device="cuda")
+    return make_engine(make_hybrid_checkpoint(root, "nemotron_h", chunk_size=16), device="cuda", **hybrid)
 
 
 async def _last(engine, prompt, params, **kw):
@@ -33,9 +47,9 @@ async def _beside_neighbours(engine, culprit):
     neighbours = [asyncio.ensure_future(_last(engine, [3 + i, 4, 5], NEIGHBOUR)) for i in range(3)]
     while (await engine.accounting())["running"] < 3:
         await asyncio.sleep(0.005)
-    out = await culprit()
+    out = await asyncio.wait_for(culprit(), 60)
     still = sum(not n.done() for n in neighbours)
-    return out, await asyncio.gather(*neighbours), still
+    return out, await asyncio.wait_for(asyncio.gather(*neighbours), 60), still
 
 
 def test_sampling_values_that_leave_no_distribution_fail_that_request_alone(engine):

@@ -100,6 +100,13 @@ def _served_steps(ckpt, config: dict, seed: int):
     rng = random.Random(seed)
 
     async def mix():
+        if engine.track_interval:  # a tracked position inside a chunk, whatever order admission takes the mix in:
+            # a prompt sent again longer, its hit (a page boundary 48 tokens short of the interval) then
+            # prefilled in a chunk across the interval
+            first = [rng.randrange(3, 90) for _ in range(engine.track_interval - 40)]
+            for prompt in (first, first + [7] * 80):
+                async for _ in engine.generate(prompt, SamplingParams(max_new_tokens=1, temperature=0.0)):
+                    pass
         clients = [_client(engine, random.Random(rng.random()), engine.context_length)
                    for _ in range(engine.max_running + 4)]
         await asyncio.gather(*clients)

@@ -110,12 +110,6 @@ def _served_steps(ckpt, config: dict, seed: int):
         clients = [_client(engine, random.Random(rng.random()), engine.context_length)
                    for _ in range(engine.max_running + 4)]
         await asyncio.gather(*clients)
-        if engine.track_interval:  # a chunk crossing a tracked position, whatever the mix's timing did: a prompt
-            # snapshotted at 240 (its last token starts a page), then resent with 60 more tokens from that hit
-            prompt = [rng.randrange(3, 90) for _ in range(engine.track_interval - 15)]
-            params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-            for p in (prompt, prompt[:-1] + [rng.randrange(3, 90) for _ in range(60)]):
-                [o async for o in engine.generate(p, params)]
 
     run_started(engine, mix)
     cfg = engine.cfg

@@ -34,6 +34,14 @@ def _changed(body: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     return any(old.get(k) != v for k, v in new.items())
 
 
+def connection_info(operator_settings: OperatorSettings, logger: Any, /, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The API server and credentials: ``--api-server`` (development), else what Kopf finds (kwargs: Kopf's
+    login handler arguments, its ``settings`` among them)."""
+    if operator_settings.api_server:
+        return kopf.ConnectionInfo(server=operator_settings.api_server, insecure=True, default_namespace="default")
+    return credentials(logger, **kwargs)
+
+
 def build_registry(settings: OperatorSettings, kube: Kube, metrics: OperatorMetrics) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
@@ -45,10 +53,7 @@ def build_registry(settings: OperatorSettings, kube: Kube, metrics: OperatorMetr
 
     @kopf.on.login(registry=registry)
     def login(logger: logging.Logger, **kwargs: Any) -> kopf.ConnectionInfo | None:
-        if operator_settings.api_server:
-            info = kopf.ConnectionInfo(server=operator_settings.api_server, insecure=True, default_namespace="default")
-        else:
-            info = credentials(logger, **kwargs)
+        info = connection_info(operator_settings, logger, **kwargs)
         if info is not None:
             kube.login(info)
         return info

@@ -49,6 +49,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
     Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
+    Kind("coordination.k8s.io/v1", "Lease", "leases"),
     Kind(f"{GROUP}/{VERSION}", "InferenceSession", "inferencesessions"),
     Kind(f"{GROUP}/{VERSION}", "CacheTier", "cachetiers"),
 )}
@@ -109,8 +110,10 @@ class Kube:
     With ``watch(kinds, ...)`` reads of those kinds are answered from watch streams (watches.py) instead
     of requests; every other read, and every write, is a request."""
 
-    def __init__(self, connection: kopf.ConnectionInfo | None = None, *, timeout: float = 60.0) -> None:
+    def __init__(self, connection: kopf.ConnectionInfo | None = None, *, timeout: float = 60.0,
+                 agent: str = FIELD_MANAGER) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._agent = agent  # the User-Agent: audit logs tell the replicas apart
         self._connection: kopf.ConnectionInfo | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
@@ -147,7 +150,7 @@ class Kube:
             if self._session is None or self._session.closed:
                 if self._connection is None:
                     raise RuntimeError("no Kubernetes credentials yet (the login handler has not run)")
-                self._session = _make_session(self._connection, self._timeout)
+                self._session = _make_session(self._connection, self._timeout, self._agent)
             return self._session
 
     @property
@@ -262,6 +265,13 @@ class Kube:
         return [i for i in items if not labels or matches((i.get("metadata") or {}).get("labels"), labels)]
 
     # --- writes -------------------------------------------------------------------------------
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        result = await self._request("POST", self._url(obj["kind"], meta.get("namespace")), body=obj,
+                                     params={"fieldManager": FIELD_MANAGER})
+        self._remember(result)
+        return result
 
     async def delete(self, kind: str, namespace: str | None, name: str, orphan: bool = False) -> bool:
         try:
@@ -383,8 +393,8 @@ def _resource_missing(reason: str, details: Any) -> bool:
     return reason == "NotFound" and not (isinstance(details, Mapping) and details.get("name"))
 
 
-def _make_session(info: kopf.ConnectionInfo, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
-    headers: dict[str, str] = {"User-Agent": FIELD_MANAGER}
+def _make_session(info: kopf.ConnectionInfo, timeout: aiohttp.ClientTimeout, agent: str) -> aiohttp.ClientSession:
+    headers: dict[str, str] = {"User-Agent": agent}
     auth = None
     if info.token:
         headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"

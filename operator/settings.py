@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +57,14 @@ class OperatorSettings:
     request_timeout: float = 60.0
     api_server: str | None = None  # development/tests: talk to this URL without credentials
     log_level: str = "info"
+    # Leader election (leader.py): replicas share a Lease; only its holder reconciles.
+    leader_election: bool = False
+    leader_election_namespace: str | None = None  # default: this pod's namespace (POD_NAMESPACE)
+    leader_election_name: str = "mambaserve-operator"
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+    identity: str = ""  # this replica in the Lease: the pod name (POD_NAME), else host and pid
 
     @property
     def clusterwide(self) -> bool:
@@ -79,6 +88,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("watch-connect-timeout", float, "watch connection timeout"),
     ("request-timeout", float, "API request timeout"),
     ("api-server", str, "API server URL without credentials (development only)"),
+    ("leader-election-namespace", str, "namespace of the leader-election Lease (default: POD_NAMESPACE)"),
+    ("leader-election-name", str, "name of the leader-election Lease"),
+    ("lease-duration", float, "seconds a standby waits for a silent leader before taking the Lease"),
+    ("renew-deadline", float, "seconds a leader keeps trying to renew before it stops reconciling"),
+    ("retry-period", float, "seconds between Lease renewals and between a standby's looks"),
     ("log-level", str, "debug, info, warning or error"),
 )
 
@@ -96,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--finalizers", action=argparse.BooleanOptionalAction, default=None,
                         help="hold deletions of InferenceSessions and CacheTiers for the operator's cleanup "
                              "(default: on; the chart's uninstall hook removes them)")
+    parser.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=None,
+                        help="run as one of several replicas: only the holder of a Lease reconciles (default: off)")
     parser.add_argument("--monitor-labels", default=None, metavar="K=V[,K=V...]",
                         help="labels of the ServiceMonitors, for the Prometheus that selects them "
                              "(default: release=kube-prometheus-stack; empty: none)")
@@ -141,6 +157,14 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if finalizers is not None:
         values["finalizers"] = finalizers
 
+    election = args.leader_election
+    if election is None and _env_name("leader-election") in env:
+        election = env[_env_name("leader-election")].lower() in ("1", "true", "yes", "on")
+    if election is not None:
+        values["leader_election"] = election
+    values.setdefault("leader_election_namespace", env.get("POD_NAMESPACE") or None)
+    values["identity"] = env.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
     labels = args.monitor_labels
     if labels is None:
         labels = env.get(_env_name("monitor-labels"))
@@ -154,6 +178,10 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if settings.server_pod_monitor is not None and not re.fullmatch(r"[a-z0-9][-a-z0-9.]*/[a-z0-9][-a-z0-9.]*",
                                                                     settings.server_pod_monitor):
         parser.error(f"--server-pod-monitor must be NAMESPACE/NAME, not {settings.server_pod_monitor!r}")
+    if settings.leader_election and not settings.leader_election_namespace:
+        parser.error("--leader-election needs --leader-election-namespace (or POD_NAMESPACE)")
+    if not 0 < settings.retry_period < settings.renew_deadline < settings.lease_duration:
+        parser.error("leader election needs 0 < --retry-period < --renew-deadline < --lease-duration")
     if settings.log_level not in ("debug", "info", "warning", "error"):
         parser.error(f"--log-level must be debug, info, warning or error, not {settings.log_level!r}")
     return settings

@@ -258,8 +258,10 @@ def operator_command(deployment: dict[str, Any], api_server: str) -> list[str]:
 class Operator:
     def __init__(self, deployment: dict[str, Any], api_server: str, log: pathlib.Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBECONFIG", "MAMBASERVE_"))}
+        # The downward API's values, as the kubelet would give them to the pod.
+        fields = {"metadata.name": "mambaserve-operator-7c9d-x2x7k", "metadata.namespace": OPERATOR_NAMESPACE}
         for var in deployment["spec"]["template"]["spec"]["containers"][0].get("env", []):
-            env[var["name"]] = var["value"]
+            env[var["name"]] = var["value"] if "value" in var else fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
         self.log = log
         self.proc = subprocess.Popen(operator_command(deployment, api_server), env=env,
                                      stdout=log.open("wb"), stderr=subprocess.STDOUT)

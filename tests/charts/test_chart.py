@@ -17,6 +17,8 @@ from tests.charts.rbac import Access
 from tests.operator.kube_versions import NEWEST, OLDEST, SUPPORTED
 from tests.operator.pod_security import pod_templates, restricted_violations, writable_root_filesystems
 
+# What the operator pod's environment holds (the downward API's POD_NAME and POD_NAMESPACE).
+POD_ENV = {"POD_NAME": "mambaserve-operator-7c9d-x2x7k", "POD_NAMESPACE": NAMESPACE}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -48,11 +50,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 
 KINDS = {
     "default": ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap", "ConfigMap", "ConfigMap",
-                "ConfigMap", "Deployment", "Service", "ServiceAccount"],
+                "ConfigMap", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"],
     "namespaced": ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap", "ConfigMap", "ConfigMap",
-                   "ConfigMap", "Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "Service",
-                   "ServiceAccount"],
-    "dashboards-off": ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"],
+                   "ConfigMap", "Deployment", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding",
+                   "Service", "ServiceAccount"],
+    "dashboards-off": ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service",
+                       "ServiceAccount"],
     "bring-your-own-rbac": ["ConfigMap"] * 5 + ["Deployment", "Service"],
 }
 
@@ -155,11 +158,20 @@ def test_names_stay_within_63_characters_for_long_release_names() -> None:
         assert len(names) == len(out.objects)
 
 
-def test_operator_deployment_is_single_replica_recreate_probed_and_locked_down(rendered: dict[str, Rendered]) -> None:
+def test_operator_deployment_is_two_replicas_electing_a_leader_probed_and_locked_down(
+        rendered: dict[str, Rendered]) -> None:
     for name in ("default", "namespaced", "everything-customised"):
         dep = rendered[name].one("Deployment")
         spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
-        assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+        # Two replicas, one Lease: a standby takes over (tests/operator/test_leader_election.py).
+        assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
+        args = pod["containers"][0]["args"]
+        assert "--leader-election" in args and f"--leader-election-name={dep['metadata']['name']}" in args
+        env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in pod["containers"][0]["env"]}
+        assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+        assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+        lease = Access("patch", "coordination.k8s.io", "leases", NAMESPACE, dep["metadata"]["name"])
+        assert name == "bring-your-own-rbac" or authorizer(rendered[name]).allows(lease)
         assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
         (container,) = pod["containers"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -230,7 +242,7 @@ def test_images_are_two_pinned_to_the_release_and_the_server_one_reaches_the_pod
 
     container = rendered["default"].one("Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == f"mambaserve-operator:{release}"
-    settings = parse_settings(container["args"], environ={})
+    settings = parse_settings(container["args"], environ=POD_ENV)
     assert settings.server_image == f"mambaserve-server:{release}" != container["image"]
     children = builders.build_session_children(parse_session(sample("inferencesession-minimal")), None, settings)
     (server,) = [o for o in children if o["kind"] == "Deployment"]
@@ -241,12 +253,12 @@ def test_rendered_args_are_accepted_by_the_operator_cli(rendered: dict[str, Rend
     from mambaserve.operator.settings import parse_settings
 
     args = rendered["namespaced"].one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    settings = parse_settings(args, environ={})
+    settings = parse_settings(args, environ=POD_ENV)
     assert settings.namespaces == ("llm", "batch") and not settings.clusterwide
     assert (settings.metrics_port, settings.health_port, settings.service_monitors) == (8080, 8081, False)
     assert settings.server_image == "mambaserve-server:0.1.0"
     custom = rendered["everything-customised"].one("Deployment")["spec"]["template"]["spec"]["containers"][0]
-    settings = parse_settings(custom["args"], environ={})
+    settings = parse_settings(custom["args"], environ=POD_ENV)
     assert custom["image"] == "registry.example/mambaserve-operator:0.1.1"
     assert settings.server_image == "registry.example/mambaserve-server:0.1.1"
     assert settings.clusterwide and settings.request_timeout == 30.0 and settings.log_level == "debug"
@@ -269,7 +281,7 @@ BAD_VALUES = [
     ({"operator": {"securityContext": {"allowPrivilegeEscalation": True, "readOnlyRootFilesystem": True}}},
      "/operator/securityContext/allowPrivilegeEscalation"),
     ({"operator": {"podSecurityContext": {"runAsNonRoot": False}}}, "/operator/podSecurityContext/runAsNonRoot"),
-    ({"operator": {"replicas": 2}}, "replicas"),
+    ({"operator": {"replicas": 0}}, "/operator/replicas"),
     ({"monitoring": {"prometheusRule": {"cacheHitRateLow": {"threshold": 1.5}}}},
      "/monitoring/prometheusRule/cacheHitRateLow/threshold"),
     ({"monitoring": {"prometheusRule": {"ttftHigh": {"for": "ten minutes"}}}},
@@ -439,7 +451,7 @@ def test_autoscaling_turns_scraping_on_and_tells_the_operator() -> None:
 
     on = render({"autoscaling": {"enabled": True}})
     monitor = on.one("PodMonitor")
-    named = parse_settings(args(on), environ={}).server_pod_monitor
+    named = parse_settings(args(on), environ=POD_ENV).server_pod_monitor
     assert named == f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}"
     assert any(c["metadata"]["name"].endswith("adapter-rules") for c in on.of("ConfigMap"))
     assert "MetricsMissing" not in on.notes
@@ -480,7 +492,7 @@ def test_monitor_labels_reach_the_chart_monitors_and_the_operator() -> None:
 
     def operator_labels(r: Rendered) -> tuple[tuple[str, str], ...]:
         args = r.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-        return parse_settings(args, environ={}).monitor_labels
+        return parse_settings(args, environ=POD_ENV).monitor_labels
 
     # By default what a kube-prometheus-stack release named kube-prometheus-stack selects, everywhere.
     on = render(MONITORING_ON)

@@ -83,7 +83,9 @@ def test_namespaced_operator_stays_in_its_namespaces(tmp_path: pathlib.Path) -> 
     assert "failed with an exception" not in log and "Forbidden" not in log, log[-3000:]
     assert emulator.denied == []
     assert ignored is None
-    assert {a.namespace for a in accesses} <= {"llm", None}
+    assert {a.namespace for a in accesses} <= {"llm", NAMESPACE, None}
+    # In its own namespace the operator touches its leader-election Lease, nothing else.
+    assert {(a.group, a.resource) for a in accesses if a.namespace == NAMESPACE} == {("coordination.k8s.io", "leases")}
     cluster_scoped = {str(a) for a in accesses if a.namespace is None}
     assert cluster_scoped <= {"list apiextensions.k8s.io/customresourcedefinitions (cluster)",
                               "watch apiextensions.k8s.io/customresourcedefinitions (cluster)",

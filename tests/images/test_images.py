@@ -91,8 +91,10 @@ def test_operator_image_has_no_torch_and_runs_as_the_chart_starts_it(  # type: i
         emulator = Emulator()
         try:
             health, metrics = free_port(), free_port()
+            # POD_NAMESPACE comes from the downward API in a pod: the Lease's namespace is given here instead.
             proc = ctr.start([*container["command"], *container["args"], f"--api-server={emulator.url}",
-                              f"--health-port={health}", f"--metrics-port={metrics}"], tmp_path / "operator.log")
+                              f"--health-port={health}", f"--metrics-port={metrics}",
+                              "--leader-election-namespace=mambaserve-system"], tmp_path / "operator.log")
             try:
                 wait_http(f"http://127.0.0.1:{health}/healthz", 120, proc)
                 emulator.call(emulator.cluster.create(sample("inferencesession-minimal")))

@@ -147,6 +147,7 @@ EMULATED = [
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, ["status"]),
     ("rbac.authorization.k8s.io/v1/roles", "Role", True, []),
     ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True, []),
+    ("coordination.k8s.io/v1/leases", "Lease", True, []),
     ("mambaserve.io/v1alpha1/inferencesessions", "InferenceSession", True, ["status", "scale"]),
     ("mambaserve.io/v1alpha1/cachetiers", "CacheTier", True, ["status"]),
 ]

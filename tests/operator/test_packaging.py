@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import os
 import subprocess
 import sys
 
@@ -42,7 +44,13 @@ def test_operator_imports_neither_torch_nor_the_server() -> None:
 
 
 def test_settings_from_flags_and_environment() -> None:
-    assert parse_settings([], environ={}) == OperatorSettings()
+    defaults = parse_settings([], environ={})
+    assert dataclasses.replace(defaults, identity="") == OperatorSettings()
+    assert defaults.identity.endswith(f"-{os.getpid()}")  # outside a pod: host and process
+    pod = parse_settings(["--leader-election"], environ={"POD_NAME": "op-7c9d", "POD_NAMESPACE": "ops"})
+    assert (pod.identity, pod.leader_election, pod.leader_election_namespace) == ("op-7c9d", True, "ops")
+    with pytest.raises(SystemExit):
+        parse_settings(["--leader-election"], environ={})  # no namespace for the Lease
     s = parse_settings(["--namespace", "a", "--namespace", "b", "--service-monitors", "--status-interval", "5"],
                        environ={"MAMBASERVE_OPERATOR_SERVER_IMAGE": "img:1"})
     assert s.namespaces == ("a", "b") and not s.clusterwide

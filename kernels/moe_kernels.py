@@ -94,16 +94,20 @@ if HAS_TRITON:
             ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
             seen += _scatter(ids, i, N, seen + pad_start, pairs_ptr, EP)
 
+    @triton.jit
+    def _program_pairs(ids_ptr, N, CHUNK: tl.constexpr):
+        """This program's CHUNK pairs (positions past N: expert -1) and their experts."""
+        i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        return i, tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
+
     @triton.jit(do_not_specialize=["N"])
     def _moe_count_kernel(ids_ptr, local_ptr, N, EP: tl.constexpr, CHUNK: tl.constexpr,
                           USE_PDL: tl.constexpr = False):
         """Grid (cdiv(N, CHUNK),): program q's pairs per expert -> ``local[q]`` [EP]."""
         pdl_start(USE_PDL)
-        q = tl.program_id(0)
-        i = q * CHUNK + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
+        _, ids = _program_pairs(ids_ptr, N, CHUNK)
         ex = tl.arange(0, EP)
-        tl.store(local_ptr + q * EP + ex, tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0))
+        tl.store(local_ptr + tl.program_id(0) * EP + ex, tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0))
 
     @triton.jit(do_not_specialize=["N", "P", "NB", "Q"])
     def _moe_runs_kernel(local_ptr, start_ptr, pairs_ptr, bexp_ptr, N, P, NB, Q, BLOCK_M: tl.constexpr,
@@ -124,11 +128,9 @@ if HAS_TRITON:
                             USE_PDL: tl.constexpr = False):
         """Grid (cdiv(N, CHUNK),): program q's pairs to their positions, after ``_moe_runs_kernel``."""
         pdl_start(USE_PDL)
-        q = tl.program_id(0)
-        i = q * CHUNK + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
+        i, ids = _program_pairs(ids_ptr, N, CHUNK)
         ex = tl.arange(0, EP)
-        _scatter(ids, i, N, tl.load(local_ptr + q * EP + ex) + tl.load(start_ptr + ex), pairs_ptr, EP)
+        _scatter(ids, i, N, tl.load(local_ptr + tl.program_id(0) * EP + ex) + tl.load(start_ptr + ex), pairs_ptr, EP)
 
     @triton.jit
     def _activate(h, ACT: tl.constexpr):

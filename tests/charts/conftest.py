@@ -90,8 +90,8 @@ def operator_job() -> str:
 def live_values() -> dict[str, Any]:
     """The chart values the live stack's operator runs with: ServiceMonitors on (so that path runs
     too), free loopback ports, and a fast status refresh for a short test."""
-    return {"operator": {"serviceMonitors": True, "metricsPort": free_port(), "healthPort": free_port(),
-                         "statusInterval": 1, "metricsTimeout": 0.5},
+    return {"operator": {"clusterWide": True, "serviceMonitors": True, "metricsPort": free_port(),
+                         "healthPort": free_port(), "statusInterval": 1, "metricsTimeout": 0.5},
             "monitoring": {"operatorServiceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
 
 

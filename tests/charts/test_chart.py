@@ -22,9 +22,10 @@ POD_ENV = {"POD_NAME": "mambaserve-operator-7c9d-x2x7k", "POD_NAMESPACE": NAMESP
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
-    "default": {},
+    "default": {},  # namespaced: the release namespace only
+    "clusterwide": {"operator": {"clusterWide": True}},
     "namespaced": {"operator": {"watchNamespaces": ["llm", "batch"]}},
-    "clusterwide-monitoring-on": MONITORING_ON,
+    "clusterwide-monitoring-on": {**MONITORING_ON, "operator": {"clusterWide": True}},
     "namespaced-monitoring-on": {**MONITORING_ON, "operator": {"watchNamespaces": ["llm"]}},
     "operator-servicemonitors": {"operator": {"serviceMonitors": True},
                                  "monitoring": {"prometheusRule": {"enabled": True}}},
@@ -49,13 +50,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 }
 
 KINDS = {
+    # the cluster-scoped part is read-only (CRDs, namespaces); the Roles: the watched namespace's and the Lease's
     "default": ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap", "ConfigMap", "ConfigMap",
-                "ConfigMap", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"],
+                "ConfigMap", "Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "Service", "ServiceAccount"],
+    "clusterwide": ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap", "ConfigMap", "ConfigMap",
+                    "ConfigMap", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"],
     "namespaced": ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap", "ConfigMap", "ConfigMap",
                    "ConfigMap", "Deployment", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding",
                    "Service", "ServiceAccount"],
-    "dashboards-off": ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service",
-                       "ServiceAccount"],
+    "dashboards-off": ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "Role", "RoleBinding",
+                       "RoleBinding", "Service", "ServiceAccount"],
     "bring-your-own-rbac": ["ConfigMap"] * 5 + ["Deployment", "Service"],
 }
 
@@ -219,7 +223,7 @@ def test_golden_rbac(rendered: dict[str, Rendered]) -> None:
                             "subjects": o["subjects"]})
         return sorted(out, key=lambda o: (o["kind"], o["namespace"] or "", o["name"]))
 
-    assert {"clusterwide": rbac(rendered["default"]), "namespaced": rbac(rendered["namespaced"])} \
+    assert {"clusterwide": rbac(rendered["clusterwide"]), "namespaced": rbac(rendered["namespaced"])} \
         == _golden("rbac.yaml")
 
 
@@ -261,7 +265,7 @@ def test_rendered_args_are_accepted_by_the_operator_cli(rendered: dict[str, Rend
     settings = parse_settings(custom["args"], environ=POD_ENV)
     assert custom["image"] == "registry.example/mambaserve-operator:0.1.1"
     assert settings.server_image == "registry.example/mambaserve-server:0.1.1"
-    assert settings.clusterwide and settings.request_timeout == 30.0 and settings.log_level == "debug"
+    assert settings.namespaces == (NAMESPACE,) and settings.request_timeout == 30.0 and settings.log_level == "debug"
     assert settings.router_image == "lmsysorg/sglang:v0.5"
     assert settings.prometheus_url == "http://prom.monitoring:9090"
 

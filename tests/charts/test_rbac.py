@@ -37,7 +37,7 @@ def test_clusterwide_operator_works_under_the_rendered_rbac_and_uses_every_grant
     assert live.emulator.denied == []
     accesses = operator_accesses(live.emulator.requests())
     used = {(a.group, a.resource, a.verb) for a in accesses}
-    rendered = render()  # default values: cluster-wide
+    rendered = render({"operator": {"clusterWide": True}})
     granted = authorizer(rendered).granted()
     assert used <= granted
     assert granted - used == set(GRANTED_UNUSED), "a grant nobody uses, or a stale entry in GRANTED_UNUSED"
@@ -132,7 +132,7 @@ def test_owner_references_pass_owner_reference_permission_enforcement() -> None:
     claim = {"metadata": {"ownerReferences": [names.owner_reference("CacheTier", "shared", "u2")]}}
     patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": claim["metadata"]["ownerReferences"]}]
     assert str(owner_reference_accesses(patch, "llm")[0]) == "update mambaserve.io/cachetiers/finalizers in llm"
-    rendered = render()
+    rendered = render({"operator": {"clusterWide": True}})
     assert authorizer(rendered).allows(access)
     without = [{**o, "rules": [r for r in o["rules"] if not any(x.endswith("/finalizers") for x in r["resources"])]}
                if o["kind"] == "ClusterRole" else o for o in rendered.objects]

@@ -18,10 +18,11 @@ from tests.charts.rbac import Authorizer
 from tests.operator.kube_versions import SUPPORTED
 from tests.operator.pod_security import restricted_violations, writable_root_filesystems
 
-HOOK_KINDS = {"default": ["ClusterRole", "ClusterRoleBinding", "Job", "Role", "RoleBinding", "ServiceAccount"],
+HOOK_KINDS = {"clusterwide": ["ClusterRole", "ClusterRoleBinding", "Job", "Role", "RoleBinding", "ServiceAccount"],
               "namespaced": ["Job", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding",
                              "ServiceAccount"]}
-VALUES = {"default": {}, "namespaced": {"operator": {"watchNamespaces": ["llm", "batch"]}}}
+VALUES = {"clusterwide": {"operator": {"clusterWide": True}},
+          "namespaced": {"operator": {"watchNamespaces": ["llm", "batch"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_hook_command_under_the_hook_rbac_frees_every_object(hooks: dict[str, Re
     finally:
         stop.set()
         em.close()
-    watched = {"llm", "other"} if name == "default" else {"llm"}
+    watched = {"llm", "other"} if name == "clusterwide" else {"llm"}
     for (kind, n, ns), fins in left.items():
         assert (FINALIZER in (fins or [])) == (ns not in watched), (kind, n, ns, fins)
     assert "released InferenceSession llm/tiny" in result.stderr

@@ -177,3 +177,20 @@ Cluster-scoped reads Kopf makes in both modes: it watches CRDs so that CRDs upgr
 true
 {{- end -}}
 {{- end -}}
+
+{{/*
+The namespaces the operator watches, as a JSON list; [] means all of them (operator.clusterWide). By
+default only the release's own namespace: least privilege unless asked for more.
+*/}}
+{{- define "mambaserve.watchNamespaces" -}}
+{{- if .Values.operator.clusterWide -}}
+{{- if .Values.operator.watchNamespaces -}}
+{{- fail "operator.clusterWide watches every namespace: leave operator.watchNamespaces empty" -}}
+{{- end -}}
+[]
+{{- else if .Values.operator.watchNamespaces -}}
+{{- toJson .Values.operator.watchNamespaces -}}
+{{- else -}}
+{{- list .Release.Namespace | toJson -}}
+{{- end -}}
+{{- end -}}

@@ -95,6 +95,10 @@ class StorageTier:
         self.index = MambaRadixCache(page_size)
         self.entries: dict[int, _Entry] = {}
         self.by_name: dict[str, int] = {}
+        # One int object per token id for the index's keys: an entry's key then costs 8 bytes a token (a
+        # pointer) instead of 36 (an int object of its own for each id past 256): the index is the tier's
+        # memory, an entry per stored snapshot. Bounded by the vocabulary.
+        self._token_ids: dict[int, int] = {}
         self.used = 0
         self.pending_bytes = 0  # room taken by writes in flight (their entries are not in ``used`` yet)
         self.session_bytes = 0  # persisted sessions' records and files (not evicted: deleted with their sessions)
@@ -332,7 +336,8 @@ class StorageTier:
         if name in self.by_name:
             return
         eid = next(self._ids)
-        if not self.index.insert(key, eid).stored:
+        ids = self._token_ids
+        if not self.index.insert(tuple([ids.setdefault(t, t) for t in key]), eid).stored:
             return
         self.entries[eid] = _Entry(name, size)
         self.by_name[name] = eid

@@ -43,6 +43,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("apps/v1", "StatefulSet", "statefulsets"),
     Kind("batch/v1", "Job", "jobs"),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
     Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
@@ -55,7 +56,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
 )}
 
 # Kinds an InferenceSession may own; stale ones are pruned by label and owner uid.
-SESSION_CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget",
+SESSION_CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget", "NetworkPolicy",
                        "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor",
                        "ServiceAccount", "Role", "RoleBinding", "Job", "PersistentVolumeClaim")
 

@@ -36,6 +36,11 @@ class OperatorSettings:
     router_image: str = "lmsysorg/sgl-model-gateway:v0.3.2"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     service_monitors: bool = False  # only when prometheus-operator's CRDs are installed
+    # A NetworkPolicy per session: server pods reachable on their port only from their own namespace, the
+    # operator's and the metrics namespaces (Prometheus).
+    network_policies: bool = False
+    metrics_namespaces: tuple[str, ...] = ("monitoring",)
+    operator_namespace: str | None = None  # this pod's namespace (POD_NAMESPACE)
     server_pod_monitor: str | None = None  # NAMESPACE/NAME of a PodMonitor scraping every server pod (the chart's)
     # Kopf's finalizer on InferenceSessions and CacheTiers: deletion waits for the operator's cleanup
     # (children deleted at once, a CacheTier held while sessions use it). Off: deletions never wait
@@ -110,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--finalizers", action=argparse.BooleanOptionalAction, default=None,
                         help="hold deletions of InferenceSessions and CacheTiers for the operator's cleanup "
                              "(default: on; the chart's uninstall hook removes them)")
+    parser.add_argument("--network-policies", action=argparse.BooleanOptionalAction, default=None,
+                        help="a NetworkPolicy per session: server pods reachable only from their namespace, the "
+                             "operator's and --metrics-namespaces (default: off)")
+    parser.add_argument("--metrics-namespaces", default=None, metavar="NS[,NS...]",
+                        help="namespaces whose pods may scrape the server pods under --network-policies "
+                             "(default: monitoring)")
     parser.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=None,
                         help="run as one of several replicas: only the holder of a Lease reconciles (default: off)")
     parser.add_argument("--monitor-labels", default=None, metavar="K=V[,K=V...]",
@@ -162,6 +173,15 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
         election = env[_env_name("leader-election")].lower() in ("1", "true", "yes", "on")
     if election is not None:
         values["leader_election"] = election
+    policies = args.network_policies
+    if policies is None and _env_name("network-policies") in env:
+        policies = env[_env_name("network-policies")].lower() in ("1", "true", "yes", "on")
+    if policies is not None:
+        values["network_policies"] = policies
+    scrapers = args.metrics_namespaces if args.metrics_namespaces is not None else env.get(_env_name("metrics-namespaces"))
+    if scrapers is not None:
+        values["metrics_namespaces"] = tuple(ns.strip() for ns in scrapers.split(",") if ns.strip())
+    values["operator_namespace"] = env.get("POD_NAMESPACE") or None
     values.setdefault("leader_election_namespace", env.get("POD_NAMESPACE") or None)
     values["identity"] = env.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
 

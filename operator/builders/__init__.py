@@ -10,6 +10,7 @@ from mambaserve.operator.builders.config import build_config_map
 from mambaserve.operator.builders.disruption import build_pdb
 from mambaserve.operator.builders.model import build_model_claim, build_model_job, uses_cache
 from mambaserve.operator.builders.monitoring import build_router_monitor, build_service_monitor
+from mambaserve.operator.builders.network import build_network_policy
 from mambaserve.operator.builders.router import (build_router_deployment, build_router_pdb, build_router_role,
                                                  build_router_role_binding, build_router_service_account)
 from mambaserve.operator.builders.server import build_workload, memory_footprint, problems, rollout, server_args
@@ -76,6 +77,8 @@ def build_session_children(session: InferenceSession, tier: CacheTier | None, se
             children.append(build_scaled_object(session, workload, settings))
         else:
             children.append(build_hpa(session, workload))
+    if settings.network_policies:
+        children.append(build_network_policy(session, settings))
     if settings.service_monitors and session.monitoring.enabled:
         children.append(build_service_monitor(session, settings))
         if session.router.enabled:

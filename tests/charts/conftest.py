@@ -92,6 +92,7 @@ def live_values() -> dict[str, Any]:
     too), free loopback ports, and a fast status refresh for a short test."""
     return {"operator": {"clusterWide": True, "serviceMonitors": True, "metricsPort": free_port(),
                          "healthPort": free_port(), "statusInterval": 1, "metricsTimeout": 0.5},
+            "networkPolicy": {"enabled": True, "metricsNamespaces": ["monitoring"]},
             "monitoring": {"operatorServiceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
 
 

@@ -30,6 +30,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "operator-servicemonitors": {"operator": {"serviceMonitors": True},
                                  "monitoring": {"prometheusRule": {"enabled": True}}},
     "dashboards-off": {"dashboards": {"enabled": False}},
+    "network-policies": {"networkPolicy": {"enabled": True, "metricsNamespaces": ["monitoring", "obs"]}},
     "autoscaling": {"autoscaling": {"enabled": True}, "operator": {"watchNamespaces": ["llm"]}},
     "bring-your-own-rbac": {"rbac": {"create": False},
                             "serviceAccount": {"create": False, "name": "platform-operator"}},
@@ -443,6 +444,20 @@ def _check_dashboard(name: str, dash: dict[str, Any]) -> None:
         for t in panel["targets"]:
             for var in re.findall(r"\$([a-z_]+)", t["expr"]):
                 assert var in variables or var == "__rate_interval", f"{name}: unknown variable ${var}"
+
+
+def test_network_policies_are_optional_and_reach_the_operator(rendered: dict[str, Rendered]) -> None:
+    from mambaserve.operator.settings import parse_settings
+
+    assert rendered["default"].of("NetworkPolicy") == []
+    on = rendered["network-policies"]
+    policy = on.one("NetworkPolicy")["spec"]
+    ports = {p["name"]: p["containerPort"] for p in on.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert [p["port"] for p in policy["ingress"][0]["ports"]] == [ports["metrics"], ports["health"]]
+    assert policy["podSelector"]["matchLabels"].items() <= on.one("Deployment")["spec"]["template"]["metadata"]["labels"].items()
+    settings = parse_settings(on.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"], environ=POD_ENV)
+    assert settings.network_policies and settings.metrics_namespaces == ("monitoring", "obs")
+    assert settings.operator_namespace == NAMESPACE
 
 
 def test_autoscaling_turns_scraping_on_and_tells_the_operator() -> None:

@@ -144,6 +144,7 @@ EMULATED = [
     ("apps/v1/statefulsets", "StatefulSet", True, ["status", "scale"]),
     ("batch/v1/jobs", "Job", True, ["status"]),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, ["status"]),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, []),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, ["status"]),
     ("rbac.authorization.k8s.io/v1/roles", "Role", True, []),
     ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True, []),

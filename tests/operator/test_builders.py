@@ -341,6 +341,22 @@ def test_rollout_strategy_follows_the_spare_gpus(resources: dict[str, Any], roll
     assert [p.reason for p in problems(parse_session(body), tier("cachetier-per-pod"))] == ["SurgeNotPossible"]
 
 
+def test_network_policy_lets_only_the_namespace_the_operator_and_prometheus_reach_the_servers() -> None:
+    settings = OperatorSettings(network_policies=True, operator_namespace="mambaserve-system",
+                                metrics_namespaces=("monitoring",))
+    children = by_kind(build_session_children(session("inferencesession-minimal"), None, settings))
+    policy = children["NetworkPolicy", "tiny"]
+    assert_valid(policy)
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": names.server_selector("tiny")} and spec["policyTypes"] == ["Ingress"]
+    [rule] = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 30000}]
+    assert rule["from"] == [{"podSelector": {}},
+                            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mambaserve-system"}}},
+                            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert ("NetworkPolicy", "tiny") not in by_kind(SCENARIOS["minimal"]())  # off unless asked for
+
+
 def test_platform_session_placement_and_pod_template_merged_last() -> None:
     children = by_kind(SCENARIOS["platform"]())
     template = children["Deployment", "platform"]["spec"]["template"]

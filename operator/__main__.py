@@ -2,7 +2,8 @@
 
 Subcommands besides running: ``adapter-rules`` prints the prometheus-adapter rules the HPA engine
 needs; ``render -f FILE`` prints the objects InferenceSessions and CacheTiers become (render.py);
-``release-finalizers`` stops the operator and removes its finalizers (the chart's uninstall hook). Kopf runs
+``release-finalizers`` stops the operator and removes its finalizers (the chart's uninstall hook);
+``apply-crds`` server-side applies the CRDs the package carries (the chart's pre-upgrade hook). Kopf runs
 in standalone mode (no Kopf peering objects); with ``--leader-election`` several replicas run and only the
 holder of a Lease reconciles (leader.py).
 """
@@ -116,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["render"]:
         from mambaserve.operator import render  # offline: no Kopf, no API connection
         return render.main(args[1:])
+    if args[:1] == ["apply-crds"]:
+        from mambaserve.operator import crds_upgrade  # the chart's pre-upgrade hook
+        return crds_upgrade.main(args[1:])
     if args[:1] == ["release-finalizers"]:
         from mambaserve.operator import uninstall  # the chart's pre-delete hook
         return uninstall.main(args[1:])

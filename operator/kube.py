@@ -51,6 +51,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
     Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
     Kind("coordination.k8s.io/v1", "Lease", "leases"),
+    Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions", namespaced=False),
     Kind(f"{GROUP}/{VERSION}", "InferenceSession", "inferencesessions"),
     Kind(f"{GROUP}/{VERSION}", "CacheTier", "cachetiers"),
 )}

@@ -55,6 +55,10 @@ class Rendered:
                     hook = "helm.sh/hook" in (doc["metadata"].get("annotations") or {})
                     (self.hooks if hook else self.objects).append(doc)
 
+    def hooks_of(self, event: str) -> list[dict[str, Any]]:
+        """The hooks Helm runs at ``event`` (pre-delete, pre-upgrade)."""
+        return [h for h in self.hooks if h["metadata"]["annotations"]["helm.sh/hook"] == event]
+
     def kinds(self) -> list[str]:
         return sorted(o["kind"] for o in self.objects)
 

@@ -35,8 +35,8 @@ def test_hook_objects_are_valid_restricted_and_run_before_deletion(hooks: dict[s
     import kubernetes_validate
 
     out = hooks[name]
-    assert sorted(o["kind"] for o in out.hooks) == HOOK_KINDS[name]
-    for obj in out.hooks:
+    assert sorted(o["kind"] for o in out.hooks_of("pre-delete")) == HOOK_KINDS[name]
+    for obj in out.hooks_of("pre-delete"):
         annotations = obj["metadata"]["annotations"]
         assert annotations["helm.sh/hook"] == "pre-delete"
         assert "hook-succeeded" in annotations["helm.sh/hook-delete-policy"]
@@ -44,7 +44,7 @@ def test_hook_objects_are_valid_restricted_and_run_before_deletion(hooks: dict[s
         assert int(annotations["helm.sh/hook-weight"]) < 0 or obj["kind"] == "Job"
         for version in SUPPORTED:
             kubernetes_validate.validate(obj, version, strict=True)
-    job = next(o for o in out.hooks if o["kind"] == "Job")
+    job = next(o for o in out.hooks_of("pre-delete") if o["kind"] == "Job")
     assert restricted_violations(job) == [] and writable_root_filesystems(job) == []
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["mambaserve-operator", "release-finalizers"]
@@ -53,10 +53,10 @@ def test_hook_objects_are_valid_restricted_and_run_before_deletion(hooks: dict[s
 
 def test_hook_and_finalizers_follow_the_values() -> None:
     out = render({"operator": {"finalizers": False, "uninstallHook": {"enabled": False}}})
-    assert out.hooks == []
+    assert out.hooks_of("pre-delete") == []
     assert "--no-finalizers" in out.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     long_release = "r" * 30 + "-" + "x" * 22
-    for obj in render(name=long_release).hooks:
+    for obj in render(name=long_release).hooks:  # every hook's, the CRD upgrade's too
         assert len(obj["metadata"]["name"]) <= 63
 
 
@@ -75,14 +75,14 @@ def test_hook_command_under_the_hook_rbac_frees_every_object(hooks: dict[str, Re
     from tests.operator.conftest import sample
 
     out = hooks[name]
-    job = next(o for o in out.hooks if o["kind"] == "Job")
+    job = next(o for o in out.hooks_of("pre-delete") if o["kind"] == "Job")
     account = job["spec"]["template"]["spec"]["serviceAccountName"]
     container = job["spec"]["template"]["spec"]["containers"][0]
     operator = out.one("Deployment")["metadata"]["name"]
     em = Emulator()
     stop = threading.Event()
     try:
-        em.enforce(Authorizer(out.hooks, account, NAMESPACE))
+        em.enforce(Authorizer(out.hooks_of("pre-delete"), account, NAMESPACE))
         objects: list[tuple[str, str, str]] = []
         for kind, body, ns in (("CacheTier", sample("cachetier-shared"), "llm"),
                                ("InferenceSession", sample("inferencesession-minimal"), "llm"),

@@ -86,8 +86,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
     async def _create_applied(self, request: Any, key: Any, obj: dict[str, Any], version: str) -> None:
         meta = obj["metadata"]
-        meta.update({"namespace": request.namespace, "resourceVersion": version, "generation": 1,
-                     "creationTimestamp": "2025-01-01T00:00:00Z"})
+        meta.update({"resourceVersion": version, "generation": 1, "creationTimestamp": "2025-01-01T00:00:00Z"})
+        if request.namespace:
+            meta["namespace"] = request.namespace
         meta.setdefault("uid", f"uid-{next(_uids)}")
         async with self._lock:
             if key in self._objects:
@@ -208,6 +209,12 @@ class Cluster:
         meta.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
         async with self._client() as client, client.post(self.url + self.path(obj["kind"], meta["namespace"]),
                                                          json=obj) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    async def create_cluster_scoped(self, obj: dict[str, Any]) -> dict[str, Any]:
+        group_version, plural = self.key(obj["kind"]).rsplit("/", 1)
+        async with self._client() as client, client.post(f"{self.url}/apis/{group_version}/{plural}", json=obj) as resp:
             assert resp.status == 200, await resp.text()
             return await resp.json()
 

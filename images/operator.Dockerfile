@@ -5,7 +5,8 @@
 #   docker build -f images/operator.Dockerfile -t mambaserve-operator:0.1.0 .    (context: the repository root)
 #
 # The package is installed without its dependencies (those are the server's) and with
-# requirements-operator.txt's pins instead, in a virtual environment: the same steps then work on
+# requirements-operator.lock instead (every dependency pinned and hashed: pip --require-hashes), in a
+# virtual environment: the same steps then work on
 # the official Python image and on Debian's python3 (tests/images builds this file on one).
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
@@ -19,7 +20,7 @@ ENV PYTHONUNBUFFERED=1 \
     USER=mambaserve
 
 WORKDIR /opt/mambaserve/src
-COPY pyproject.toml README.md requirements-operator.txt ./
+COPY pyproject.toml README.md requirements-operator.txt requirements-operator.lock ./
 COPY server/ server/
 COPY kernels/ kernels/
 COPY operator/ operator/
@@ -28,7 +29,7 @@ COPY crds/ crds/
 # The import check keeps the promise of this image: a dependency that drags torch in fails the build.
 RUN set -eu; \
     python3 -m venv /opt/mambaserve; \
-    pip install -r requirements-operator.txt; \
+    pip install --require-hashes -r requirements-operator.lock; \
     pip install --no-deps .; \
     rm -rf build ./*.egg-info; \
     if python -c 'import torch' 2>/dev/null; then echo 'torch is in the operator image' >&2; exit 1; fi; \

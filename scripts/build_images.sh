@@ -10,9 +10,10 @@
 #   --push      push both images after building them
 # Environment:
 #   CONTAINER_TOOL       docker, podman or buildah (default: the first of them found)
-#   SERVER_BASE_IMAGE    base of the server image (default: the PyTorch image of the torch release
-#                        requirements-server.txt pins, CUDA $CUDA_VERSION, default 12.8)
-#   OPERATOR_BASE_IMAGE  base of the operator image (default: the Dockerfile's Python 3.11 slim image)
+#   SERVER_BASE_IMAGE    base of the server image (default: images/bases.lock's, the PyTorch image of the
+#                        torch release requirements-server.txt pins, pinned by digest)
+#   OPERATOR_BASE_IMAGE  base of the operator image (default: images/bases.lock's Python 3.11 slim image)
+#   ALLOW_UNPINNED_BASE  1: build from a base without @sha256: (scripts/pin_base_images.sh pins them)
 #   BUILD_ARGS           more arguments for the build command (e.g. --platform linux/amd64)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,8 +53,17 @@ case "$tool" in
   *) echo "no container tool: install docker, podman or buildah, or set CONTAINER_TOOL" >&2; exit 2 ;;
 esac
 
-torch="$(sed -n 's/^torch==//p' requirements-server.txt)"
-server_base="${SERVER_BASE_IMAGE:-docker.io/pytorch/pytorch:${torch}-cuda${CUDA_VERSION:-12.8}-cudnn9-runtime}"
+locked() { sed -n "s/^$1 //p" images/bases.lock; }
+server_base="${SERVER_BASE_IMAGE:-$(locked server)}"
+operator_base="${OPERATOR_BASE_IMAGE:-$(locked operator)}"
+for base in "$server_base" "$operator_base"; do
+  case "$base" in
+    *@sha256:*) ;;
+    *) [ "${ALLOW_UNPINNED_BASE:-0}" = 1 ] || {
+         echo "base $base is not pinned by digest: run scripts/pin_base_images.sh (or ALLOW_UNPINNED_BASE=1)" >&2
+         exit 2; } ;;
+  esac
+done
 server="$repository/mambaserve-server:$tag"
 operator="$repository/mambaserve-operator:$tag"
 # shellcheck disable=SC2206  # BUILD_ARGS is a list of words on purpose
@@ -61,13 +71,19 @@ extra=(${BUILD_ARGS:-})
 
 set -x
 "${build[@]}" "${extra[@]}" -f images/server.Dockerfile --build-arg "BASE_IMAGE=$server_base" -t "$server" .
-"${build[@]}" "${extra[@]}" -f images/operator.Dockerfile \
-  ${OPERATOR_BASE_IMAGE:+--build-arg "BASE_IMAGE=$OPERATOR_BASE_IMAGE"} -t "$operator" .
+"${build[@]}" "${extra[@]}" -f images/operator.Dockerfile --build-arg "BASE_IMAGE=$operator_base" -t "$operator" .
+pushed() {  # push IMAGE, print the digest the registry stored it under
+  if [ "$tool" = docker ]; then
+    docker push "$1" >&2 && docker inspect --format '{{index .RepoDigests 0}}' "$1" | sed 's/.*@//'
+  else
+    local file; file="$(mktemp)"; "$tool" push --digestfile "$file" "$1" >&2 && cat "$file"; rm -f "$file"
+  fi
+}
+digests=""
 if [ "$push" = 1 ]; then
-  "$tool" push "$server"
-  "$tool" push "$operator"
+  digests="--set server.image.digest=$(pushed "$server") --set operator.image.digest=$(pushed "$operator")"
 fi
 { set +x; } 2>/dev/null
 if [ "$push" = 1 ]; then echo "built and pushed: $server $operator"; else echo "built: $server $operator"; fi
 echo "helm install ... --set server.image.repository=$repository/mambaserve-server --set server.image.tag=$tag" \
-     "--set operator.image.repository=$repository/mambaserve-operator --set operator.image.tag=$tag"
+     "--set operator.image.repository=$repository/mambaserve-operator --set operator.image.tag=$tag $digests"

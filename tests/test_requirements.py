@@ -60,3 +60,31 @@ def test_development_requirements_reference_the_image_files_and_repeat_no_pin() 
         assert not set(dev) & set(pins(shared)), f"requirements.txt repeats pins of {shared}"
     server, operator = pins("requirements-server.txt"), pins("requirements-operator.txt")
     assert all(server[n] == operator[n] for n in set(server) & set(operator))  # prometheus-client
+
+
+def locked(name: str) -> dict[str, tuple[str, int]]:
+    """``name==version`` of a lock file (scripts/lock_requirements.sh) with how many hashes each has."""
+    out, current = {}, None
+    for line in (ROOT / name).read_text().splitlines():
+        if line and not line[0].isspace() and not line.startswith("#"):
+            spec = line.rstrip(" \\")
+            req = Requirement(spec.split(";")[0])
+            (pin,) = req.specifier
+            assert pin.operator == "==", f"{name}: {spec} is not pinned"
+            current = canonicalize_name(req.name)
+            out[current] = (pin.version, 0)
+        elif "--hash=sha256:" in line and current is not None:
+            out[current] = (out[current][0], out[current][1] + 1)
+    return out
+
+
+def test_image_locks_hold_every_direct_pin_and_hash_every_dependency() -> None:
+    """The images install the .lock files with pip --require-hashes: indirect dependencies cannot move."""
+    for lock, direct in (("requirements-server.lock", "requirements-server.txt"),
+                         ("requirements-operator.lock", "requirements-operator.txt")):
+        have = locked(lock)
+        assert all(hashes >= 1 for _, hashes in have.values()), lock
+        wanted = {k: v for k, v in pins(direct).items() if k != "torch"}  # torch: the server image's base
+        assert {k: have[k][0] for k in wanted if k in have} == wanted, f"{lock} is stale: run scripts/lock_requirements.sh"
+        assert set(wanted) <= set(have)
+        assert "torch" not in have and len(have) > len(wanted)  # the indirect ones are there too

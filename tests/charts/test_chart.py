@@ -254,6 +254,32 @@ def test_images_are_two_pinned_to_the_release_and_the_server_one_reaches_the_pod
     assert server["spec"]["template"]["spec"]["containers"][0]["image"] == f"mambaserve-server:{release}"
 
 
+def test_images_pinned_by_digest_render_valid_references() -> None:
+    """A digest (image.digest, or a repository that ends in one) reaches the pods as a valid reference; it
+    used to render "repo@sha256:...:0.1.0", which no runtime pulls."""
+    import kubernetes_validate
+
+    from mambaserve.operator.settings import parse_settings
+
+    digest = "sha256:" + "ab" * 32
+    reference = re.compile(r"^[a-z0-9][-a-z0-9._/:]*(:[\w][\w.-]{0,127})?(@sha256:[a-f0-9]{64})?$")
+    for values, server, operator in [
+        ({"server": {"image": {"digest": digest}}, "operator": {"image": {"digest": digest}}},
+         f"mambaserve-server:0.1.0@{digest}", f"mambaserve-operator:0.1.0@{digest}"),
+        ({"server": {"image": {"repository": f"registry.example:5000/ml/mambaserve-server@{digest}"}},
+          "operator": {"image": {"repository": f"registry.example:5000/ml/mambaserve-operator@{digest}"}}},
+         f"registry.example:5000/ml/mambaserve-server@{digest}", f"registry.example:5000/ml/mambaserve-operator@{digest}"),
+    ]:
+        out = render(values)
+        dep = out.one("Deployment")
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        assert container["image"] == operator and reference.match(container["image"])
+        assert parse_settings(container["args"], environ=POD_ENV).server_image == server and reference.match(server)
+        kubernetes_validate.validate(dep, NEWEST, strict=True)
+    with pytest.raises(helm().errors.HelmValuesError):
+        render({"server": {"image": {"digest": "sha256:short"}}})
+
+
 def test_rendered_args_are_accepted_by_the_operator_cli(rendered: dict[str, Rendered]) -> None:
     from mambaserve.operator.settings import parse_settings
 

@@ -162,7 +162,7 @@ class Buildah:
         server, operator = f"{repository}/mambaserve-server:{tag}", f"{repository}/mambaserve-operator:{tag}"
         for old in (server, operator):  # vfs keeps every copy: drop the previous run's images first
             subprocess.run(["buildah", "rmi", "-f", old], env=self.env, capture_output=True)
-        env = {**self.env, "CONTAINER_TOOL": "buildah", "SERVER_BASE_IMAGE": self.torch_base(),
+        env = {**self.env, "CONTAINER_TOOL": "buildah", "ALLOW_UNPINNED_BASE": "1", "SERVER_BASE_IMAGE": self.torch_base(),
                "OPERATOR_BASE_IMAGE": self.python_base(), "BUILD_ARGS": " ".join(self.volumes)}
         proc = subprocess.run([str(ROOT / "scripts" / "build_images.sh"), "--tag", tag, repository], env=env,
                               capture_output=True, text=True, timeout=2400)

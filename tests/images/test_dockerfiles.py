@@ -6,6 +6,7 @@ script refuses a tag that is not a release."""
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import subprocess
 
@@ -45,8 +46,14 @@ def test_both_images_run_as_the_uid_the_pods_ask_for() -> None:
 def test_server_image_default_base_and_layout_match_the_pins_and_the_operator() -> None:
     (base,) = [r for w, r in instructions("server.Dockerfile") if w == "ARG" and r.startswith("BASE_IMAGE=")]
     assert f"pytorch/pytorch:{torch_pin()}-" in base
-    script = (ROOT / "scripts" / "build_images.sh").read_text()
-    assert "pytorch/pytorch:${torch}-" in script and "requirements-server.txt" in script
+    locked = dict(line.split(" ", 1) for line in (IMAGES / "bases.lock").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    # The build's bases are the Dockerfiles' defaults, pinned by digest once scripts/pin_base_images.sh ran.
+    assert locked["server"].split("@")[0] == base.split("=", 1)[1].split("@")[0]
+    (op_base,) = [r for w, r in instructions("operator.Dockerfile") if w == "ARG" and r.startswith("BASE_IMAGE=")]
+    assert locked["operator"].split("@")[0] == op_base.split("=", 1)[1].split("@")[0]
+    for ref in locked.values():
+        assert re.fullmatch(r"[a-z0-9./-]+:[\w.-]+(@sha256:[0-9a-f]{64})?", ref), ref
     assert f"HOME={HOME_DIR}" in one("server.Dockerfile", "ENV").split()
     assert one("server.Dockerfile", "EXPOSE") == str(SERVER_PORT)
     assert one("server.Dockerfile", "ENTRYPOINT") == '["mambaserve", "serve"]'
@@ -59,8 +66,9 @@ def test_server_image_default_base_and_layout_match_the_pins_and_the_operator() 
 
 def test_each_image_installs_only_its_own_requirements() -> None:
     server, operator = (IMAGES / "server.Dockerfile").read_text(), (IMAGES / "operator.Dockerfile").read_text()
-    assert "pip install -r requirements-server.txt" in server and "requirements-operator.txt" not in server
-    assert "pip install -r requirements-operator.txt" in operator and "requirements-server.txt" not in operator
+    # Every dependency pinned and hashed (scripts/lock_requirements.sh), installed in hash-checking mode.
+    assert "pip install --require-hashes -r requirements-server.lock" in server and "operator.lock" not in server
+    assert "pip install --require-hashes -r requirements-operator.lock" in operator and "server.lock" not in operator
     assert "--no-deps ." in server and "--no-deps ." in operator
 
 
@@ -91,3 +99,8 @@ def test_build_script_refuses_a_tag_that_is_not_a_release() -> None:
     assert proc.returncode == 2 and "is not a release" in proc.stderr, proc.stderr
     proc = subprocess.run([script], capture_output=True, text=True)
     assert proc.returncode == 2 and "REPOSITORY is required" in proc.stderr
+    # A base by tag alone is refused (a re-pushed tag would change a rebuilt image).
+    proc = subprocess.run([script, "registry.example/ml"], capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"], "CONTAINER_TOOL": "buildah",
+                               "SERVER_BASE_IMAGE": "docker.io/pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime"})
+    assert proc.returncode == 2 and "is not pinned by digest" in proc.stderr, proc.stderr

@@ -69,13 +69,27 @@ app.kubernetes.io/instance: {{ $root.Release.Name | trunc 63 | trimSuffix "-" }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
-{{/* Images, each "repository:tag" (values.schema.json refuses an empty or `latest` tag). */}}
+{{/*
+Images: "repository:tag", or pinned by digest: "repository:tag@sha256:..." with image.digest, or the
+repository as given when it already names a digest ("registry/name@sha256:..."). values.schema.json
+refuses an empty or `latest` tag and a malformed digest.
+*/}}
+{{- define "mambaserve.imageRef" -}}
+{{- if contains "@sha256:" .repository -}}
+{{- .repository -}}
+{{- else if .digest -}}
+{{- printf "%s:%s@%s" .repository .tag .digest -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "mambaserve.operator.image" -}}
-{{- printf "%s:%s" .Values.operator.image.repository .Values.operator.image.tag -}}
+{{- include "mambaserve.imageRef" .Values.operator.image -}}
 {{- end -}}
 
 {{- define "mambaserve.server.image" -}}
-{{- printf "%s:%s" .Values.server.image.repository .Values.server.image.tag -}}
+{{- include "mambaserve.imageRef" .Values.server.image -}}
 {{- end -}}
 
 {{/* Labels of monitoring objects: the chart's plus those a Prometheus selects on. */}}

@@ -9,15 +9,23 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install serve test clean tools image-tools test-images
 
-$(STAMP): requirements.txt requirements-server.txt requirements-operator.txt pyproject.toml
+SERVE_STAMP := $(VENV)/.installed-server
+
+# What serving needs alone (requirements-server.txt + the package): `make serve` on a fresh clone.
+$(SERVE_STAMP): requirements-server.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-server.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(SERVE_STAMP)
+
+# Everything else: the operator, the kernels' Triton and the tests' tools (`make test`).
+$(STAMP): $(SERVE_STAMP) requirements.txt requirements-operator.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt
 	@touch $(STAMP)
 
 install: $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/mambaserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 # promtool and prometheus (Debian's package) for tests/charts, installed when missing (as root, or via sudo).

@@ -25,6 +25,7 @@ from mambaserve.server.api.openai import openai_routes
 from mambaserve.server.api.responses import ClientGone, error_response
 from mambaserve.server.api.schemas import ERRORS, PLAIN_TEXT
 from mambaserve.server.api.timing import StageTimer
+from mambaserve.server.api.tokens import token_routes
 from mambaserve.server.api.sessions import session_routes
 from mambaserve.server.engine.engine import Engine
 from mambaserve.server.engine.request import BadRequest, Overloaded, SamplingParams
@@ -138,4 +139,5 @@ def create_app(engine: Engine) -> FastAPI:
     app.include_router(native_routes(engine))
     app.include_router(session_routes(engine))
     app.include_router(openai_routes(engine))
+    app.include_router(token_routes(engine))
     return app

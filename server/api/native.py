@@ -65,11 +65,12 @@ def native_routes(engine: Engine) -> APIRouter:
         engine.check_load(len(prompts) * n)
         ids = [await engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
         params = [engine.check_prompt(i, body.sampling_params.params(), explicit) for i in ids]
+        grammar = await engine.compile_grammar(params[0])
         if body.return_logprob and any(body.logprob_start_len >= len(i) for i in ids):
             raise BadRequest(f"logprob_start_len {body.logprob_start_len} is past the prompt's last token "
                              f"(prompts of {min(len(i) for i in ids)} tokens)")
         kw = dict(return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-                  logprob_start_len=body.logprob_start_len, stream=body.stream)
+                  logprob_start_len=body.logprob_start_len, stream=body.stream, grammar=grammar)
         turn = None
         if many:
             gens = [g for i, p in zip(ids, params) for g in engine.generate_n(i, p, n, **kw)]

@@ -1,10 +1,12 @@
 """Request bodies of the HTTP API (pydantic), and their translation into SamplingParams.
 
-Unknown fields are ignored (clients send many); known fields of the wrong type are a 422.
+Unknown fields are ignored (clients send many); known fields of the wrong type are a 422, strictly: no
+string is taken for a number or a boolean, no number for a boolean (pydantic's strict mode).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -29,7 +31,7 @@ def _check_text(value: Any, where: str) -> None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="after")
     def _well_formed_text(self):
@@ -43,14 +45,12 @@ class _Body(BaseModel):
 # no-op value: null, false, "", [], {}) is refused with 400 ``unsupported_parameter``, never answered as if
 # it had not been sent. (sglang-router adds some with their no-op values, e.g. return_hidden_states: false.)
 UNSUPPORTED_OPENAI = frozenset({
-    "logit_bias", "suffix", "tools", "functions", "continue_final_message", "no_stop_trim", "lora_path",
-    "regex", "json_schema", "ebnf", "structural_tag", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "return_hidden_states"})
+    "suffix", "functions", "function_call", "lora_path", "structural_tag", "return_hidden_states", "use_beam_search",
+    "guided_decoding_backend", "guided_whitespace_pattern", "logits_processors"})
 UNSUPPORTED_NATIVE = frozenset({
     "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "return_hidden_states",
     "return_entropy", "return_bytes", "custom_logit_processor", "token_ids_logprob", "bootstrap_host"})
-UNSUPPORTED_NATIVE_SAMPLING = frozenset({
-    "regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params", "logit_bias"})
+UNSUPPORTED_NATIVE_SAMPLING = frozenset({"structural_tag", "stop_regex", "custom_params"})
 
 
 def _refuse_unsupported(extra: dict[str, Any] | None, names: frozenset[str], where: str = "") -> None:
@@ -60,6 +60,61 @@ def _refuse_unsupported(extra: dict[str, Any] | None, names: frozenset[str], whe
 
 
 ROUTING_KEY = "x-smg-routing-key"  # sglang-router's sticky key (policy manual), which it forwards
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            out.append((int(key), value))
+        except ValueError:
+            raise BadRequest(f"logit_bias keys are token ids, got {key!r}") from None
+    return tuple(out)
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> tuple[str, str]:
+        if self.type == "json_object":
+            return ("json_object", "")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise BadRequest("response_format json_schema needs json_schema.schema")
+        return ("json_schema", json.dumps(self.json_schema.schema_))
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> tuple[str, str]:
+        set_ = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise BadRequest("structured_outputs takes exactly one of json, regex, choice, grammar, json_object")
+        kind = set_[0]
+        if kind == "json_":
+            return ("json_schema", self.json_ if isinstance(self.json_, str) else json.dumps(self.json_))
+        if kind == "choice":
+            return ("choice", json.dumps(self.choice))
+        if kind == "grammar":
+            return ("ebnf", self.grammar)
+        return (kind, getattr(self, kind) or "") if kind != "json_object" else ("json_object", "")
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -87,30 +142,70 @@ class _OpenAISampling(_Body):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # (vLLM's extension)
     min_tokens: int = 0  # (vLLM's name for min_new_tokens)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[StrictInt] | None = None  # (vLLM's)
+    bad_words: list[str] | None = None  # (vLLM's)
+    include_stop_str_in_output: bool = False  # (vLLM's)
+    no_stop_trim: bool = False  # (SGLang's name for include_stop_str_in_output)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # (vLLM's) only the prompt's last k tokens
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # (vLLM's) the prompt's tokens' logprobs
+    best_of: int | None = None  # only 1 or n: every answer generated is returned
+    # structured outputs, in each form clients send them (at most one per request): OpenAI's, vLLM's, SGLang's
+    response_format: "ResponseFormat | None" = None
+    structured_outputs: "StructuredOutputs | None" = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
     session_id: str | None = None
     session_params: "SessionParams | None" = None  # (what sglang-router forwards; session_id it drops)
 
     def check_supported(self) -> None:
         """400 for a field set that this server does not implement (UNSUPPORTED_OPENAI)."""
         _refuse_unsupported(self.model_extra, UNSUPPORTED_OPENAI)
-        extra = self.model_extra or {}
-        best_of = extra.get("best_of")
-        if best_of is not None and best_of not in (1, self.n):
-            raise BadRequest("best_of other than n is not supported by this server", code="unsupported_parameter")
-        fmt = extra.get("response_format")
-        if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise BadRequest("response_format other than text is not supported by this server",
-                             code="unsupported_parameter")
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise BadRequest("best_of other than 1 or n is not supported by this server", code="unsupported_parameter")
+
+    def constraint(self) -> tuple[tuple[str, str] | None, str | None]:
+        """The grammar the answer must follow, from whichever field asked for one, and that field's name."""
+        found = []
+        if self.response_format is not None and self.response_format.type != "text":
+            found.append(("response_format", self.response_format.constraint()))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.constraint()))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "ebnf"), ("regex", "regex"), ("json_schema", "json_schema"),
+                           ("ebnf", "ebnf")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, (kind, value if isinstance(value, str) else json.dumps(value))))
+        if len(found) > 1:
+            raise BadRequest(f"at most one structured output per request; got {', '.join(n for n, _ in found)}")
+        return (found[0][1], found[0][0]) if found else (None, None)
 
     def sampling(self, max_tokens: int, max_tokens_name: str = "max_tokens") -> SamplingParams:
         """The engine's parameters; ``max_tokens_name``: the field the token limit came in (chat has two)."""
+        constraint, source = self.constraint()
         return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
-                              min_new_tokens=self.min_tokens,
-                              names={"max_new_tokens": max_tokens_name, "min_new_tokens": "min_tokens"})
+                              min_new_tokens=self.min_tokens, logit_bias=_logit_bias(self.logit_bias),
+                              allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+                              bad_words=tuple(self.bad_words or ()),
+                              include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
+                              constraint=constraint,
+                              names={"max_new_tokens": max_tokens_name, "min_new_tokens": "min_tokens",
+                                     "constraint": source or "response_format"})
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        """``truncate_prompt_tokens``: the prompt's last k tokens."""
+        k = self.truncate_prompt_tokens
+        return ids[-k:] if k else ids
 
     def session(self, headers) -> tuple[str | None, TurnParams | None]:
         """The session this request is a turn of: ``session_params`` (the one form sglang-router forwards),
@@ -144,6 +239,9 @@ class CompletionRequest(_OpenAISampling):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
         if self.content is None:
@@ -157,6 +255,51 @@ class ChatMessage(_Body):
             parts.append(part["text"])
         return "".join(parts)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content; a call's JSON arguments as an object."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        return out
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadRequest("an assistant message's tool_calls need function.name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise BadRequest(f"tool call {fn['name']!r}: arguments are not JSON") from None
+    return {**call, "type": "function", "function": {**fn, "arguments": args}}
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -164,6 +307,13 @@ class ChatRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # (vLLM's) the last (assistant) message is continued, not closed
+    echo: bool = False  # (vLLM's) the answer starts with the last message's content when that is the assistant's
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -171,6 +321,33 @@ class ChatRequest(_OpenAISampling):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def template_args(self) -> dict[str, Any]:
+        """What the chat template is rendered with besides the messages (BadRequest for what cannot go together)."""
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise BadRequest("continue_final_message needs add_generation_prompt: false")
+            if self.messages[-1].role != "assistant":
+                raise BadRequest("continue_final_message needs the last message to be the assistant's")
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_ARGS)
+        if taken:
+            raise BadRequest(f"chat_template_kwargs cannot set {', '.join(taken)} (fields of their own)")
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, **kwargs}
+
+    @property
+    def echoed(self) -> str:
+        """``echo``: the text the answer starts with."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
+
+
+# what a chat template gets from the request's own fields, never from chat_template_kwargs
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                    "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                    "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                                    "return_tensors"})
 
 
 class NativeSampling(_Body):
@@ -191,16 +368,30 @@ class NativeSampling(_Body):
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     n: int = Field(default=1, ge=1)
+    logit_bias: dict[str, float] | None = None
+    no_stop_trim: bool = False  # the matched stop string stays in the text
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def params(self) -> SamplingParams:
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
+        grammars = [(name, kind) for name, kind in (("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "ebnf"))
+                    if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise BadRequest(f"at most one of json_schema, regex, ebnf; got {', '.join(n for n, _ in grammars)}")
+        names = {"seed": "sampling_seed"} if self.sampling_seed is not None else {}
+        if grammars:
+            names["constraint"] = grammars[0][0]
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=seed, stop=_stop_tuple(self.stop),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
-                              min_new_tokens=self.min_new_tokens,
-                              names={"seed": "sampling_seed"} if self.sampling_seed is not None else {})
+                              min_new_tokens=self.min_new_tokens, logit_bias=_logit_bias(self.logit_bias),
+                              include_stop_str_in_output=self.no_stop_trim,
+                              constraint=(grammars[0][1], getattr(self, grammars[0][0])) if grammars else None,
+                              names=names)
 
 
 class GenerateRequest(_Body):
@@ -233,6 +424,26 @@ class GenerateRequest(_Body):
         if not p:
             raise BadRequest("the batch of prompts is empty")
         return list(p)
+
+
+class TokenizeRequest(_Body):
+    """``/tokenize`` (vLLM's form: a prompt, or chat messages rendered as a chat request would be) and
+    ``/v1/tokenize`` (SGLang's: a prompt or a list of them)."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = False  # (the server itself never adds any to a prompt)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[StrictInt] | list[list[StrictInt]]
 
 
 class AbortRequest(_Body):
@@ -293,5 +504,5 @@ class RestoreRequest(_Body):
     session_secret: str | None = Field(default=None, max_length=256)
 
 
-for _model in (CompletionRequest, ChatRequest, GenerateRequest):
+for _model in (CompletionRequest, ChatRequest, GenerateRequest, TokenizeRequest):
     _model.model_rebuild()

@@ -75,9 +75,16 @@ class CompletionResponse(_Out):
     usage: Usage
 
 
+class ToolCallOut(_Out):
+    id: str
+    type: str
+    function: dict[str, str]
+
+
 class ChatMessageOut(_Out):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Out):
@@ -170,3 +177,19 @@ class RestoreResult(_Out):
     session_id: str
     tokens: int
     has_state: bool
+
+
+class TokenizeResult(_Out):
+    tokens: list[int] | list[list[int]]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | list[list[str]] | None = None
+
+
+class DetokenizeResult(_Out):
+    prompt: str | list[str]
+    text: str | list[str]
+
+
+class Version(_Out):
+    version: str

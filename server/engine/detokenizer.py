@@ -10,12 +10,13 @@ from __future__ import annotations
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
-                 prompt_tail: list[int] | None = None, incremental: bool = True):
+                 prompt_tail: list[int] | None = None, incremental: bool = True, keep_stop: bool = False):
         self.tok = tokenizer
         # Without a client reading increments and without stop strings, decoding once at the end
         # gives the same text for a fraction of the work (two decodes per token otherwise).
         self.lazy = not incremental and not stop
         self.stop = stop
+        self.keep_stop = keep_stop  # the matched stop string stays in the text (include_stop_str_in_output)
         self.skip = skip_special_tokens
         # A few prompt tokens as left context, so the first output token decodes with its leading space.
         self.ids: list[int] = list(prompt_tail or [])
@@ -46,7 +47,7 @@ class IncrementalDetokenizer:
         for s in self.stop:
             i = self.text.find(s, start)
             if i >= 0:
-                self.text = self.text[:i]
+                self.text = self.text[:i + len(s) * self.keep_stop]
                 self.stopped = s
                 return
 

@@ -20,7 +20,9 @@ from mambaserve.kernels import compiles
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine import timeline, warm_up
 from mambaserve.server.engine.cuda_graphs import buckets_up_to, prefill_buckets
+from mambaserve.server.engine.constraints import Constraint
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
+from mambaserve.server.engine.grammar import Compiled, Grammars
 from mambaserve.server.engine.kv_pool import KVPool, page_bytes
 from mambaserve.server.engine.memory import (HybridPlan, PoolPlan, decode_graph_bytes, device_memory, plan_hybrid,
                                              plan_pool, prefill_graph_bytes, reserve_bytes, slot_bytes)
@@ -30,6 +32,8 @@ from mambaserve.server.engine.request import BadRequest, Overloaded, Req, Sampli
 from mambaserve.server.engine.scheduler import Scheduler
 from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
 from mambaserve.server.model.config import read_config
+from mambaserve.server.model.hub import hub_id
+from mambaserve.server.model.hub import resolve as resolve_checkpoint
 from mambaserve.server.model.inputs import ForwardMode
 from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 from mambaserve.server.model.registry import resolve
@@ -56,6 +60,10 @@ STAGING_SNAPSHOTS = 8  # host tier for a storage tier given no --host-cache-size
 
 class Engine:
     def __init__(self, cfg: ServerConfig):
+        ref = hub_id(cfg.model)
+        if ref is not None:  # --model org/name[@revision]: its snapshot in the hub's cache, named by the repository
+            cfg = dataclasses.replace(cfg, model=str(resolve_checkpoint(cfg.model)),
+                                      served_model_name=cfg.served_model_name or ref[0])
         self.cfg = cfg
         self._begun = begun = time.monotonic()
         if cfg.kernel_cache_dir:  # before anything compiles
@@ -131,6 +139,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = Grammars(self.tokenizer, self.dims.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self._active = 0  # requests between submit and their last output (touched on the event loop only)
         log.info("state pool: %d slots x %.2f MiB = %.2f GiB (room for %d: %.2f GiB); context length %d; max running %d",
@@ -280,9 +289,11 @@ class Engine:
         """``encode`` on a worker thread: a long prompt must not stall the event loop (health checks, streams)."""
         return await asyncio.to_thread(self.encode, text)
 
-    async def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        """The chat template applied and the result tokenized, off the event loop (ValueError: no template)."""
-        return await asyncio.to_thread(lambda: self.encode(render_chat(self.tokenizer, messages)))
+    async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None, **template_args) -> list[int]:
+        """The chat template applied (``model.tokenizer.render_chat``) and the result tokenized, off the event
+        loop (ValueError: no template, or one that refuses the messages)."""
+        return await asyncio.to_thread(lambda: self.encode(render_chat(self.tokenizer, messages, tools,
+                                                                       **template_args)))
 
     def check_load(self, prompts: int = 1) -> None:
         """Refuse more work than the queue bound allows: 400 for too many prompts in one request, 503
@@ -304,12 +315,15 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.token_ids() if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token ids of the sampling parameters out of range [0, {vocab}): {bad[:5]}")
         return fit_to_context(len(prompt_ids), params, self.context_length, max_tokens_explicit)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
                  session_id: str | None = None, turn_params: TurnParams | None = None, stream: bool = True,
-                 follows=None, group: str | None = None) -> Generation:
+                 follows=None, grammar: Compiled | None = None, group: str | None = None) -> Generation:
         """Submit a request now; its increments come from the returned async iterator until it finishes,
         and closing the iterator early aborts the request (call from the event loop).
 
@@ -330,7 +344,9 @@ class Engine:
             stop_ids |= self.eos_token_ids
         req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params,
                   detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                                     prompt_tail=list(prompt_ids[-4:]), incremental=stream),
+                                                     prompt_tail=list(prompt_ids[-4:]), incremental=stream,
+                                                     keep_stop=params.include_stop_str_in_output),
+                  constraint=self._constraint(params, grammar),
                   stream=stream,
                   emit=lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
@@ -342,6 +358,20 @@ class Engine:
         self.scheduler.submit(req)
         self._active += 1
         return Generation(self, req, q)
+
+    async def compile_grammar(self, params: SamplingParams) -> Compiled | None:
+        """``params.constraint`` compiled (or from the cache) on a worker thread; BadRequest if it is not a
+        grammar. Pass the result to ``generate`` (which otherwise compiles it on the event loop)."""
+        if params.constraint is None:
+            return None
+        return await asyncio.to_thread(self.grammars.compile, *params.constraint)
+
+    def _constraint(self, params: SamplingParams, grammar: Compiled | None) -> Constraint | None:
+        if not params.constrained:
+            return None
+        if params.constraint is not None and grammar is None:
+            grammar = self.grammars.compile(*params.constraint)
+        return Constraint(params, self.dims.vocab_size, self.tokenizer, grammar.matcher() if grammar else None)
 
     def generate_n(self, prompt_ids: list[int], params: SamplingParams, n: int, **kw) -> list[Generation]:
         """``n`` answers to one prompt: the first prefills it; the others wait for that prefill and start
@@ -455,7 +485,7 @@ class Engine:
                 "max_running_requests": self.scheduler.max_running, "chunked_prefill_size": c.chunked_prefill_size,
                 "mamba_cache_size": self.pool.allocator.capacity, "disable_radix_cache": c.disable_radix_cache,
                 "page_size": c.page_size, "mamba_cache_strategy": c.mamba_cache_strategy,
-                "mamba_track_interval": self.track_interval, "version": _version(),
+                "mamba_track_interval": self.track_interval, "version": package_version(),
                 "internal_states": [await self.accounting()]}
 
 
@@ -494,7 +524,7 @@ class Generation:
                 self._engine.abort(self.rid)
 
 
-def _version() -> str:
+def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -85,10 +85,14 @@ class OutputProcessor:
             req.top_logprobs.append(top or [])
         if tok in req.stop_token_ids:
             req.matched_stop = tok
+            if req.params.include_stop_str_in_output:
+                req.detokenizer.add(tok)
             return FinishReason.STOP
         req.detokenizer.add(tok)
         if req.detokenizer.stopped is not None:
             req.matched_stop = req.detokenizer.stopped
+            return FinishReason.STOP
+        if req.constraint is not None and req.constraint.accept(tok):  # its grammar is complete
             return FinishReason.STOP
         return None
 

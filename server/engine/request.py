@@ -60,6 +60,12 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this once a token was generated
     repetition_penalty: float = 1.0  # logits of tokens in the prompt or the output: / it if positive, x it if not
     min_new_tokens: int = 0  # stop tokens and EOS cannot end the answer before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: tuple[str, ...] = ()  # words whose last token is masked where the output would complete them
+    include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays in the text
+    # a grammar the answer must follow: (kind, source), kind in engine.grammar.KINDS; compiled by the engine
+    constraint: tuple[str, str] | None = None
     # the request's own spelling of fields its API names differently (OpenAI's max_tokens for max_new_tokens):
     # an error names the field the client sent, not ours
     names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -108,6 +114,25 @@ class SamplingParams:
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise BadRequest(f"{name('min_new_tokens')} must be in [0, {name('max_new_tokens')}="
                              f"{self.max_new_tokens}], got {self.min_new_tokens}")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise BadRequest(f"{name('logit_bias')} values must be in [-100, 100], got {bias} for token {token}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise BadRequest(f"{name('allowed_token_ids')} must not be empty")
+        if any(not w for w in self.bad_words):
+            raise BadRequest(f"{name('bad_words')} must be non-empty strings")
+        if self.constraint is not None and self.min_new_tokens:  # (the grammar says where the answer ends)
+            raise BadRequest(f"{name('min_new_tokens')} cannot be combined with a grammar constraint "
+                             f"({name('constraint')})", code="unsupported_parameter")
+
+    def token_ids(self) -> list[int]:
+        """Every token id the parameters name (checked against the vocabulary by the engine)."""
+        return [t for t, _ in self.logit_bias] + list(self.allowed_token_ids or ())
+
+    @property
+    def constrained(self) -> bool:
+        """Whether some tokens are masked or biased before sampling (engine/constraints.py)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words or self.constraint)
 
     @property
     def greedy(self) -> bool:
@@ -178,6 +203,7 @@ class Req:
     logprob_start_len: int = -1  # >= 0: report the prompt's logprobs from this position on (-1: none)
     stream: bool = True  # emit every increment; False: only the final output
     stop_token_ids: frozenset[int] = frozenset()
+    constraint: object | None = None  # engine.constraints.Constraint: bias, masks, grammar (constrained params)
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     in_state: int = 0  # tokens of prompt + output already folded into the slot's state

@@ -172,7 +172,8 @@ class Penalties:
 
     def apply(self, logits: torch.Tensor, reqs: list) -> list[tuple[int, int]]:
         """Penalize ``logits`` (rows of ``reqs``) in place; returns (batch row, state row) of those penalized."""
-        pairs = [(j, self._row(r, logits.shape[-1])) for j, r in enumerate(reqs) if r.params.penalized]
+        # (a finished request's row only folds its last token in: its counts are gone)
+        pairs = [(j, self._row(r, logits.shape[-1])) for j, r in enumerate(reqs) if r.params.penalized and not r.finished]
         if not pairs:
             return pairs
         dev = logits.device
@@ -250,11 +251,18 @@ class Sampler:
         if len(rows) < logits.shape[0]:
             logits = logits.index_select(0, to_device(rows, torch.long, logits.device))
         pairs, model_finite = [], None
-        if any(r.params.penalized or r.params.min_new_tokens for r in reqs):
+        penalized = any(r.params.penalized or r.params.min_new_tokens for r in reqs)
+        constrained = any(r.constraint is not None for r in reqs)  # logit_bias, allowed tokens, bad words, grammars
+        if penalized or constrained:
             model_finite = torch.isfinite(logits.amax(-1))  # (the model's part, told apart from the penalties')
+        if penalized:
             # logprobs report the distribution sampled from: penalized (as vLLM and SGLang report them)
             pairs = self.penalties.apply(logits, reqs)
             hold_stops(logits, reqs)
+        if constrained:
+            from mambaserve.server.engine import constraints  # (it uploads through to_device: imported late)
+
+            constraints.apply(logits, reqs)
         result = sample(logits, [r.params for r in reqs], [self.generators.get(r.rid, self.default) for r in reqs],
                         [j for j, r in enumerate(reqs) if r.return_logprob],
                         [r.top_logprobs_num if r.return_logprob else 0 for r in reqs], model_finite)

@@ -192,7 +192,14 @@ class Scheduler:
                 self.output.add_input_logprobs(plan, batch.logprob_owner, out.input_logprobs)
             rows = self.admission.commit(batch, plan)
             if rows:
-                launched = self.sampler.launch(out.logits, rows, [plan[i][0] for i in rows])
+                reqs = [plan[i][0] for i in rows]
+                if self.inflight is not None and any(r.pending is not None and r.constraint is not None
+                                                     and r.constraint.follows_output for r in reqs):
+                    # a grammar's (or bad words') mask needs the token of the step before: read it now, while
+                    # the device runs this step's forward, then sample
+                    self.output.read(self.inflight)
+                    self.inflight = None
+                launched = self.sampler.launch(out.logits, rows, reqs)
             self.steps += 1
         elif self.cache.pending.on_done:  # storage writes wait for their offloads: issue them now
             self.runner.apply_state_ops(self.cache.take_pending())

@@ -30,9 +30,19 @@ def load_tokenizer(path: str | Path):
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from None
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The model's chat template applied to OpenAI-style messages (text content only)."""
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                **template_args) -> str:
+    """The model's chat template applied to OpenAI-style messages (text content only); ``tools`` (OpenAI's
+    function definitions) go to the template's ``tools`` variable, ``template_args`` to its other variables
+    (``continue_final_message``, a request's ``chat_template_kwargs``). ValueError: no template, or the
+    template refused the conversation."""
+    import jinja2
+
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template (tokenizer_config.json 'chat_template'): "
                          "use /v1/completions")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **template_args)
+    except jinja2.TemplateError as e:  # (raise_exception() in a template: a role order it does not take, ...)
+        raise ValueError(f"the chat template refused the messages: {e}") from None

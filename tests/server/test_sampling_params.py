@@ -17,7 +17,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 def _req(rid, prompt, params, output=(), stops=()):
     return types.SimpleNamespace(rid=rid, prompt_ids=list(prompt), params=params, output_ids=list(output),
-                                 pending=None, stop_token_ids=frozenset(stops))
+                                 pending=None, stop_token_ids=frozenset(stops), finished=False,
+                                 constraint=None)
 
 
 def penalized(logits, prompt, generated, freq, pres, rep):
@@ -180,13 +181,12 @@ def test_batched_generate_and_chat_n_answer_in_order(tiny_ckpt):
 
 MSG = [{"role": "user", "content": "x"}]
 REFUSED = [
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"messages": MSG, "regex": "a+"}, "regex"),
-    ("/generate", {"input_ids": [1], "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": MSG, "structural_tag": {"type": "x"}}, "structural_tag"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_regex": "a"}}, "sampling_params.stop_regex"),
     ("/generate", {"input_ids": [1], "lora_path": "adapter"}, "lora_path"),
     ("/generate", {"input_ids": [1], "return_hidden_states": True}, "return_hidden_states"),
 ]

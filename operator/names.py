@@ -43,6 +43,10 @@ def model_claim(name: str) -> str:
     return f"{name}-model"
 
 
+def kernel_claim(name: str) -> str:
+    return f"{name}-kernels"
+
+
 def model_job(name: str) -> str:
     return f"{name}-model-download"
 

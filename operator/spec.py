@@ -161,6 +161,16 @@ class Monitoring:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelCache:
+    """Triton's compile cache on a claim (the server's --kernel-cache-dir)."""
+    enabled: bool = False
+    size: str | None = None
+    storage_class_name: str | None = None
+    access_mode: str = "ReadWriteMany"
+    existing_claim: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Rollout:
     strategy: str | None = None  # Surge | Replace; None: from spare_gpus
     spare_gpus: int = 0
@@ -197,6 +207,7 @@ class InferenceSession:
     monitoring: Monitoring = Monitoring()
     termination_grace_period_seconds: int = 60
     rollout: Rollout = Rollout()
+    kernel_cache: KernelCache = KernelCache()
     placement: Placement = Placement()
     # Merged over the server pod template last (builders/overrides.py); None: nothing to merge.
     pod_template: Mapping[str, Any] | None = None
@@ -360,6 +371,13 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
             interval=_get(monitoring, "interval", "30s"),
         ),
         termination_grace_period_seconds=int(_get(spec, "terminationGracePeriodSeconds", 60)),
+        kernel_cache=KernelCache(
+            enabled=bool(_get(spec.get("kernelCache"), "enabled", False)),
+            size=(spec.get("kernelCache") or {}).get("size"),
+            storage_class_name=(spec.get("kernelCache") or {}).get("storageClassName"),
+            access_mode=_get(spec.get("kernelCache"), "accessMode", "ReadWriteMany"),
+            existing_claim=(spec.get("kernelCache") or {}).get("existingClaim") or None,
+        ),
         rollout=Rollout(strategy=(spec.get("rollout") or {}).get("strategy") or None,
                         spare_gpus=int(_get(spec.get("rollout"), "spareGpus", 0))),
         placement=Placement(
@@ -443,6 +461,13 @@ def session_problems(session: InferenceSession, tier: CacheTier | None) -> list[
             problems.append(Problem("ModelCacheSingleNode",
                                     f"model.cache is ReadWriteOnce but up to {most} pods mount it: pods on other "
                                     "nodes than the download Job's cannot start (use ReadWriteMany)"))
+    kernels = session.kernel_cache
+    if kernels.enabled and kernels.access_mode == "ReadWriteOnce":
+        most = session.autoscaling.max_replicas if session.autoscaling.enabled else session.replicas
+        if most > 1:
+            problems.append(Problem("KernelCacheSingleNode",
+                                    f"kernelCache is ReadWriteOnce but up to {most} pods mount it: pods on other "
+                                    "nodes than the first cannot start (use ReadWriteMany)"))
     if tier is not None and tier.storage.enabled and tier.storage.existing_claim \
             and tier.storage.access_mode != "ReadWriteMany":
         most = session.autoscaling.max_replicas if session.autoscaling.enabled else session.replicas

@@ -15,7 +15,7 @@ from mambaserve.operator.builders.router import (build_router_deployment, build_
                                                  build_router_role_binding, build_router_service_account)
 from mambaserve.operator.builders.server import build_workload, memory_footprint, problems, rollout, server_args
 from mambaserve.operator.builders.services import build_client_service, build_headless_service, service_url
-from mambaserve.operator.builders.storage import build_tier_claim
+from mambaserve.operator.builders.storage import build_kernel_claim, build_tier_claim
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession
 
@@ -57,6 +57,9 @@ def build_session_children(session: InferenceSession, tier: CacheTier | None, se
     if uses_cache(session):
         # Before the workload: its pods mount the claim and wait for the Job's download.
         children += [build_model_claim(session), build_model_job(session, session.image or settings.server_image)]
+    kernels = build_kernel_claim(session)
+    if kernels is not None:
+        children.append(kernels)  # before the workload whose pods mount it
     children += [
         build_config_map(session, tier),
         build_headless_service(session),

@@ -17,6 +17,8 @@ from mambaserve.operator.settings import GROUP, SERVER_PORT, OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession, Problem, quantity_bytes, session_problems
 
 CACHE_VOLUME = "cache"
+# Triton's compile cache on the kernel-cache claim (spec.kernelCache).
+KERNELS_DIR = "/var/lib/mambaserve/kernels"
 HOME_DIR = "/var/lib/mambaserve/home"
 # Session snapshots go to the storage tier when the CacheTier has one, else to an emptyDir here.
 SESSIONS_DIR = "/var/lib/mambaserve/sessions"
@@ -76,6 +78,8 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
     if tier is not None and tier.host_size_gb > 0:
         args += ["--host-cache-size", f"{tier.host_size_gb:g}GiB"]
     args += storage_args(session, tier)
+    if session.kernel_cache.enabled:
+        args += ["--kernel-cache-dir", KERNELS_DIR]
     return args + list(srv.extra_args)
 
 
@@ -185,6 +189,11 @@ def pod_template(session: InferenceSession, tier: CacheTier | None, settings: Op
     mounts += scratch_mounts
     volumes.append(pod.empty_dir("dshm", SHM_SIZE, medium="Memory"))
     mounts.append(pod.mount("dshm", "/dev/shm"))
+    kernels = session.kernel_cache
+    if kernels.enabled:
+        claim = kernels.existing_claim or names.kernel_claim(session.name)
+        volumes.append({"name": "kernels", "persistentVolumeClaim": {"claimName": claim}})
+        mounts.append(pod.mount("kernels", KERNELS_DIR))
     if tier is not None and tier.storage.enabled:
         if not tier.storage.per_pod:
             volumes.append({"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": tier.claim_name}})

@@ -1,11 +1,12 @@
-"""The CacheTier's shared storage claim (ReadWriteMany tiers only)."""
+"""Claims: the CacheTier's shared storage claim (ReadWriteMany tiers only), and a session's kernel cache."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mambaserve.operator import names
-from mambaserve.operator.spec import CacheTier
+from mambaserve.operator.builders.common import session_metadata
+from mambaserve.operator.spec import CacheTier, InferenceSession
 
 
 def build_tier_claim(tier: CacheTier) -> dict[str, Any] | None:
@@ -34,4 +35,17 @@ def build_tier_claim(tier: CacheTier) -> dict[str, Any] | None:
         },
         "spec": spec,
     }
+    return names.stamp(obj, immutable=spec)
+
+
+def build_kernel_claim(session: InferenceSession) -> dict[str, Any] | None:
+    """The claim the session's kernel cache lives on, or None (off, or a claim of the user's)."""
+    cache = session.kernel_cache
+    if not cache.enabled or cache.existing_claim:
+        return None
+    spec: dict[str, Any] = {"accessModes": [cache.access_mode], "resources": {"requests": {"storage": cache.size}}}
+    if cache.storage_class_name:
+        spec["storageClassName"] = cache.storage_class_name
+    obj = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+           "metadata": session_metadata(session, names.kernel_claim(session.name), "kernel-cache"), "spec": spec}
     return names.stamp(obj, immutable=spec)

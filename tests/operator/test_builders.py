@@ -357,6 +357,40 @@ def test_network_policy_lets_only_the_namespace_the_operator_and_prometheus_reac
     assert ("NetworkPolicy", "tiny") not in by_kind(SCENARIOS["minimal"]())  # off unless asked for
 
 
+def test_kernel_cache_outlives_the_pods_on_a_claim() -> None:
+    """spec.kernelCache (issue 28): Triton's compile cache on a claim the session owns, mounted in every pod
+    and named to the server (--kernel-cache-dir), so a restarted pod loads its kernels instead of compiling."""
+    from mambaserve.operator.crd_schema import admit
+    from tests.operator.conftest import load_crd
+
+    body = sample("inferencesession-minimal")
+    body["metadata"]["uid"] = "u"
+    body["spec"]["kernelCache"] = {"enabled": True, "size": "2Gi"}
+    stored, errors = admit(load_crd("inferencesessions"), body)
+    assert errors == []
+    children = by_kind(build_session_children(parse_session(stored), None, SETTINGS))
+    claim = children["PersistentVolumeClaim", "tiny-kernels"]
+    assert_valid(claim)
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "2Gi"}}}
+    pod = children["Deployment", "tiny"]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--kernel-cache-dir") + 1] == "/var/lib/mambaserve/kernels"
+    assert {"name": "kernels", "mountPath": "/var/lib/mambaserve/kernels"} in pod["containers"][0]["volumeMounts"]
+    assert {"name": "kernels", "persistentVolumeClaim": {"claimName": "tiny-kernels"}} in pod["volumes"]
+    # A claim of the user's instead; a single-node claim under several pods is reported.
+    body["spec"]["kernelCache"] = {"enabled": True, "existingClaim": "triton-cache", "accessMode": "ReadWriteOnce"}
+    body["spec"]["replicas"] = 2
+    s = parse_session(admit(load_crd("inferencesessions"), body)[0])
+    children = by_kind(build_session_children(s, None, SETTINGS))
+    assert ("PersistentVolumeClaim", "tiny-kernels") not in children
+    assert {"name": "kernels", "persistentVolumeClaim": {"claimName": "triton-cache"}} in \
+        children["Deployment", "tiny"]["spec"]["template"]["spec"]["volumes"]
+    assert [p.reason for p in problems(s, None)] == ["KernelCacheSingleNode"]
+    body["spec"]["kernelCache"] = {"enabled": True}
+    assert any("kernelCache.enabled needs" in e for e in admit(load_crd("inferencesessions"), body)[1])
+    assert "--kernel-cache-dir" not in server_args(session("inferencesession-minimal"), None)  # off by default
+
+
 def test_platform_session_placement_and_pod_template_merged_last() -> None:
     children = by_kind(SCENARIOS["platform"]())
     template = children["Deployment", "platform"]["spec"]["template"]

@@ -118,7 +118,12 @@ class Grammars:
             grammar = _llguidance_grammar(kind, source)
         except ValueError as e:  # (BadRequest is one too)
             raise e if isinstance(e, BadRequest) else BadRequest(f"invalid {kind}: {e}") from None
-        template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        try:
+            tokenizer = self._tokenizer()
+        except Exception as e:  # (its tokenizer conversion raises plain exceptions)
+            raise BadRequest(f"structured outputs are not available for this model's tokenizer: {e}",
+                             code="unsupported_parameter") from None
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
             raise BadRequest(f"invalid {kind}: {template.get_error()}")
         compiled = Compiled(template)

@@ -156,28 +156,14 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if namespaces:
         values["namespaces"] = tuple(namespaces)
 
-    monitors = args.service_monitors
-    if monitors is None and _env_name("service-monitors") in env:
-        monitors = env[_env_name("service-monitors")].lower() in ("1", "true", "yes", "on")
-    if monitors is not None:
-        values["service_monitors"] = monitors
-
-    finalizers = args.finalizers
-    if finalizers is None and _env_name("finalizers") in env:
-        finalizers = env[_env_name("finalizers")].lower() in ("1", "true", "yes", "on")
-    if finalizers is not None:
-        values["finalizers"] = finalizers
-
-    election = args.leader_election
-    if election is None and _env_name("leader-election") in env:
-        election = env[_env_name("leader-election")].lower() in ("1", "true", "yes", "on")
-    if election is not None:
-        values["leader_election"] = election
-    policies = args.network_policies
-    if policies is None and _env_name("network-policies") in env:
-        policies = env[_env_name("network-policies")].lower() in ("1", "true", "yes", "on")
-    if policies is not None:
-        values["network_policies"] = policies
+    # On/off flags (--x / --no-x), else MAMBASERVE_OPERATOR_X=1|true|yes|on.
+    for flag in ("service-monitors", "finalizers", "leader-election", "network-policies"):
+        field = flag.replace("-", "_")
+        value = getattr(args, field)
+        if value is None and _env_name(flag) in env:
+            value = env[_env_name(flag)].lower() in ("1", "true", "yes", "on")
+        if value is not None:
+            values[field] = value
     scrapers = args.metrics_namespaces if args.metrics_namespaces is not None else env.get(_env_name("metrics-namespaces"))
     if scrapers is not None:
         values["metrics_namespaces"] = tuple(ns.strip() for ns in scrapers.split(",") if ns.strip())

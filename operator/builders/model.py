@@ -20,6 +20,7 @@ from typing import Any
 from mambaserve.operator import names
 from mambaserve.operator.builders import pod
 from mambaserve.operator.builders.common import session_metadata
+from mambaserve.operator.builders.storage import session_claim
 from mambaserve.operator.spec import InferenceSession
 
 MODEL_DIR = "/models"
@@ -132,12 +133,8 @@ def model_volumes(session: InferenceSession, image: str) -> tuple[list[dict], li
 
 def build_model_claim(session: InferenceSession) -> dict[str, Any]:
     cache = session.model.cache
-    spec: dict[str, Any] = {"accessModes": [cache.access_mode], "resources": {"requests": {"storage": cache.size}}}
-    if cache.storage_class_name:
-        spec["storageClassName"] = cache.storage_class_name
-    obj = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-           "metadata": session_metadata(session, names.model_claim(session.name), "model-cache"), "spec": spec}
-    return names.stamp(obj, immutable=spec)
+    return session_claim(session, names.model_claim(session.name), "model-cache", cache.size or "",
+                         cache.access_mode, cache.storage_class_name)
 
 
 def build_model_job(session: InferenceSession, image: str) -> dict[str, Any]:

@@ -43,9 +43,16 @@ def build_kernel_claim(session: InferenceSession) -> dict[str, Any] | None:
     cache = session.kernel_cache
     if not cache.enabled or cache.existing_claim:
         return None
-    spec: dict[str, Any] = {"accessModes": [cache.access_mode], "resources": {"requests": {"storage": cache.size}}}
-    if cache.storage_class_name:
-        spec["storageClassName"] = cache.storage_class_name
+    return session_claim(session, names.kernel_claim(session.name), "kernel-cache", cache.size or "",
+                         cache.access_mode, cache.storage_class_name)
+
+
+def session_claim(session: InferenceSession, name: str, component: str, size: str, access_mode: str,
+                  storage_class: str | None) -> dict[str, Any]:
+    """A claim the session owns; its spec is fixed once bound (the immutable hash re-creation refuses claims)."""
+    spec: dict[str, Any] = {"accessModes": [access_mode], "resources": {"requests": {"storage": size}}}
+    if storage_class:
+        spec["storageClassName"] = storage_class
     obj = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-           "metadata": session_metadata(session, names.kernel_claim(session.name), "kernel-cache"), "spec": spec}
+           "metadata": session_metadata(session, name, component), "spec": spec}
     return names.stamp(obj, immutable=spec)

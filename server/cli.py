@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="SSM state pool dtype (bfloat16 doubles capacity at some accuracy cost)")
     s.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    s.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="devices one model is sharded over (one process each, on this host: cuda:0 .. cuda:N-1, or "
+                        "CPU processes with gloo): its Mamba and attention heads, MLP and expert widths and vocabulary "
+                        "split N ways, so a model larger than one GPU serves, and one model decodes faster on several")
     s.add_argument("--context-length", type=int, help="longest prompt + output accepted (default: from the model, "
                    "else 8192)")
     s.add_argument("--max-running-requests", type=int,

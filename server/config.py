@@ -17,6 +17,7 @@ class ServerConfig:
     dtype: str = "auto"
     state_dtype: str = "float32"
     device: str = "auto"
+    tensor_parallel_size: int = 1  # ranks (processes, one per device) the model is sharded over
     context_length: int | None = None
     max_running_requests: int | None = None
     chunked_prefill_size: int = 2048
@@ -78,6 +79,12 @@ class ServerConfig:
             raise ValueError("--mamba-track-interval needs --mamba-cache-strategy extra_buffer")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--state-dtype must be float32 or bfloat16, got {self.state_dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and re.fullmatch(r"cuda:[0-9]+", self.device):
+            raise ValueError(f"--device {self.device} names one GPU; with --tensor-parallel-size the ranks run on "
+                             "cuda:0 .. cuda:N-1 (CUDA_VISIBLE_DEVICES chooses which GPUs those are): use --device "
+                             "cuda or auto")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         for name in ("context_length", "max_running_requests", "mamba_cache_size", "mamba_track_interval", "page_size",

@@ -16,26 +16,26 @@ import time
 import uuid
 from pathlib import Path
 
+import torch
+
 from mambaserve.kernels import compiles
 from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine import timeline, warm_up
-from mambaserve.server.engine.cuda_graphs import buckets_up_to, prefill_buckets
 from mambaserve.server.engine.constraints import Constraint
 from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.engine.grammar import Compiled, Grammars
-from mambaserve.server.engine.kv_pool import KVPool, page_bytes
-from mambaserve.server.engine.memory import (HybridPlan, PoolPlan, decode_graph_bytes, device_memory, plan_hybrid,
-                                             plan_pool, prefill_graph_bytes, reserve_bytes, slot_bytes)
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
+from mambaserve.server.engine.pools import build_pools
+from mambaserve.server.engine.ranks import Ranks, rank_device
 from mambaserve.server.engine.request import BadRequest, Overloaded, Req, SamplingParams, StepOutput, fit_to_context
 from mambaserve.server.engine.scheduler import Scheduler
-from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
+from mambaserve.server.engine.tp_runner import LeaderRunner
 from mambaserve.server.model.config import read_config
 from mambaserve.server.model.hub import hub_id
 from mambaserve.server.model.hub import resolve as resolve_checkpoint
-from mambaserve.server.model.inputs import ForwardMode
 from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
+from mambaserve.server.model.parallel import SINGLE, TP
 from mambaserve.server.model.registry import resolve
 from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
 from mambaserve.server.sessions import snapshot as session_snapshot
@@ -55,7 +55,14 @@ def hybrid_refusals(cfg: ServerConfig) -> list[str]:
         out.append("--storage-dir (the storage tier would need the KV pages on disk beside the Mamba snapshots; "
                    "--host-cache-size works)")
     return out
-STAGING_SNAPSHOTS = 8  # host tier for a storage tier given no --host-cache-size (1.4 GB at the 2.7b shape)
+
+
+def tp_refusals(cfg: ServerConfig) -> list[str]:
+    """The features a tensor-parallel server cannot run with yet, as the flags that ask for them."""
+    out = []
+    if cfg.storage_dir:
+        out.append("--storage-dir (the storage tier's writes read host slots that every rank holds a part of)")
+    return out
 
 
 class Engine:
@@ -69,9 +76,17 @@ class Engine:
         if cfg.kernel_cache_dir:  # before anything compiles
             compiles.set_cache_dir(cfg.kernel_cache_dir)
         self.device = resolve_device(cfg.device)
+        self.ranks: Ranks | None = None  # --tensor-parallel-size > 1: the follower processes
+        tp_size = cfg.tensor_parallel_size
+        if tp_size > 1 and self.device.type == "cuda":
+            if torch.cuda.device_count() < tp_size:
+                raise ValueError(f"--tensor-parallel-size {tp_size} needs {tp_size} GPUs; this process sees "
+                                 f"{torch.cuda.device_count()}")
+            self.device = rank_device(self.device, 0)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         # what the flags ask of the architecture is judged from config.json, before the weights load
-        self.architecture = resolve(read_config(Path(cfg.model)))
+        hf_config = read_config(Path(cfg.model))
+        self.architecture = resolve(hf_config)
         self.hybrid = self.architecture.hybrid
         if self.hybrid and (refused := hybrid_refusals(cfg)):
             raise ValueError(f"{self.architecture.name} is a hybrid model; not built for hybrids yet: "
@@ -79,21 +94,22 @@ class Engine:
         if not self.hybrid and cfg.max_total_tokens:
             raise ValueError(f"--max-total-tokens sizes a hybrid model's KV pool; {self.architecture.name} has no "
                              "attention layers")
+        if tp_size > 1 and (refused := tp_refusals(cfg)):
+            raise ValueError("not built for --tensor-parallel-size > 1 yet: " + "; ".join(refused))
+        self.dims = self.architecture.read_dims(hf_config)
+        if self.hybrid and self.dims.mamba is None:
+            raise ValueError(f"{self.architecture.name} without Mamba layers: this server runs hybrids with at least "
+                             "one Mamba2 layer")
+        if tp_size > 1:  # a model that cannot be split so is refused before any process starts
+            with torch.device("meta"):
+                self.architecture.model_class(self.dims, None, TP(0, tp_size))
         # the tokenizer first: a checkpoint without one (mamba_ssm's) is refused before minutes of weights load
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        self.model, self.hf_config = load_model(cfg.model, self.dtype, self.device)
-        is_cuda = self.device.type == "cuda"
-        if self.hybrid:
-            if self.model.state_dims is None:
-                raise ValueError(f"{self.architecture.name} without Mamba layers: this server runs hybrids with "
-                                 "at least one Mamba2 layer")
         # --page-size: KV page size for hybrids (default 16), radix-key alignment for pure Mamba2 (default 1)
         self.cfg = cfg = dataclasses.replace(cfg, page_size=cfg.page_size or (HYBRID_PAGE_SIZE if self.hybrid else 1))
-        self.dims = self.model.dims
         if len(self.tokenizer) > self.dims.vocab_size:  # (a padded vocabulary is larger, never smaller)
             log.warning("the tokenizer has %d tokens but the model's vocabulary %d: text whose ids reach past it is "
                         "refused; is --tokenizer the model's?", len(self.tokenizer), self.dims.vocab_size)
-        d = self.model.state_dims
         self.model_name = cfg.served_model_name or Path(cfg.model).resolve().name
         self.context_length = cfg.context_length or self._default_context_length()
         trained = self.dims.max_position_embeddings
@@ -101,29 +117,32 @@ class Engine:
             log.warning("--context-length %d is longer than the checkpoint's max_position_embeddings %d: positions "
                         "past it are beyond what the model was built for (RoPE models extrapolate)",
                         self.context_length, trained)
-        plan = self._plan_hybrid(is_cuda) if self.hybrid else self._plan_pool(is_cuda)
+        self.track_interval = self._track_interval()
+        is_cuda = self.device.type == "cuda"
+        tp = SINGLE
+        if tp_size > 1:  # the followers load their shards while this process loads its own
+            self.ranks = Ranks.start(cfg, self.context_length, tp_size, self.device)
+            tp = self.ranks.tp
+        try:
+            self.model, self.hf_config = load_model(cfg.model, self.dtype, self.device, tp=tp)
+            pools = build_pools(cfg, self.model, self.device, self.dtype, self.context_length, self.hybrid, tp)
+        except BaseException:
+            self._stop_ranks()
+            raise
+        plan, self.pool, self.kv_pool = pools.plan, pools.pool, pools.kv_pool
         self.max_running = plan.max_running
         if cfg.max_running_requests and plan.max_running < cfg.max_running_requests:
             log.warning("--max-running-requests %d lowered to %d: each running request needs one of the %d state slots",
                         cfg.max_running_requests, plan.max_running, plan.slots)
-        self.pool = MambaStatePool(d.num_layers, plan.slots, d.conv_dim, d.conv_kernel, d.num_heads,
-                                   d.head_dim, d.state_size, self.dtype, DTYPES[cfg.state_dtype], self.device)
-        self.kv_pool = None
-        if self.hybrid and self.dims.attention is not None:
-            a = self.dims.attention
-            self.kv_pool = KVPool(len(self.dims.attention_layers), plan.pages, cfg.page_size, a.num_kv_heads,
-                                  a.head_dim, self.dtype, self.device)
-            log.info("KV pool: %d pages x %d tokens x %.3f MiB = %.2f GiB", plan.pages, cfg.page_size,
-                     plan.bytes_per_page / 2**20, plan.pages * plan.bytes_per_page / 2**30)
         self.metrics = ServerMetrics()
         self.ready_at: float | None = None  # when the server reported ready (mark_ready): compiles after it are logged
         self.compiles = {"warmup": 0, "serving": 0}  # Triton compiles in this process while this engine ran
         self._stop_watching = compiles.watch(self._compiled)
         self.startup = {"load": time.monotonic() - begun}  # seconds per phase of the start, logged when ready
-        host_pool = self._host_pool(is_cuda)
-        self.track_interval = self._track_interval()
-        runner = ModelRunner(self.model, self.pool, self.device, self.kv_pool)
-        runner.host_pool = host_pool
+        runner = (LeaderRunner(self.model, self.pool, self.device, self.kv_pool, self.ranks) if self.ranks
+                  else ModelRunner(self.model, self.pool, self.device, self.kv_pool))
+        runner.host_pool = pools.host_pool
+        self.runner = runner
         if is_cuda:  # every kernel variant a request can reach, then the CUDA graphs (engine/warm_up.py)
             self.startup |= warm_up.compile_kernels(runner, warm_up.Limits(
                 max_running=self.max_running, chunk=cfg.chunked_prefill_size, context_length=self.context_length,
@@ -147,66 +166,6 @@ class Engine:
                  self.pool.allocator.capacity * self.pool.bytes_per_slot / 2**30, plan.budget // plan.bytes_per_slot,
                  plan.budget / 2**30, self.context_length, self.max_running)
         self._built = time.monotonic()
-
-    def _plan_pool(self, is_cuda: bool) -> PoolPlan:
-        """State slots and the running limit from the memory left after the weights (engine/memory.py)."""
-        cfg, d = self.cfg, self.dims
-        default_running = 256 if is_cuda else 64
-        per = slot_bytes(d.num_layers, d.conv_dim, d.conv_kernel, d.num_heads, d.head_dim, d.state_size, self.dtype,
-                         DTYPES[cfg.state_dtype])
-        reserve = reserve_bytes(d.d_inner + d.conv_dim + d.num_heads, d.num_heads, d.head_dim, d.state_size,
-                                d.vocab_size, cfg.chunked_prefill_size, cfg.max_running_requests or default_running,
-                                self.dtype, graphs=is_cuda and not cfg.disable_cuda_graph)
-        total, in_use = device_memory(self.device)
-        return plan_pool(total=total, in_use=in_use, fraction=cfg.mem_fraction_static, per_slot=per, reserve=reserve,
-                         slots=cfg.mamba_cache_size, running=cfg.max_running_requests, default_running=default_running)
-
-    def _plan_hybrid(self, is_cuda: bool) -> HybridPlan:
-        """State slots, KV pages and the running limit from the memory left after the weights."""
-        cfg, d, s = self.cfg, self.dims, self.model.state_dims
-        default_running = 256 if is_cuda else 64
-        per_slot = slot_bytes(s.num_layers, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                              self.dtype, DTYPES[cfg.state_dtype])
-        a = d.attention
-        per_page = (page_bytes(len(d.attention_layers), cfg.page_size, a.num_kv_heads, a.head_dim, self.dtype)
-                    if a else 1)
-        widest = max(s.d_inner + s.conv_dim + s.num_heads, 2 * d.mlp.intermediate_size if d.mlp else 0,
-                     2 * d.moe.intermediate_size * d.moe.top_k if d.moe else 0)
-        running = cfg.max_running_requests or default_running
-        graphs = is_cuda and not cfg.disable_cuda_graph
-        prefill_graphs = graphs and self.model.capture_blocker(ForwardMode.EXTEND) is None
-        reserve = reserve_bytes(widest, s.num_heads, s.head_dim, s.state_size, d.vocab_size, cfg.chunked_prefill_size,
-                                running, self.dtype, graphs=prefill_graphs)
-        if graphs and self.model.capture_blocker(ForwardMode.DECODE) is None:
-            reserve += decode_graph_bytes(buckets_up_to(min(running, cfg.cuda_graph_max_bs)), d.vocab_size)
-        if prefill_graphs:
-            reserve += prefill_graph_bytes(prefill_buckets(cfg.chunked_prefill_size, running), d.vocab_size)
-        total, in_use = device_memory(self.device)
-        return plan_hybrid(total=total, in_use=in_use, fraction=cfg.mem_fraction_static, per_slot=per_slot,
-                           per_page=per_page, reserve=reserve, page_size=cfg.page_size,
-                           context_length=self.context_length, slots=cfg.mamba_cache_size,
-                           running=cfg.max_running_requests, default_running=default_running,
-                           pages=-(-cfg.max_total_tokens // cfg.page_size) if cfg.max_total_tokens else None,
-                           cached=not cfg.disable_radix_cache)
-
-    def _host_pool(self, is_cuda: bool) -> HostStatePool | None:
-        """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache).
-        The storage tier moves every byte through it: with ``--storage-dir`` and no host size, a host tier
-        of STAGING_SNAPSHOTS snapshots is its staging area."""
-        size = self.cfg.host_cache_size
-        per = self.pool.bytes_per_slot
-        if not size and self.cfg.storage_dir and not self.cfg.disable_radix_cache:
-            size = STAGING_SNAPSHOTS * per
-            log.info("--storage-dir without --host-cache-size: a host tier of %d snapshots stages its reads and "
-                     "writes", STAGING_SNAPSHOTS)
-        if not size or self.cfg.disable_radix_cache:
-            return None
-        if size < per:
-            raise ValueError(f"--host-cache-size {size} bytes holds no snapshot: one takes {per} bytes here")
-        pool = HostStatePool(self.pool, size // per, pin=is_cuda)
-        log.info("host cache tier: %d snapshots x %.2f MiB (%s)", pool.capacity, per / 2**20,
-                 "pinned" if is_cuda else "host memory")
-        return pool
 
     def _storage_compat(self) -> dict:
         """The storage tier's compatibility key: what a stored state depends on (cache.storage_entry)."""
@@ -253,9 +212,16 @@ class Engine:
         self.scheduler.start()
 
     def stop(self) -> None:
-        """Stop the scheduler; the storage tier's queued writes are on disk when this returns."""
+        """Stop the scheduler (and the followers of a tensor-parallel server); the storage tier's queued writes are
+        on disk when this returns."""
         self._stop_watching()
         self.scheduler.stop()
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
 
     def mark_ready(self) -> None:
         """The server reports ready from now on: a kernel that compiles after this made requests wait (a
@@ -468,7 +434,7 @@ class Engine:
 
     def _check_snapshot(self, meta: dict, tokens: list[int], state: dict | None) -> None:
         session_snapshot.check_snapshot(meta, tokens, state, self.dims.vocab_size, self.context_length,
-                                        None if self.hybrid else self.pool.slot_shapes)
+                                        None if self.hybrid else self.runner.slot_shapes)
 
     # ---- info ---------------------------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -482,6 +448,7 @@ class Engine:
         c = self.cfg
         return {"model_path": str(Path(c.model).resolve()), "served_model_name": self.model_name, "dtype": str(self.dtype).split(".")[-1],
                 "state_dtype": c.state_dtype, "device": str(self.device), "context_length": self.context_length,
+                "tensor_parallel_size": c.tensor_parallel_size,
                 "max_running_requests": self.scheduler.max_running, "chunked_prefill_size": c.chunked_prefill_size,
                 "mamba_cache_size": self.pool.allocator.capacity, "disable_radix_cache": c.disable_radix_cache,
                 "page_size": c.page_size, "mamba_cache_strategy": c.mamba_cache_strategy,

@@ -73,10 +73,22 @@ class ModelRunner:
                                                 self.device, self.kv_pool, context_length)
             self.prefill_graphs.capture()
 
+    def warm_up_kernels(self, max_tokens: int) -> int:
+        """The model's own kernel warm-up (MoE variants), if it has one: the runs it made."""
+        return self.model.warm_up_kernels(max_tokens) if hasattr(self.model, "warm_up_kernels") else 0
+
+    @property
+    def slot_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One slot's state, every layer, as ``read_slot`` returns it and ``write_slot`` takes it."""
+        return self.pool.slot_shapes
+
     def apply_state_ops(self, ops: StateOps) -> None:
         """In the order recorded, before the forward and in order with the steps before it: copies and
         clears batched per run and loads from the host on the forward's stream, offloads to the host on the
         copy stream (after everything launched so far; anything recorded after one waits for it)."""
+        self._run_ops(ops)
+
+    def _run_ops(self, ops: StateOps) -> None:
         for kind, pairs in ops.runs():
             if kind != "offload":
                 self._join_copies()
@@ -216,7 +228,7 @@ class ModelRunner:
         return ids
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        self.apply_state_ops(batch.state_ops)
+        self._run_ops(batch.state_ops)
         # a slot an offload still reads is not written before the copy is done
         self._join_copies([*batch.slots, *batch.snap_slots(), *(slot for _, _, slot in batch.track)])
         ids = self._token_ids(batch)

@@ -121,8 +121,7 @@ def compile_kernels(runner, limits: Limits) -> dict[str, float]:
     decode_rows = limits.graph_max_bs if graphs and runner.model.capture_blocker(ForwardMode.DECODE) is None else 0
     steps = plan(limits, shapes_of(runner, limits.context_length), target(next(runner.model.parameters())), decode_rows)
     _run(runner, steps, limits)
-    moe = runner.model.warm_up_kernels(max(limits.chunk, limits.max_running)) if hasattr(
-        runner.model, "warm_up_kernels") else 0
+    moe = runner.warm_up_kernels(max(limits.chunk, limits.max_running))
     out = {"kernels": time.monotonic() - t}
     log.info("kernel warm-up: %d forwards and %d MoE runs in %.1f s", len(steps), moe, out["kernels"])
     if graphs:

@@ -9,12 +9,15 @@ sequence for decode. Parameter names are Hugging Face's (``q_proj``, ``k_proj``,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from mambaserve.kernels import paged_attention as pa
 from mambaserve.server.model.hybrid_config import AttentionDims
 from mambaserve.server.model.inputs import BatchTensors, ForwardMode
+from mambaserve.server.model.parallel import FIRST, SINGLE, TP, Slices, attention_shard
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
@@ -38,14 +41,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
+def local_attention(a: AttentionDims, tp: TP) -> AttentionDims:
+    """The attention dims a rank's layers and KV pool have: its query heads and KV heads."""
+    s = attention_shard(a.num_heads, a.num_kv_heads, tp)
+    return dataclasses.replace(a, num_heads=len(s.heads), num_kv_heads=len(s.kv_heads))
+
+
 class PagedAttention(nn.Module):
-    def __init__(self, hidden_size: int, a: AttentionDims):
+    """Attention over the paged KV cache, or a tensor-parallel rank's heads of it (``parallel.attention_shard``):
+    q/k/v column-parallel by heads, o_proj row-parallel, its output summed over the ranks."""
+
+    def __init__(self, hidden_size: int, a: AttentionDims, tp: TP = SINGLE):
         super().__init__()
-        self.a = a
-        self.q_proj = nn.Linear(hidden_size, a.num_heads * a.head_dim, bias=a.bias)
-        self.k_proj = nn.Linear(hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
-        self.v_proj = nn.Linear(hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, hidden_size, bias=a.bias)
+        self.tp = tp
+        self.a = local_attention(a, tp)
+        self.q_proj = nn.Linear(hidden_size, self.a.num_heads * a.head_dim, bias=a.bias)
+        self.k_proj = nn.Linear(hidden_size, self.a.num_kv_heads * a.head_dim, bias=a.bias)
+        self.v_proj = nn.Linear(hidden_size, self.a.num_kv_heads * a.head_dim, bias=a.bias)
+        self.o_proj = nn.Linear(self.a.num_heads * a.head_dim, hidden_size, bias=a.bias)
+        if tp.size > 1:
+            s, D = attention_shard(a.num_heads, a.num_kv_heads, tp), a.head_dim
+            q = Slices.of(0, range(s.heads.start * D, s.heads.stop * D))
+            kv = Slices.of(0, range(s.kv_heads.start * D, s.kv_heads.stop * D))
+            self.tp_slices = {"q_proj.weight": q, "k_proj.weight": kv, "v_proj.weight": kv,
+                              "o_proj.weight": Slices(1, q.ranges)}
+            if a.bias:
+                self.tp_slices |= {"q_proj.bias": q, "k_proj.bias": kv, "v_proj.bias": kv, "o_proj.bias": FIRST}
 
     def forward(self, x: torch.Tensor, bt: BatchTensors, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -62,4 +83,4 @@ class PagedAttention(nn.Module):
             o = pa.paged_decode_attention(q, k_cache, v_cache, bt.block_table, bt.kv_lens, a.scale)
         else:
             o = pa.paged_prefill_attention(q, k_cache, v_cache, bt.block_table, bt.cu_seqlens, bt.kv_lens, a.scale)
-        return self.o_proj(o.reshape(T, a.num_heads * a.head_dim))
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, a.num_heads * a.head_dim)))

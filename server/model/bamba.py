@@ -12,20 +12,21 @@ from mambaserve.server.model.feed_forward import SwiGLU
 from mambaserve.server.model.hybrid import HybridForCausalLM, Step, norm, run_mamba
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+from mambaserve.server.model.parallel import TP
 
 
 class BambaLayer(nn.Module):
-    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None):
+    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None, tp: TP):
         super().__init__()
         self.kind, self.eps = kind, d.eps
         self.mamba_index, self.attn_index = mamba_index, attn_index
         self.input_layernorm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
         self.pre_ff_layernorm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
         if kind == "mamba":
-            self.mamba = Mamba2Mixer(d.mamba)
+            self.mamba = Mamba2Mixer(d.mamba, tp)
         else:
-            self.self_attn = PagedAttention(d.hidden_size, d.attention)
-        self.feed_forward = SwiGLU(d.hidden_size, d.mlp)
+            self.self_attn = PagedAttention(d.hidden_size, d.attention, tp)
+        self.feed_forward = SwiGLU(d.hidden_size, d.mlp, tp)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         if self.kind == "mamba":
@@ -39,6 +40,6 @@ class BambaLayer(nn.Module):
 class BambaForCausalLM(HybridForCausalLM):
     PARTS = ("model.embed_tokens", "model.layers", "model.final_layernorm")
 
-    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
-        super().__init__(d, kernel_config)
+    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None, tp: TP = TP()):
+        super().__init__(d, kernel_config, tp)
         self.build(BambaLayer)

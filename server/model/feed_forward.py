@@ -4,6 +4,11 @@ Parameter names are each family's checkpoint names. Routed experts run ``kernels
 fused Triton grouped GEMM (pairs grouped by expert, the up projection with the family's activation, the down
 projection with the routing weight; no host synchronisation, so CUDA-graph capturable), on CPU the torch
 expert loop it is checked against. Each family keeps its stacked expert weights as the loader produces them.
+
+Tensor parallel (``parallel``): every block's intermediate width is split (up/gate column-parallel, down
+row-parallel), the experts' within each expert; the router is replicated, so every rank routes alike and no
+token moves between ranks. A block sums its partial output over the ranks once (``partial=True`` leaves the
+sum to a caller that adds another partial first: a shared expert).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch import nn
 from mambaserve.kernels import moe
 from mambaserve.kernels.topk_softmax import topk_softmax
 from mambaserve.server.model.hybrid_config import MlpDims, MoEDims
+from mambaserve.server.model.parallel import FIRST, SINGLE, TP, column, gated_column
 
 
 def activation(name: str):
@@ -25,55 +31,85 @@ def activation(name: str):
     raise ValueError(f"activation {name!r} is not implemented")
 
 
+def _row_parallel(tp: TP, specs: dict, bias: bool, down: str) -> dict:
+    """``specs`` and, with a bias, the down projection's on rank 0 only (``parallel.FIRST``); {} at one rank."""
+    if tp.size == 1:
+        return {}
+    return specs | ({f"{down}.bias": FIRST} if bias else {})
+
+
 class Relu2MLP(nn.Module):
     """``down(act(up(x)))`` (Nemotron-H's MLP and shared expert)."""
 
-    def __init__(self, hidden: int, inter: int, act: str, bias: bool):
+    def __init__(self, hidden: int, inter: int, act: str, bias: bool, tp: TP = SINGLE):
         super().__init__()
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.tp = tp
+        cols = tp.part(inter, "MLP intermediate features")
+        self.up_proj = nn.Linear(hidden, len(cols), bias=bias)
+        self.down_proj = nn.Linear(len(cols), hidden, bias=bias)
         self.act = activation(act)
+        up = column(tp, inter, "MLP intermediate features")
+        self.tp_slices = _row_parallel(tp, {"up_proj.weight": up, "down_proj.weight": column(tp, inter, "", dim=1)}
+                                       | ({"up_proj.bias": up} if bias else {}), bias, "down_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        y = self.down_proj(self.act(self.up_proj(x)))
+        return y if partial else self.tp.all_reduce(y)
 
 
 class SwiGLU(nn.Module):
     """``down(act(gate(x)) * up(x))`` with separate projections (Bamba's ``feed_forward``)."""
 
-    def __init__(self, hidden: int, m: MlpDims):
+    def __init__(self, hidden: int, m: MlpDims, tp: TP = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, m.intermediate_size, bias=m.bias)
-        self.up_proj = nn.Linear(hidden, m.intermediate_size, bias=m.bias)
-        self.down_proj = nn.Linear(m.intermediate_size, hidden, bias=m.bias)
+        self.tp = tp
+        n = len(tp.part(m.intermediate_size, "MLP intermediate features"))
+        self.gate_proj = nn.Linear(hidden, n, bias=m.bias)
+        self.up_proj = nn.Linear(hidden, n, bias=m.bias)
+        self.down_proj = nn.Linear(n, hidden, bias=m.bias)
         self.act = activation(m.act)
+        rows = column(tp, m.intermediate_size, "MLP intermediate features")
+        specs = {"gate_proj.weight": rows, "up_proj.weight": rows,
+                 "down_proj.weight": column(tp, m.intermediate_size, "", dim=1)}
+        self.tp_slices = _row_parallel(tp, specs | ({"gate_proj.bias": rows, "up_proj.bias": rows} if m.bias else {}),
+                                       m.bias, "down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class FusedSwiGLU(nn.Module):
     """SwiGLU with gate and up in one projection, gate first (Granite's ``shared_mlp``)."""
 
-    def __init__(self, hidden: int, m: MlpDims):
+    def __init__(self, hidden: int, m: MlpDims, tp: TP = SINGLE):
         super().__init__()
-        self.input_linear = nn.Linear(hidden, 2 * m.intermediate_size, bias=False)
-        self.output_linear = nn.Linear(m.intermediate_size, hidden, bias=False)
+        self.tp = tp
+        n = len(tp.part(m.intermediate_size, "MLP intermediate features"))
+        self.input_linear = nn.Linear(hidden, 2 * n, bias=False)
+        self.output_linear = nn.Linear(n, hidden, bias=False)
         self.act = activation(m.act)
+        self.tp_slices = _row_parallel(tp, {
+            "input_linear.weight": gated_column(tp, m.intermediate_size, "MLP intermediate features"),
+            "output_linear.weight": column(tp, m.intermediate_size, "", dim=1)}, False, "")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(self.act(gate) * up)
+        y = self.output_linear(self.act(gate) * up)
+        return y if partial else self.tp.all_reduce(y)
 
 
 class NemotronExperts(nn.Module):
     """Routed experts as stacked weights ``up_proj [E, I, in]``, ``down_proj [E, in, I]`` (the checkpoint's
-    ``experts.{e}.up_proj.weight`` are stacked at load)."""
+    ``experts.{e}.up_proj.weight`` are stacked at load); a rank holds every expert's share of ``I``."""
 
-    def __init__(self, m: MoEDims, in_dim: int):
+    def __init__(self, m: MoEDims, in_dim: int, tp: TP = SINGLE):
         super().__init__()
-        self.up_proj = nn.Parameter(torch.empty(m.num_experts, m.intermediate_size, in_dim))
-        self.down_proj = nn.Parameter(torch.empty(m.num_experts, in_dim, m.intermediate_size))
+        n = len(tp.part(m.intermediate_size, "expert intermediate features"))
+        self.up_proj = nn.Parameter(torch.empty(m.num_experts, n, in_dim))
+        self.down_proj = nn.Parameter(torch.empty(m.num_experts, in_dim, n))
+        if tp.size > 1:
+            self.tp_slices = {"up_proj": column(tp, m.intermediate_size, "", dim=1),
+                              "down_proj": column(tp, m.intermediate_size, "", dim=2)}
 
 
 class NemotronRouter(nn.Module):
@@ -104,18 +140,21 @@ class NemotronRouter(nn.Module):
 
 class NemotronMoE(nn.Module):
     """Nemotron-H's MoE mixer: sigmoid-routed non-gated experts (optionally in a latent width) + a shared
-    expert on the block input."""
+    expert on the block input. Tensor parallel: the latent projection in is replicated, the one out is
+    linear, so it runs on a rank's partial sum (its bias on rank 0); one sum over ranks for the block."""
 
-    def __init__(self, hidden: int, m: MoEDims, bias: bool):
+    def __init__(self, hidden: int, m: MoEDims, bias: bool, tp: TP = SINGLE):
         super().__init__()
-        self.m = m
+        self.m, self.tp = m, tp
         latent = m.latent_size or hidden
         self.gate = NemotronRouter(m, hidden)
-        self.experts = NemotronExperts(m, latent)
-        self.shared_experts = Relu2MLP(hidden, m.shared_intermediate_size, m.act, bias)
+        self.experts = NemotronExperts(m, latent, tp)
+        self.shared_experts = Relu2MLP(hidden, m.shared_intermediate_size, m.act, bias, tp)
         if m.latent_size:
             self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias)
             self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias)
+            if tp.size > 1 and bias:
+                self.tp_slices = {"fc2_latent_proj.bias": FIRST}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
@@ -123,7 +162,7 @@ class NemotronMoE(nn.Module):
         y = moe.moe_experts(h, idx, w, self.experts.up_proj, self.experts.down_proj, act=self.m.act, gated=False)
         if self.m.latent_size:
             y = self.fc2_latent_proj(y)
-        return y + self.shared_experts(x)
+        return self.tp.all_reduce(y + self.shared_experts(x, partial=True))
 
     def warm_up_experts(self, max_tokens: int) -> int:
         """Compile the expert kernels' variants, routed in the dtypes the router gives."""
@@ -153,23 +192,32 @@ class Stacked(nn.Module):
 
 class GraniteMoE(nn.Module):
     """Granite's ``block_sparse_moe``: softmax over the top-k router logits, SwiGLU experts stored as
-    ``input_linear [E, 2I, H]`` (gate rows first) and ``output_linear [E, H, I]``."""
+    ``input_linear [E, 2I, H]`` (gate rows first) and ``output_linear [E, H, I]``; a rank holds every expert's
+    share of ``I``."""
 
-    def __init__(self, hidden: int, m: MoEDims):
+    def __init__(self, hidden: int, m: MoEDims, tp: TP = SINGLE):
         super().__init__()
-        self.m = m
+        self.m, self.tp = m, tp
+        n = len(tp.part(m.intermediate_size, "expert intermediate features"))
         self.router = GraniteRouter(m, hidden)
-        self.input_linear = Stacked(m.num_experts, 2 * m.intermediate_size, hidden)
-        self.output_linear = Stacked(m.num_experts, hidden, m.intermediate_size)
+        self.input_linear = Stacked(m.num_experts, 2 * n, hidden)
+        self.output_linear = Stacked(m.num_experts, hidden, n)
+        if tp.size > 1:
+            self.tp_slices = {"input_linear.weight": gated_column(tp, m.intermediate_size, "", dim=1),
+                              "output_linear.weight": column(tp, m.intermediate_size, "", dim=2)}
         activation(m.act)  # refuses an activation this module does not implement
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                 scale: float = 1.0) -> torch.Tensor:
         """The experts' weighted sum, and the layer's epilogue in the same pass: ``residual + scale * (sum + add)``
-        (``kernels.moe.moe_experts``)."""
+        (``kernels.moe.moe_experts``), summed over the ranks: ``add`` is a rank's partial (a shared MLP's), and
+        rank 0 alone adds ``residual``."""
         idx, w = self.router(x)
-        return moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight, act=self.m.act,
-                               gated=True, add=add, residual=residual, scale=scale)
+        if self.tp.rank:
+            residual = None
+        return self.tp.all_reduce(moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight,
+                                                  act=self.m.act, gated=True, add=add, residual=residual,
+                                                  scale=scale))
 
     def warm_up_experts(self, max_tokens: int) -> int:
         """Compile the expert kernels' variants, routed in the dtypes the router gives."""

@@ -16,22 +16,23 @@ from mambaserve.server.model.feed_forward import FusedSwiGLU, GraniteMoE
 from mambaserve.server.model.hybrid import HybridForCausalLM, Step, norm, run_mamba
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+from mambaserve.server.model.parallel import TP
 
 
 class GraniteHybridLayer(nn.Module):
-    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None):
+    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None, tp: TP):
         super().__init__()
         self.kind, self.eps, self.mult = kind, d.eps, d.residual_multiplier
         self.mamba_index, self.attn_index = mamba_index, attn_index
         self.input_layernorm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
         if kind == "mamba":
-            self.mamba = Mamba2Mixer(d.mamba)
+            self.mamba = Mamba2Mixer(d.mamba, tp)
         else:
-            self.self_attn = PagedAttention(d.hidden_size, d.attention)
-        self.shared_mlp = FusedSwiGLU(d.hidden_size, d.mlp)
+            self.self_attn = PagedAttention(d.hidden_size, d.attention, tp)
+        self.shared_mlp = FusedSwiGLU(d.hidden_size, d.mlp, tp)
         if d.moe is not None:
-            self.block_sparse_moe = GraniteMoE(d.hidden_size, d.moe)
+            self.block_sparse_moe = GraniteMoE(d.hidden_size, d.moe, tp)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         if self.kind == "mamba":
@@ -42,16 +43,15 @@ class GraniteHybridLayer(nn.Module):
         # x + h * mult and its norm in one launch, the MoE's weighted sum with the shared MLP's output and the
         # scaled residual in another: granite-4.0-h-tiny's decode step is ~23 launches a layer
         h, x = kernels.rmsnorm(h, x, self.post_attention_layernorm.weight, self.eps, scale=self.mult)
-        out = self.shared_mlp(h)
-        if hasattr(self, "block_sparse_moe"):
-            return self.block_sparse_moe(h, add=out, residual=x, scale=self.mult)
-        return x + out * self.mult
+        if hasattr(self, "block_sparse_moe"):  # one sum over the ranks for both (tensor parallel)
+            return self.block_sparse_moe(h, add=self.shared_mlp(h, partial=True), residual=x, scale=self.mult)
+        return x + self.shared_mlp(h) * self.mult
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     PARTS = ("model.embed_tokens", "model.layers", "model.norm")
 
-    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
-        super().__init__(d, kernel_config)
+    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None, tp: TP = TP()):
+        super().__init__(d, kernel_config, tp)
         self.build(GraniteHybridLayer)
 

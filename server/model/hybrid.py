@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from mambaserve import kernels
-from mambaserve.server.model.attention import rope_cos_sin
-from mambaserve.server.model.hybrid_config import HybridDims
+from mambaserve.server.model.attention import local_attention, rope_cos_sin
+from mambaserve.server.model.hybrid_config import AttentionDims, HybridDims
 from mambaserve.server.model.inputs import BatchTensors, ForwardMode
 from mambaserve.server.model.mamba2 import REFERENCE_DECODE, Mamba2Mixer, RMSNorm
+from mambaserve.server.model.parallel import SINGLE, TP, Slices, embed, mamba_shard, vocab_part
 from mambaserve.server.model.weights import copy_into_parameters
 
 
@@ -70,10 +71,12 @@ class HybridForCausalLM(nn.Module):
 
     PARTS: tuple[str, str, str]
 
-    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
+    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None, tp: TP = SINGLE):
         super().__init__()
-        self.dims = d
-        self.state_dims = d.mamba  # the state pool's shape (num_layers: Mamba layers only)
+        self.dims, self.tp = d, tp
+        # the state pool's shape (num_layers: Mamba layers only), this rank's heads
+        self.state_dims = mamba_shard(d.mamba, tp).local if d.mamba else None
+        self.vocab_rows = vocab_part(d.vocab_size, tp)  # the embedding's and LM head's rows on this rank
         self.kernel_config = kernel_config or kernels.KernelConfig()
 
     @property
@@ -101,20 +104,27 @@ class HybridForCausalLM(nn.Module):
             if hasattr(m, "kernel_config"):
                 m.kernel_config = config
 
+    @property
+    def attention_dims(self) -> AttentionDims | None:
+        """The attention layers' dims on this rank (its query and KV heads): the KV pool's shape."""
+        return local_attention(self.dims.attention, self.tp) if self.dims.attention else None
+
     def build(self, layer) -> None:
-        """The embedding, ``layer(dims, kind, mamba_index, attention_index)`` for each layer and the final norm
-        under the names ``PARTS`` gives, then the LM head (tied if the config says so)."""
+        """The embedding, ``layer(dims, kind, mamba_index, attention_index, tp)`` for each layer and the final
+        norm under the names ``PARTS`` gives, then the LM head (tied if the config says so)."""
         d = self.dims
         setattr(self, self.PARTS[0].split(".")[0], nn.Module())
         mi, ai = layer_indices(d.mixers, "mamba"), layer_indices(d.mixers, "attention")
         final_norm = nn.Module()
         final_norm.weight = nn.Parameter(torch.ones(d.hidden_size))
-        parts = (nn.Embedding(d.vocab_size, d.hidden_size),
-                 nn.ModuleList(layer(d, k, mi[i], ai[i]) for i, k in enumerate(d.mixers)), final_norm)
+        parts = (nn.Embedding(len(self.vocab_rows), d.hidden_size),
+                 nn.ModuleList(layer(d, k, mi[i], ai[i], self.tp) for i, k in enumerate(d.mixers)), final_norm)
         for path, module in zip(self.PARTS, parts):
             parent, name = path.rsplit(".", 1)
             setattr(self.get_submodule(parent), name, module)
-        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.lm_head = nn.Linear(d.hidden_size, len(self.vocab_rows), bias=False)
+        if self.tp.size > 1:
+            self.embed.tp_slices = self.lm_head.tp_slices = {"weight": Slices.of(0, self.vocab_rows)}
         self.tie_weights()
         self.use_kernel_config(self.kernel_config)
 
@@ -156,7 +166,7 @@ class HybridForCausalLM(nn.Module):
         tied = self.dims.tie_word_embeddings
         if tied:
             state.pop("lm_head.weight", None)
-        copy_into_parameters(self, state)  # a tied lm_head is listed once, under the embedding's name
+        copy_into_parameters(self, state, rank=self.tp.rank)  # a tied lm_head is listed once, under the embedding's
         self.refresh_derived()
 
     @torch.inference_mode()
@@ -165,7 +175,7 @@ class HybridForCausalLM(nn.Module):
         """As ``Mamba2ForCausalLM.forward``, plus ``kv``: the KV pool's ``(k, v)`` ``[La, pages, page_size, Hkv,
         D]``, written at ``bt.slot_mapping``. Returns fp32 logits and the tracked states per Mamba layer."""
         d = self.dims
-        x = self.embed(input_ids)
+        x = embed(input_ids, self.embed.weight, self.vocab_rows, self.tp)
         if d.embedding_multiplier != 1.0:
             x = x * d.embedding_multiplier
         a = d.attention
@@ -177,7 +187,7 @@ class HybridForCausalLM(nn.Module):
             x = layer(x, step)
         if logit_rows is not None:
             x = x[logit_rows]
-        logits = self.lm_head(norm(x, self.final_norm.weight, d.eps))
+        logits = self.tp.gather_vocab(self.lm_head(norm(x, self.final_norm.weight, d.eps)))[:, :d.vocab_size]
         if d.logits_scaling != 1.0:
             logits = logits / d.logits_scaling
         return logits.float(), step.tracked

@@ -10,6 +10,7 @@ import torch
 from mambaserve.kernels import KernelConfig
 from mambaserve.server.model.config import ModelLoadError, read_config
 from mambaserve.server.model.mamba2 import Mamba2ForCausalLM
+from mambaserve.server.model.parallel import SINGLE, TP
 from mambaserve.server.model.registry import resolve
 from mambaserve.server.model.weights import load_state_dict
 
@@ -43,16 +44,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               kernel_config: KernelConfig | None = None) -> tuple[Mamba2ForCausalLM, dict]:
-    """The model ``config.json`` names (``registry.ARCHITECTURES``), weights loaded, on ``device``."""
+               kernel_config: KernelConfig | None = None, tp: TP = SINGLE) -> tuple[Mamba2ForCausalLM, dict]:
+    """The model ``config.json`` names (``registry.ARCHITECTURES``), weights loaded, on ``device``; at
+    ``tp.size`` > 1 this rank's shard of it (``parallel``), read from the checkpoint alone."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     arch = resolve(cfg)
     dims = arch.read_dims(cfg)
     state = load_state_dict(model_dir)
     with torch.device("meta"):
-        model = arch.model_class(dims, kernel_config)
-    model = model.to_empty(device=device).to(dtype)
+        model = arch.model_class(dims, kernel_config, tp)
+    model = model.to(dtype).to_empty(device=device)  # allocated in dtype: fp32 first would double the peak
     if dims.tie_word_embeddings:  # to_empty breaks the tie: restore it
         model.tie_weights()
     model.load_weights(state)
@@ -63,7 +65,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             p.data = p.data.float()
     model.eval()
     s = model.state_dims
-    log.info("loaded %s (%s): %d layers (%d Mamba2: %d heads x %d, state %d), %.1fM parameters, %s on %s", model_dir,
-             arch.name, dims.num_layers, s.num_layers if s else 0, s.num_heads if s else 0, s.head_dim if s else 0,
-             s.state_size if s else 0, sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
+    shard = f" (rank {tp.rank} of {tp.size}: its heads and rows)" if tp.size > 1 else ""
+    log.info("loaded %s (%s): %d layers (%d Mamba2: %d heads x %d, state %d), %.1fM parameters%s, %s on %s",
+             model_dir, arch.name, dims.num_layers, s.num_layers if s else 0, s.num_heads if s else 0,
+             s.head_dim if s else 0, s.state_size if s else 0, sum(p.numel() for p in model.parameters()) / 1e6,
+             shard, dtype, device)
     return model, cfg

@@ -6,12 +6,15 @@ math goes through ``mambaserve.kernels`` (Triton on CUDA, pure-torch references 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from mambaserve import kernels
 from mambaserve.server.model.config import Mamba2Dims
 from mambaserve.server.model.inputs import BatchTensors, ForwardMode
+from mambaserve.server.model.parallel import SINGLE, TP, Slices, embed, mamba_shard, mamba_slices, vocab_part
 from mambaserve.server.model.weights import copy_into_parameters
 
 
@@ -41,9 +44,13 @@ class GatedNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, d: Mamba2Dims):
+    """A Mamba2 mixer, or a tensor-parallel rank's heads of one (``parallel.mamba_shard``): ``self.d`` are the
+    dims its modules and states have (this rank's heads and groups), the kernels run on them unchanged."""
+
+    def __init__(self, d: Mamba2Dims, tp: TP = SINGLE):
         super().__init__()
-        self.d = d
+        self.tp, self.shard = tp, mamba_shard(d, tp)
+        d = self.d = self.shard.local
         self.kernel_config = kernels.KernelConfig()
         self.in_proj = nn.Linear(d.hidden_size, d.d_inner + d.conv_dim + d.num_heads, bias=d.use_bias)
         self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim, bias=d.use_conv_bias)
@@ -52,9 +59,11 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(d.num_heads))
         # A = -exp(A_log), derived once (refresh_A) rather than by two kernels per layer per step.
         self.register_buffer("A", -torch.exp(self.A_log.detach().float()), persistent=False)
-        # Normalised per group of d_inner / n_groups channels, as the original Mamba2 does.
-        self.norm = GatedNorm(d.d_inner, d.d_inner // d.n_groups, d.eps)
+        # Normalised per group of d_inner / n_groups channels (of the full mixer), as the original Mamba2 does.
+        self.norm = GatedNorm(d.d_inner, self.shard.norm_group_size, d.eps)
         self.out_proj = nn.Linear(d.d_inner, d.hidden_size, bias=d.use_bias)
+        if tp.size > 1:
+            self.tp_slices = mamba_slices(self.shard, d.use_bias, d.use_conv_bias)
 
     def forward(self, zxbcdt: torch.Tensor, bt: BatchTensors, conv_state: torch.Tensor, ssm_state: torch.Tensor):
         """Prefill (``ForwardMode.EXTEND``); ``zxbcdt``: in_proj's output (the block runs the pre-norm and
@@ -96,9 +105,31 @@ class Mamba2Mixer(nn.Module):
         return self._out(y, z), new_residual
 
     def _out(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return kernels.gated_rmsnorm_linear(y.reshape(y.shape[0], self.d.d_inner), z, self.norm.weight, self.norm.eps,
-                                            self.norm.group_size, self.out_proj.weight, self.out_proj.bias,
-                                            config=self.kernel_config)
+        """out_proj(gated_norm(y, z)), summed over the ranks (row-parallel: each holds its channels' columns)."""
+        y = y.reshape(y.shape[0], self.d.d_inner)
+        if self.shard.norm_spans:
+            return self._out_spanning(y, z)
+        return self.tp.all_reduce(kernels.gated_rmsnorm_linear(
+            y, z, self.norm.weight, self.norm.eps, self.norm.group_size, self.out_proj.weight, self.out_proj.bias,
+            config=self.kernel_config))
+
+    def _out_spanning(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated norm's group is wider than this rank's channels (``n_groups`` < ranks): its scale needs every
+        rank's sum of squares. The projection is linear, so each rank projects its gated, weighted channels
+        unscaled and sends its sum of squares in the same all-reduce (one column per group); the scale applies
+        after the sum. One collective per layer, as without the norm; the kernels cannot run it (their norm
+        sees one rank's channels), so torch does."""
+        T, hidden = y.shape[0], self.out_proj.weight.shape[0]
+        h = y.float() * torch.nn.functional.silu(z.float())
+        partial = torch.nn.functional.linear((h * self.norm.weight.float()).to(y.dtype), self.out_proj.weight)
+        groups = self.shard.full.n_groups
+        buf = partial.new_zeros(T, groups, hidden + 1, dtype=torch.float32)
+        buf[:, self.shard.norm_group, :hidden] = partial
+        buf[:, self.shard.norm_group, hidden] = h.pow(2).sum(-1)
+        self.tp.all_reduce(buf)
+        scale = torch.rsqrt(buf[:, :, hidden:] / self.norm.group_size + self.norm.eps)
+        out = (buf[:, :, :hidden] * scale).sum(1).to(y.dtype)
+        return out + self.out_proj.bias if self.out_proj.bias is not None else out
 
     @torch.no_grad()
     def refresh_A(self) -> None:
@@ -123,10 +154,10 @@ class Mamba2Mixer(nn.Module):
 
 
 class Mamba2Block(nn.Module):
-    def __init__(self, d: Mamba2Dims):
+    def __init__(self, d: Mamba2Dims, tp: TP = SINGLE):
         super().__init__()
         self.norm = RMSNorm(d.hidden_size, d.eps, d.residual_in_fp32)
-        self.mixer = Mamba2Mixer(d)
+        self.mixer = Mamba2Mixer(d, tp)
 
     def forward(self, x, residual, bt: BatchTensors, conv_state: torch.Tensor, ssm_state: torch.Tensor):
         """(block output, new residual, tracked states); ``x`` is the previous block's output."""
@@ -138,10 +169,13 @@ class Mamba2Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, d: Mamba2Dims):
+    def __init__(self, d: Mamba2Dims, tp: TP = SINGLE):
         super().__init__()
-        self.embeddings = nn.Embedding(d.vocab_size, d.hidden_size)
-        self.layers = nn.ModuleList(Mamba2Block(d) for _ in range(d.num_layers))
+        self.vocab_rows = vocab_part(d.vocab_size, tp)  # the embedding's and LM head's rows on this rank
+        self.embeddings = nn.Embedding(len(self.vocab_rows), d.hidden_size)
+        if tp.size > 1:
+            self.embeddings.tp_slices = {"weight": Slices.of(0, self.vocab_rows)}
+        self.layers = nn.ModuleList(Mamba2Block(d, tp) for _ in range(d.num_layers))
         self.norm_f = RMSNorm(d.hidden_size, d.eps, d.residual_in_fp32)
 
 
@@ -150,12 +184,15 @@ REFERENCE_DECODE = ("decode runs the kernels' torch references (no Triton, or MA
 
 
 class Mamba2ForCausalLM(nn.Module):
-    def __init__(self, d: Mamba2Dims, kernel_config: kernels.KernelConfig | None = None):
+    def __init__(self, d: Mamba2Dims, kernel_config: kernels.KernelConfig | None = None, tp: TP = SINGLE):
         super().__init__()
-        self.dims = d
-        self.state_dims = d  # the state pool's shape (every layer is a Mamba2 layer)
-        self.backbone = Backbone(d)
-        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.dims, self.tp = d, tp
+        self.backbone = Backbone(d, tp)
+        # the state pool's shape (every layer is a Mamba2 layer): this rank's heads
+        self.state_dims = dataclasses.replace(self.backbone.layers[0].mixer.d, num_layers=d.num_layers)
+        self.lm_head = nn.Linear(d.hidden_size, len(self.backbone.vocab_rows), bias=False)
+        if tp.size > 1:
+            self.lm_head.tp_slices = {"weight": Slices.of(0, self.backbone.vocab_rows)}
         if d.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
         self.use_kernel_config(kernel_config or kernels.KernelConfig())
@@ -182,7 +219,7 @@ class Mamba2ForCausalLM(nn.Module):
         elif "lm_head.weight" not in state:
             state["lm_head.weight"] = state["backbone.embeddings.weight"]
         copy_into_parameters(self, state, frozenset({"lm_head.weight"}) if self.dims.tie_word_embeddings
-                             else frozenset())
+                             else frozenset(), rank=self.tp.rank)
         self.refresh_derived()
 
     def capture_blocker(self, mode: ForwardMode) -> str | None:
@@ -211,7 +248,7 @@ class Mamba2ForCausalLM(nn.Module):
 
         conv ``[L, slots, conv_dim, K-1]`` and ssm ``[L, slots, H, P, N]`` are updated in place.
         """
-        x, residual = self.backbone.embeddings(input_ids), None
+        x, residual = embed(input_ids, self.backbone.embeddings.weight, self.backbone.vocab_rows, self.tp), None
         tracked = []
         for i, layer in enumerate(self.backbone.layers):
             x, residual, states = layer(x, residual, bt, conv[i], ssm[i])
@@ -219,6 +256,7 @@ class Mamba2ForCausalLM(nn.Module):
         if logit_rows is not None:
             x, residual = x[logit_rows], residual[logit_rows]
         logits, _ = self.backbone.norm_f.then_linear(x, residual, self.lm_head.weight, self.lm_head.bias)
-        if self.dims.real_vocab_size:  # padding rows of the embedding: never sampled
-            logits = logits[:, :self.dims.real_vocab_size]
+        logits = self.tp.gather_vocab(logits)
+        # padding rows of the embedding (mamba_ssm's, or up to a multiple of the ranks): never sampled
+        logits = logits[:, :self.dims.real_vocab_size or self.dims.vocab_size]
         return logits.float(), tracked

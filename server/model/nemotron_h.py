@@ -19,22 +19,24 @@ from mambaserve.server.model.feed_forward import NemotronMoE, Relu2MLP
 from mambaserve.server.model.hybrid import HybridForCausalLM, Step, norm, run_mamba
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
+from mambaserve.server.model.parallel import TP
+from mambaserve.server.model.weights import Stacked
 
 
 class NemotronHBlock(nn.Module):
-    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None):
+    def __init__(self, d: HybridDims, kind: str, mamba_index: int | None, attn_index: int | None, tp: TP):
         super().__init__()
         self.kind, self.eps = kind, d.eps
         self.mamba_index, self.attn_index = mamba_index, attn_index
         self.norm = RMSNorm(d.hidden_size, d.eps, residual_in_fp32=False)
         if kind == "mamba":
-            self.mixer = Mamba2Mixer(d.mamba)
+            self.mixer = Mamba2Mixer(d.mamba, tp)
         elif kind == "attention":
-            self.mixer = PagedAttention(d.hidden_size, d.attention)
+            self.mixer = PagedAttention(d.hidden_size, d.attention, tp)
         elif kind == "mlp":
-            self.mixer = Relu2MLP(d.hidden_size, d.mlp.intermediate_size, d.mlp.act, d.mlp.bias)
+            self.mixer = Relu2MLP(d.hidden_size, d.mlp.intermediate_size, d.mlp.act, d.mlp.bias, tp)
         else:
-            self.mixer = NemotronMoE(d.hidden_size, d.moe, d.mlp.bias)
+            self.mixer = NemotronMoE(d.hidden_size, d.moe, d.mlp.bias, tp)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         if self.kind == "mamba":
@@ -48,16 +50,16 @@ class NemotronHBlock(nn.Module):
 class NemotronHForCausalLM(HybridForCausalLM):
     PARTS = ("backbone.embeddings", "backbone.layers", "backbone.norm_f")
 
-    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None):
-        super().__init__(d, kernel_config)
+    def __init__(self, d: HybridDims, kernel_config: kernels.KernelConfig | None = None, tp: TP = TP()):
+        super().__init__(d, kernel_config, tp)
         self.build(NemotronHBlock)
 
-    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self, state: dict) -> dict:
         # transformers' in-memory names start with "model."; checkpoints (and save_pretrained) with "backbone."
         state = {("backbone." + k[6:] if k.startswith("model.") else k): v for k, v in state.items()}
         # multi-token prediction layers (speculative decoding) are not served
         state = {k: v for k, v in state.items() if not k.startswith(("mtp.", "backbone.mtp."))}
-        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        experts: dict[tuple[str, str], dict] = {}
         for k in list(state):
             m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight", k)
             if m:
@@ -68,5 +70,5 @@ class NemotronHForCausalLM(HybridForCausalLM):
             if lacking or len(per) != n:
                 raise ModelLoadError(f"{prefix}: the checkpoint has experts {sorted(per)} for {proj}, the config "
                                      f"{n} (missing {lacking[:5]})")
-            state[f"{prefix}.{proj}"] = torch.stack([per[e] for e in range(n)])
+            state[f"{prefix}.{proj}"] = Stacked([per[e] for e in range(n)])  # read per rank, sliced per expert
         return state

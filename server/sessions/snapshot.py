@@ -2,9 +2,14 @@
 
 Format (version 1): a safetensors file. Tensors ``conv [L, conv_dim, K-1]`` and ``ssm [L, H, P, N]``
 (absent when the session had no live state); string metadata ``mambaserve`` holding a JSON header:
-format version, compatibility key (model architecture hash, weights dtype, state dtype), session
-fields, the token history, and a SHA-256 over the tensors' bytes and the tokens. A file whose
+format version, compatibility key (model architecture hash, weights dtype, state dtype, the state's layout),
+session fields, the token history, and a SHA-256 over the tensors' bytes and the tokens. A file whose
 checksum or key does not match is refused with the reason.
+
+The state's layout (``STATE_LAYOUT``) is one device's: every head and group of the model, in its own order,
+whatever the number of tensor-parallel ranks that held it (they gather it to write the file and cut their
+parts out of it to restore one), so a file written at one ``--tensor-parallel-size`` restores at any other.
+A file that says another layout is refused: its tensors could not be cut into this server's ranks' parts.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from mambaserve.server.sessions.table import MAX_TIMEOUT_S, SessionError
 
 FORMAT_VERSION = 1
+STATE_LAYOUT = "one-device"  # (files written before the layout was recorded have it: compat_of)
 
 
 class SnapshotError(SessionError):
@@ -77,7 +83,14 @@ def compat_key(model_config: dict, dtype: torch.dtype, state_dtype: torch.dtype)
     arch = {k: model_config.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "num_heads", "head_dim",
                                              "n_groups", "state_size", "conv_kernel", "vocab_size")}
     digest = hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
-    return {"architecture": digest, "dtype": str(dtype).split(".")[-1], "state_dtype": str(state_dtype).split(".")[-1]}
+    return {"architecture": digest, "dtype": str(dtype).split(".")[-1], "state_dtype": str(state_dtype).split(".")[-1],
+            "state_layout": STATE_LAYOUT}
+
+
+def compat_of(header: dict) -> object:
+    """A file's compatibility key, with the layout of files written before it was recorded (one device's)."""
+    key = header.get("compat")
+    return {**key, "state_layout": key.get("state_layout", STATE_LAYOUT)} if isinstance(key, dict) else key
 
 
 def _checksum(tensors: dict[str, torch.Tensor], tokens: list[int]) -> str:
@@ -120,7 +133,13 @@ def read(path: Path, key: dict) -> tuple[dict, list[int], dict[str, torch.Tensor
         version = header.get("format_version") if isinstance(header, dict) else None
         raise SnapshotError(409, f"snapshot format {version} is not supported (this server reads {FORMAT_VERSION})",
                             "snapshot_incompatible", "incompatible")
-    if header.get("compat") != key:
+    compat = compat_of(header)
+    if isinstance(compat, dict) and compat["state_layout"] != key["state_layout"]:
+        raise SnapshotError(409, f"snapshot state is laid out as {compat['state_layout']!r}, which cannot be cut into "
+                            f"this server's ranks' parts: it reads {key['state_layout']!r} (every head and group in "
+                            "one device's order, at any --tensor-parallel-size)", "snapshot_incompatible",
+                            "incompatible")
+    if compat != key:
         raise SnapshotError(409, f"snapshot was taken with {header.get('compat')}, this server runs {key}",
                             "snapshot_incompatible", "incompatible")
     tokens = header.get("tokens")

@@ -52,6 +52,21 @@ async def serving(engine: Engine):
             yield client
 
 
+def wait_healthy(proc, url: str, timeout: float = 60) -> None:
+    """Until ``url``'s /health answers 200; fails with the server's stderr if ``proc`` ends or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            err = proc.stderr.read()
+            pytest.fail(f"the server did not become healthy: {(err.decode() if isinstance(err, bytes) else err)[-3000:]}")
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,12 +4,11 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests.server.conftest import accounting, assert_idle, free_port, make_engine, run, serving
+from tests.server.conftest import accounting, assert_idle, free_port, make_engine, run, serving, wait_healthy
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -330,15 +329,7 @@ def test_snapshot_restore_in_a_second_server_process(tiny_ckpt, tmp_path):
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-            time.sleep(0.2)
+        wait_healthy(proc, url)
 
         async def second():
             async with httpx.AsyncClient(base_url=url, timeout=60) as c:

@@ -79,6 +79,12 @@ class LeaderRunner(ModelRunner):
         self.ranks.send(("write", slot))
         self._in_step("a state write", lambda: scatter_slot(self, slot, state, self.tp, self.full))
 
+    def copy_out(self, slot: int, kv=None):
+        raise NotImplementedError("a slot copied out for the storage tier at --tensor-parallel-size > 1 (refused at "
+                                  "start: Engine's tp_refusals)")
+
+    load_in = copy_out
+
     def enable_cuda_graphs(self, *args) -> None:
         self.ranks.send(("graphs", args))
         self._in_step("the CUDA graphs' capture", lambda: super(LeaderRunner, self).enable_cuda_graphs(*args))

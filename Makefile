@@ -15,7 +15,8 @@ SERVE_STAMP := $(VENV)/.installed-server
 $(SERVE_STAMP): requirements-server.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-server.txt
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	# (an isolated build: a fresh venv's setuptools is too old for pyproject.toml; pip fetches its own)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $(SERVE_STAMP)
 
 # Everything else: the operator, the kernels' Triton and the tests' tools (`make test`).

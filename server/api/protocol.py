@@ -90,7 +90,21 @@ class ResponseFormat(_Body):
             return ("json_object", "")
         if self.json_schema is None or self.json_schema.schema_ is None:
             raise BadRequest("response_format json_schema needs json_schema.schema")
-        return ("json_schema", json.dumps(self.json_schema.schema_))
+        schema = self.json_schema.schema_
+        return ("json_schema", json.dumps(_closed(schema) if self.json_schema.strict else schema))
+
+
+def _closed(schema: Any) -> Any:
+    """``strict``: objects take no property their schema does not name (OpenAI's strict mode asks for
+    ``additionalProperties: false`` everywhere; where a schema leaves it out, it is meant)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if k != "const" and k != "enum" and k != "default" else v for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class StructuredOutputs(_Body):

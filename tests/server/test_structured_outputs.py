@@ -96,6 +96,16 @@ def test_bad_grammars_and_conflicts_are_400(served):
     assert r.status_code == 400 and "at most one" in r.json()["error"]["message"]
 
 
+def test_strict_schemas_take_no_unnamed_property(served):
+    _, _, client = served
+    open_schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": open_schema, "strict": True}}
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=MSG, temperature=1.0, seed=seed, max_tokens=60,
+                                           response_format=fmt)
+        assert set(json.loads(r.choices[0].message.content)) == {"ok"}
+
+
 def test_compiled_grammars_are_cached_by_source(served):
     engine, _, _ = served
     a = engine.grammars.compile("json_schema", json.dumps(PERSON))

@@ -183,7 +183,7 @@ class HybridRadixCache(MambaRadixCache):
     def host_node(self, key: Sequence[int]) -> TreeNode | None:
         """The node ending exactly at ``key`` if it is marked (the host tier's snapshot there is usable),
         its recency refreshed (a hit from the host uses its KV)."""
-        node = self._node_at(key)
+        node = self.node_at(key)
         if node is None or not node.host:
             return None
         self._touch(node)
@@ -191,7 +191,7 @@ class HybridRadixCache(MambaRadixCache):
 
     def drop_host(self, key: Sequence[int]) -> None:
         """The host tier's entry at ``key`` went: unmark its node, pruned if nothing else keeps it."""
-        node = self._node_at(key)
+        node = self.node_at(key)
         if node is None or not node.host:
             raise RuntimeError(f"no host mark at {len(key)} tokens: the host tier and the tree disagree")
         node.host = False
@@ -211,7 +211,24 @@ class HybridRadixCache(MambaRadixCache):
         out, self.host_dropped = self.host_dropped, []
         return out
 
-    def _node_at(self, key: Sequence[int]) -> TreeNode | None:
+    def kv_prefix(self, key: Sequence[int]) -> tuple[TreeNode | None, list[int], int]:
+        """The longest page-aligned prefix of ``key`` whose KV the tree holds: (the deepest node it reaches into,
+        which pins it whole, or None; its pages, in token order; its length in tokens)."""
+        key = tuple(key)
+        node, pos, n, pages, deepest = self.root, 0, len(key), [], None
+        while pos < n:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            m = self._common_len(child.key, key, pos, n)
+            pages += child.pages[:m // self.page_size]
+            deepest, pos = child, pos + m
+            if m < len(child.key):
+                break
+            node = child
+        return deepest, pages, pos
+
+    def node_at(self, key: Sequence[int]) -> TreeNode | None:
         key = tuple(key)
         node, pos, n = self.root, 0, len(key)
         while pos < n:

@@ -55,12 +55,26 @@ from mambaserve.server.cache.slots import SlotAllocator
 from mambaserve.server.cache.storage_tier import MAX_INFLIGHT_WRITES, StorageTier
 
 
+@dataclass(eq=False)
+class KVCopy:
+    """(hybrids) The K/V of tokens [a, b) of a sequence whose pages, in token order, are ``table``, between the
+    KV pool and host tensors ``k``, ``v`` ``[b - a, La, Hkv, D]`` (the storage tier's entries): filled by the
+    model runner when it runs a ``kv_out`` op, given to it for a ``kv_in`` op."""
+
+    table: list[int]
+    a: int
+    b: int
+    k: object | None = None
+    v: object | None = None
+
+
 @dataclass
 class StateOps:
     """Deferred state mutations, run on the device before the next forward in the order recorded: a
     slot evicted and taken again within one step is read by an earlier op and written by a later one.
     Each op is (kind, a, b): ("copy", src slot, dst slot), ("clear", slot, slot), ("offload", slot,
-    host slot), ("load", host slot, slot)."""
+    host slot), ("load", host slot, slot); hybrids' storage tier: ("kv_out", KVCopy, None) (pages to host
+    tensors) and ("kv_in", KVCopy, None) (host tensors to pages)."""
 
     ops: list[tuple[str, int, int]] = field(default_factory=list)
     # called with a CUDA event (None on the CPU) once the ops are issued: storage writes that read a
@@ -78,6 +92,12 @@ class StateOps:
 
     def load(self, host_slot: int, slot: int) -> None:
         self.ops.append(("load", host_slot, slot))
+
+    def kv_out(self, copy: KVCopy) -> None:
+        self.ops.append(("kv_out", copy, None))
+
+    def kv_in(self, copy: KVCopy) -> None:
+        self.ops.append(("kv_in", copy, None))
 
     def drop_writes_to(self, slot: int) -> None:
         self.ops = [op for op in self.ops if op[0] == "offload" or op[2] != slot]
@@ -287,6 +307,7 @@ class PrefixCache(DisabledCache):
             self.host.drop(key)
         while self.host.dropped:
             self.tree.drop_host(self.host.dropped.pop())
+        self._drain()  # (the pages of nodes pruned when unmarked)
 
     def _drain(self) -> None:
         """Pages of nodes the tree removed, back to the allocator (hybrid models)."""
@@ -322,8 +343,7 @@ class PrefixCache(DisabledCache):
                 if self._selective_write_due(node):
                     key = self.host.tree.key_of(node)
                     if self.storage.wants(key):
-                        self.host.tree.lock(node)
-                        self.storage.write_from_host(HostLock(node), key, self.pending)
+                        self._write_host(node, key)
                 return length, lock, tier
             if lock is not None:
                 self.host.unlock(lock)
@@ -365,8 +385,27 @@ class PrefixCache(DisabledCache):
             if lock is None:
                 return False  # every host entry is in use: the write is skipped
             self.pending.offload(slot, lock.slot)
-        st.write_from_host(lock, tokens, self.pending)
+            if self.pages is not None:  # (hybrids) the host copy is usable with the tree's KV, like an evicted one
+                self.tree.node_at(tokens).host = True
+                self._sync_host()
+        self._write(lock.node, tokens)
         return True
+
+    def _write_host(self, node: TreeNode, key: Sequence[int]) -> None:
+        """Host entry ``node`` (at ``key``) to storage: locked until written."""
+        self.host.tree.lock(node)
+        self._write(node, key)
+
+    def _write(self, node: TreeNode, key: Sequence[int]) -> None:
+        """Locked host entry ``node`` to storage; hybrids: with the KV of its tokens, whose pages stay pinned
+        until it is written (KV eviction must not drop a locked host entry)."""
+        kv_node = copy = None
+        if self.pages is not None:
+            kv_node = self.tree.node_at(key)
+            self.tree.kv_lock(kv_node)
+            copy = KVCopy(self.tree.pages_to(kv_node), 0, len(key))
+            self.pending.kv_out(copy)
+        self.storage.write_from_host(HostLock(node, kv_node), key, self.pending, copy)
 
     def _on_host(self, node: TreeNode, key: tuple[int, ...]) -> None:
         """An evicted device snapshot just got host entry ``node``: marked as having a storage copy (the
@@ -375,9 +414,45 @@ class PrefixCache(DisabledCache):
         if self.storage.has(key):
             node.stored = True
         elif self.storage.write_policy == "write_through" and self.storage.wants(key):
-            self.host.tree.lock(node)
-            self.storage.write_from_host(HostLock(node), key, self.pending)
+            self._write_host(node, key)
             node.stored = True
+
+    def attach(self, storage: StorageTier) -> None:
+        """The storage tier below the host tier; hybrids: an entry read from it lands its KV in the tree."""
+        self.storage = storage
+        if self.pages is not None:
+            storage.land_kv, storage.unpin_kv, storage.sync_host = self._land_kv, self._unpin, self._sync_host
+
+    def _land_kv(self, key: Sequence[int], k, v) -> TreeNode | None:
+        """(hybrids) An entry read from storage (its state in a host slot about to join the host tier at ``key``):
+        its KV in the device tree, the pages the tree lacks filled from ``k``, ``v`` (a ``kv_in`` op), the node
+        at ``key`` marked ``host``; returned locked (a request waits for it). None when too few pages can be had
+        (the read is dropped: the request computes the prefix)."""
+        node = self.tree.node_at(key)
+        if node is None or not node.host:
+            base, table, have = self.tree.kv_prefix(key)
+            if base is not None:
+                self.tree.kv_lock(base)  # (what making room evicts never takes the part it builds on)
+            owner = KVHold()
+            ok = self._ensure_pages(owner, len(key) - have)
+            if base is not None:
+                self.tree.kv_unlock(base)
+            if not ok:
+                self.pages.release(owner)
+                self._drain()
+                return None
+            table = table + self.pages.detach(owner, len(self.pages.pages(owner)))
+            node, dup = self.tree.insert_pages(key, table)
+            assert not dup, "pages the tree lacked came back as duplicates"
+            self.pending.kv_in(KVCopy(table, have, len(key), k[have:], v[have:]))
+            node.host = True
+        self.tree.kv_lock(node)
+        return node
+
+    def _unpin(self, node: TreeNode | None) -> None:
+        if node is not None:
+            self.tree.kv_unlock(node)
+            self._drain()
 
     def write_back(self) -> None:
         """``write_back``: host entries about to be dropped are written to storage first."""
@@ -389,8 +464,7 @@ class PrefixCache(DisabledCache):
             if st.has(key):
                 node.stored = True
             elif st.wants(key):
-                self.host.tree.lock(node)
-                st.write_from_host(HostLock(node), key, self.pending)
+                self._write_host(node, key)
 
     def residency(self, tokens: Sequence[int]) -> dict[str, int]:
         out = {"gpu": self.tree.match_prefix(tokens).length if tokens else 0, "host": 0, "storage": 0}

@@ -160,12 +160,13 @@ def weights_fingerprint(model_dir: str | os.PathLike, cache_file: Path | None = 
 
 
 def compat_key(model_config: dict, weights: str, dtype: torch.dtype, state_dtype: torch.dtype, num_layers: int,
-               conv_shape: Sequence[int], ssm_shape: Sequence[int], chunk_size: int) -> dict:
-    """Everything a stored state depends on. ``conv_shape``/``ssm_shape``: one slot's, every layer."""
+               conv_shape: Sequence[int], ssm_shape: Sequence[int], chunk_size: int, kv: Sequence | None = None) -> dict:
+    """Everything a stored state depends on. ``conv_shape``/``ssm_shape``: one slot's, every layer; ``kv``
+    (hybrids, whose entries hold their tokens' KV beside the state): attention layers, KV heads, head dim, dtype."""
     arch = {k: model_config.get(k) for k in ("model_type", "architectures", "hidden_size", "num_hidden_layers",
                                              "num_heads", "head_dim", "n_groups", "state_size", "conv_kernel",
                                              "vocab_size", "expand", "layer_types", "hybrid_override_pattern")}
     return {"architecture": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16],
             "weights": weights, "dtype": str(dtype).split(".")[-1], "state_dtype": str(state_dtype).split(".")[-1],
             "layers": num_layers, "conv": list(conv_shape), "ssm": list(ssm_shape), "chunk_size": chunk_size,
-            "format": FORMAT_VERSION}
+            "format": FORMAT_VERSION, **({"kv": list(kv)} if kv else {})}

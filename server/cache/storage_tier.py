@@ -85,9 +85,16 @@ class _Entry:
 class StorageTier:
     def __init__(self, worker: StorageWorker, host: HostTier, metrics, *, page_size: int, capacity: int | None,
                  entry_bytes: int, write_policy: str = "write_through", write_threshold: int = 2,
-                 prefetch_policy: str = "timeout", prefetch_timeout: float = 0.5):
+                 prefetch_policy: str = "timeout", prefetch_timeout: float = 0.5, kv_token_bytes: int = 0):
         self.worker, self.host, self.metrics = worker, host, metrics
         self.page_size, self.entry_bytes = page_size, entry_bytes
+        self.kv_token_bytes = kv_token_bytes  # hybrids: an entry holds its tokens' KV (K and V, every layer)
+        # hybrids (PrefixCache.attach): an entry read lands its KV in the device tree, whose node at its key
+        # comes back with its pages pinned (None: no pages for it); a host entry being written or waited for
+        # pins them too (``HostLock.kv``), unpinned with it: KV eviction never takes a locked host entry's KV
+        self.land_kv: Callable | None = None
+        self.unpin_kv: Callable = lambda node: None
+        self.sync_host: Callable[[], None] = lambda: None  # (hybrids) the host tier made room: marks follow
         self.configured_capacity = capacity
         self.capacity = capacity or 0
         self.write_policy, self.write_threshold = write_policy, write_threshold
@@ -142,28 +149,31 @@ class StorageTier:
         return max(1, self.host.allocator.capacity // 2)
 
     # ---- writes ---------------------------------------------------------------------------------------
-    def write_from_host(self, lock: HostLock, key: Sequence[int], ops) -> None:
-        """Write the locked host entry ``lock`` (at ``key``) once ``ops`` have run (its offload among them);
-        the lock is released when the write is done."""
+    def write_from_host(self, lock: HostLock, key: Sequence[int], ops, kv=None) -> None:
+        """Write the locked host entry ``lock`` (at ``key``) once ``ops`` have run (its offload among them;
+        hybrids: ``kv``, the ``KVCopy`` of its tokens' KV, filled by one of them); the lock is released when
+        the write is done."""
         key = tuple(key)
         self.writing.add(key)
-        ops.on_done.append(lambda event: self._submit_write(lock, key, event))
+        ops.on_done.append(lambda event: self._submit_write(lock, key, event, kv))
 
-    def _submit_write(self, lock: HostLock, key: tuple[int, ...], event) -> None:
+    def _submit_write(self, lock: HostLock, key: tuple[int, ...], event, kv) -> None:
         size = self._estimate(key)
         if not self.writable or not self._make_room(size):
             self.writing.discard(key)
             self.host.unlock(lock)
+            self.unpin_kv(lock.kv)
             return
         jid = next(self._ids)
         self.jobs[jid] = ("write", lock, key)
         self.pending_bytes += size
         # the name (a hash per page: milliseconds for a long prompt) is computed on the storage thread
-        self.worker.submit(Job("write", jid, "", key, lock.slot, event))
+        self.worker.submit(Job("write", jid, "", key, lock.slot, event, kv=kv))
 
     def _estimate(self, key: Sequence[int]) -> int:
-        """An entry's size: the state, the JSON header (tokens as text, up to 8 bytes each) and the trailer."""
-        return self.entry_bytes + 1024 + 8 * len(key)
+        """An entry's size: the state (hybrids: and its tokens' KV), the JSON header (tokens as text, up to 8 bytes
+        each) and the trailer."""
+        return self.entry_bytes + (self.kv_token_bytes + 8) * len(key) + 1024
 
     def _make_room(self, size: int) -> bool:
         while self.used + self.session_bytes + self.pending_bytes + size > self.capacity:
@@ -203,6 +213,7 @@ class StorageTier:
         if entry.name in self.reads:  # another request's read brings it: the first one admitted uses it
             return None
         slot = self.host.reserve()
+        self.sync_host()
         if slot is None:
             return None
         now = time.monotonic() if now is None else now
@@ -222,6 +233,7 @@ class StorageTier:
         ticket.released = True
         if ticket.lock is not None:
             self.host.unlock(ticket.lock)
+            self.unpin_kv(ticket.lock.kv)
             ticket.lock = None
 
     # ---- sessions -------------------------------------------------------------------------------------
@@ -272,17 +284,22 @@ class StorageTier:
                 self.metrics.tier_bytes.labels("host_to_storage").inc(res.bytes)
                 self.metrics.storage_write_seconds.observe(res.seconds)
             self.host.unlock(lock)
+            self.unpin_kv(lock.kv)
         elif job.kind == "read":
             _, slot, ticket = ctx
             self.reads.pop(job.name, None)
             ticket.done = True
-            if res.ok:
+            kv = self.land_kv(ticket.key, res.state["k"], res.state["v"]) if res.ok and self.land_kv else None
+            if res.ok and self.land_kv is not None and kv is None:
+                self.host.release(slot)  # (hybrids) no KV pages for it now: the request computes the prefix
+            elif res.ok:
                 node = self.host.commit(ticket.key, slot)
                 if node is not None:
                     node.stored, node.from_storage = True, True
                     if not ticket.released:
                         self.host.tree.lock(node)
-                        ticket.lock = HostLock(node)
+                        ticket.lock, kv = HostLock(node, kv), None
+                self.unpin_kv(kv)  # (a request that is not waiting any more: nothing holds it)
                 self.metrics.tier_bytes.labels("storage_to_host").inc(res.bytes)
                 self.metrics.storage_load_seconds.observe(res.seconds)
             else:

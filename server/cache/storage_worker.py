@@ -44,6 +44,7 @@ class Job:
     host_slot: int = -1
     event: object | None = None  # a CUDA event: the host slot's contents are complete once it has passed
     data: bytes = b""
+    kv: object | None = None  # (hybrids) write: the entry's KV (a prefix_cache.KVCopy, filled once event passed)
     files: list[SessionFile] = field(default_factory=list)  # put_session: written before the record
     obsolete: list[str] = field(default_factory=list)  # put_session: a session's files deleted after the record
 
@@ -74,7 +75,7 @@ class Result:
     space: tuple[int, int] = (0, 0)  # scan: (free, total) bytes
     session_bytes: int = 0  # scan: bytes of persisted sessions' records and files
     data: bytes | None = None  # get_session: the record's bytes
-    state: dict | None = None  # get_session: the state its record names, read and checked (host tensors)
+    state: dict | None = None  # read (hybrids): the entry's KV; get_session: the state its record names (host)
     state_error: str = ""  # get_session: why that state could not be read (a reason, as for entries)
 
 
@@ -96,8 +97,10 @@ class StorageWorker:
                  kv: tuple[tuple[int, int, int], torch.dtype] | None = None, session_expiry_s: float = float("inf")):
         self.backend, self.compat, self.page_size, self.vocab = backend, compat, page_size, vocab
         self.conv, self.ssm = host_conv, host_ssm
-        self.shapes = {"conv": list(host_conv.shape[1:]), "ssm": list(host_ssm.shape[1:])}
+        self.state_shapes = {"conv": list(host_conv.shape[1:]), "ssm": list(host_ssm.shape[1:])}
         self.kv = kv  # hybrids: ((attention layers, KV heads, head dim), dtype) of one token's K (and V)
+        # an entry's: the state, and a hybrid's KV of its tokens beside it
+        self.shapes = {**self.state_shapes, **({"kv": list(kv[0])} if kv else {})}
         self.session_expiry_s = session_expiry_s  # records not written for this long are removed by scans
         self.post, self.rescan_s = post, rescan_s
         self.q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -151,8 +154,8 @@ class StorageWorker:
         if job.event is not None:
             job.event.synchronize()  # the device-to-host copy of this slot has landed
         try:
-            size = self.backend.write(job.name, self._bytes(job.tokens, self.shapes,
-                                                            [self.conv[job.host_slot], self.ssm[job.host_slot]]))
+            parts = [self.conv[job.host_slot], self.ssm[job.host_slot]] + ([job.kv.k, job.kv.v] if job.kv else [])
+            size = self.backend.write(job.name, self._bytes(job.tokens, self.shapes, parts))
         except OSError as e:
             return _refused(job, e)
         return Result(job, bytes=size, seconds=time.monotonic() - t)
@@ -168,8 +171,9 @@ class StorageWorker:
 
     def _read(self, job: Job) -> Result:
         t = time.monotonic()
+        kv = self._kv_buffers(len(job.tokens)) if self.kv else {}
         try:
-            size = self._read_into(job)
+            size = self._read_into(job, kv)
         except EntryError as e:
             if e.reason in ("corrupt", "invalid"):
                 log.warning("storage entry %s is %s (%s): deleted", job.name, e.reason, e)
@@ -180,13 +184,20 @@ class StorageWorker:
         except OSError as e:
             log.warning("storage entry %s unreadable: %s", job.name, e)
             return Result(job, ok=False, reason="io")
-        return Result(job, bytes=size, seconds=time.monotonic() - t)
+        return Result(job, bytes=size, seconds=time.monotonic() - t, state=kv or None)
 
-    def _read_into(self, job: Job) -> int:
+    def _read_into(self, job: Job, kv: dict) -> int:
         if job.event is not None:
             job.event.synchronize()  # no launched load still reads the reserved slot's old contents
         with self.backend.open(job.name) as f:
-            return self._read_file(f, job.tokens, self.shapes, [self.conv[job.host_slot], self.ssm[job.host_slot]])
+            return self._read_file(f, job.tokens, self.shapes,
+                                   [self.conv[job.host_slot], self.ssm[job.host_slot], *kv.values()])
+
+    def _kv_buffers(self, n: int) -> dict[str, torch.Tensor]:
+        """Host tensors for the K and V of ``n`` tokens (``[n, La, Hkv, D]``; pinned where the host tier is)."""
+        shape, dtype = self.kv
+        k = torch.empty(n, *shape, dtype=dtype, pin_memory=self.conv.is_pinned())
+        return {"k": k, "v": torch.empty_like(k, pin_memory=self.conv.is_pinned())}
 
     def _read_file(self, f, tokens, shapes: dict, parts: list[torch.Tensor], whole_pages: bool = True,
                    **fields) -> int:
@@ -296,8 +307,7 @@ class StorageWorker:
         size = 0
         try:
             for f in job.files:
-                shapes = {"conv": self.shapes["conv"], "ssm": self.shapes["ssm"]} if f.kv_from is None else \
-                    {"kv": list(self.kv[0])}
+                shapes = self.state_shapes if f.kv_from is None else {"kv": list(self.kv[0])}
                 fields = {} if f.kv_from is None else {"kv_from": f.kv_from}
                 size += self.backend.put_session_file(job.name, f.name, self._bytes(f.tokens, shapes, f.parts, **fields))
             self.backend.put_record(job.name, job.data)
@@ -347,17 +357,15 @@ class StorageWorker:
         state = {"conv": torch.empty(self.conv.shape[1:], dtype=self.conv.dtype, pin_memory=pin),
                  "ssm": torch.empty(self.ssm.shape[1:], dtype=self.ssm.dtype, pin_memory=pin)}
         with self.backend.open_session_file(sid, f"{n}.state") as f:
-            self._read_file(f, history[:n], self.shapes, [state["conv"], state["ssm"]], whole_pages=False)
+            self._read_file(f, history[:n], self.state_shapes, [state["conv"], state["ssm"]], whole_pages=False)
         if self.kv is None:
             return state
         if not _covers(chunks, n):
             raise EntryError("invalid", f"its KV files {chunks!r} do not cover its {n} tokens")
-        (layers, heads, dim), dtype = self.kv
-        state["k"] = torch.empty(n, layers, heads, dim, dtype=dtype, pin_memory=pin)  # (token-major: a file's
-        state["v"] = torch.empty_like(state["k"], pin_memory=pin)                     # tokens are one block)
+        state |= self._kv_buffers(n)  # (token-major: a file's tokens are one block)
         for a, b in chunks:
             with self.backend.open_session_file(sid, f"{a}-{b}.kv") as f:
-                self._read_file(f, history[:b], {"kv": [layers, heads, dim]}, [state["k"][a:b], state["v"][a:b]],
+                self._read_file(f, history[:b], {"kv": self.shapes["kv"]}, [state["k"][a:b], state["v"][a:b]],
                                 whole_pages=False, kv_from=a)
         return state
 

@@ -48,15 +48,6 @@ DEFAULT_CONTEXT_LENGTH = 8192
 HYBRID_PAGE_SIZE = 16  # KV tokens per page for hybrids unless --page-size says (not yet measured against others)
 
 
-def hybrid_refusals(cfg: ServerConfig) -> list[str]:
-    """The features a hybrid model cannot run with yet, as the flags that ask for them (empty: none asked)."""
-    out = []
-    if cfg.storage_dir:  # (--host-cache-size is: the host tier takes hybrids' Mamba snapshots, the KV stays)
-        out.append("--storage-dir (the storage tier would need the KV pages on disk beside the Mamba snapshots; "
-                   "--host-cache-size works)")
-    return out
-
-
 def tp_refusals(cfg: ServerConfig) -> list[str]:
     """The features a tensor-parallel server cannot run with yet, as the flags that ask for them."""
     out = []
@@ -88,9 +79,6 @@ class Engine:
         hf_config = read_config(Path(cfg.model))
         self.architecture = resolve(hf_config)
         self.hybrid = self.architecture.hybrid
-        if self.hybrid and (refused := hybrid_refusals(cfg)):
-            raise ValueError(f"{self.architecture.name} is a hybrid model; not built for hybrids yet: "
-                             + "; ".join(refused))
         if not self.hybrid and cfg.max_total_tokens:
             raise ValueError(f"--max-total-tokens sizes a hybrid model's KV pool; {self.architecture.name} has no "
                              "attention layers")
@@ -178,10 +166,11 @@ class Engine:
         except OSError as e:  # hub ids resolve elsewhere; the directory name and config then stand for it
             log.warning("weights not fingerprinted (%s): storage entries are keyed by the model's name", e)
             weights = f"name:{self.model_name}"
-        pool = self.pool
+        pool, kv = self.pool, self.kv_pool
         key = storage_entry.compat_key(self.hf_config, weights, self.dtype, DTYPES[self.cfg.state_dtype],
                                        self.dims.num_layers, pool.conv[:, 0].shape, pool.ssm[:, 0].shape,
-                                       self.dims.chunk_size)
+                                       self.dims.chunk_size,
+                                       kv=(kv.k.shape[0], *kv.k.shape[3:], str(kv.k.dtype)) if kv else None)
         log.info("storage compatibility key in %.1f s: weights %s", time.monotonic() - t, weights)
         return key
 

@@ -90,9 +90,15 @@ class ModelRunner:
 
     def _run_ops(self, ops: StateOps) -> None:
         for kind, pairs in ops.runs():
-            if kind != "offload":
+            if kind not in ("offload", "kv_out", "kv_in"):  # (those read and write pages, never a slot)
                 self._join_copies()
-            if kind == "copy":
+            if kind == "kv_out":
+                for copy, _ in pairs:
+                    copy.k, copy.v = self._kv_to_host(copy.table, copy.a, copy.b)
+            elif kind == "kv_in":
+                for copy, _ in pairs:
+                    self._kv_from_host(copy.table, copy.a, copy.k, copy.v)
+            elif kind == "copy":
                 src = to_device([s for s, _ in pairs], torch.long, self.device)
                 dst = to_device([d for _, d in pairs], torch.long, self.device)
                 kernels.copy_slots(self.pool.conv, src, dst)
@@ -154,41 +160,60 @@ class ModelRunner:
     def copy_out(self, slot: int, kv: tuple[list[int], int, int] | None = None) -> tuple[dict, object]:
         """A host copy of ``slot``'s state (``conv``, ``ssm``) and, with ``kv = (block table, a, b)``, of the K/V
         of tokens [a, b) (``k``, ``v``: ``[b - a, La, Hkv, D]``), made after everything launched so far; nothing
-        waits for it. On CUDA: the state straight from its slot on the copy stream (the forward stream joins it
-        before writing that slot), the KV gathered on the forward stream a block of tokens at a time (what a
-        forward launched later writes is not read) and copied on the copy stream. Returns (tensors, a CUDA event
-        after which they are complete, None on the CPU)."""
+        waits for it. On CUDA the state goes straight from its slot on the copy stream (the forward stream joins
+        it before writing that slot). Returns (tensors, a CUDA event after which they are complete, None on the
+        CPU)."""
         pin = self.copy_stream is not None
         out = {"conv": torch.empty(self.pool.conv[:, slot].shape, dtype=self.pool.conv.dtype, pin_memory=pin),
                "ssm": torch.empty(self.pool.ssm[:, slot].shape, dtype=self.pool.ssm.dtype, pin_memory=pin)}
-        blocks = []
         if kv is not None:
-            table, a, b = kv
-            pool = self.kv_pool
-            for name, cache in (("k", pool.k), ("v", pool.v)):
-                rows = pool.tokens_major(cache)
-                out[name] = torch.empty(b - a, *rows.shape[1:], dtype=cache.dtype, pin_memory=pin)
-                for i in range(a, b, KV_BLOCK):
-                    j = min(b, i + KV_BLOCK)
-                    blocks.append((out[name][i - a:j - a], rows.index_select(0, pool.token_index(table, i, j, self.device))))
+            out["k"], out["v"] = self._kv_to_host(*kv)
         if self.copy_stream is None:
             out["conv"].copy_(self.pool.conv[:, slot])
             out["ssm"].copy_(self.pool.ssm[:, slot])
-            for dst, src in blocks:
-                dst.copy_(src)
             return out, None
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             out["conv"].copy_(self.pool.conv[:, slot], non_blocking=True)
             out["ssm"].copy_(self.pool.ssm[:, slot], non_blocking=True)
-            for dst, src in blocks:
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(self.copy_stream)  # (its memory is not reused before this copy has run)
         done = torch.cuda.Event()
         done.record(self.copy_stream)
         sources = self._copies[1] if self._copies else set()
         self._copies = (done, sources | {slot})
         return out, done
+
+    def _kv_to_host(self, table: list[int], a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of tokens [a, b) of the sequence whose pages are ``table``, in new host tensors ``[b - a, La, Hkv,
+        D]``: gathered on the forward stream a block of tokens at a time (in order with the forwards: what one
+        launched later writes is not read; a bounded device buffer) and copied to the host on the copy stream
+        (complete once ``fence()``, or the copy stream's next event, has passed)."""
+        pool, pin, out = self.kv_pool, self.copy_stream is not None, []
+        for cache in (pool.k, pool.v):
+            rows = pool.tokens_major(cache)
+            host = torch.empty(b - a, *rows.shape[1:], dtype=cache.dtype, pin_memory=pin)
+            for i in range(a, b, KV_BLOCK):
+                j = min(b, i + KV_BLOCK)
+                block = rows.index_select(0, pool.token_index(table, i, j, self.device))
+                if self.copy_stream is None:
+                    host[i - a:j - a].copy_(block)
+                    continue
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.copy_stream):
+                    host[i - a:j - a].copy_(block, non_blocking=True)
+                block.record_stream(self.copy_stream)  # (its memory is not reused before that copy ran)
+            out.append(host)
+        return out[0], out[1]
+
+    def _kv_from_host(self, table: list[int], a: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Host tensors ``[n, La, Hkv, D]`` into tokens [a, a + n) of the pages of ``table``, on the forward
+        stream (pinned host tensors: nothing waits)."""
+        pool = self.kv_pool
+        for cache, src in ((pool.k, k), (pool.v, v)):
+            rows = pool.tokens_major(cache)
+            for i in range(0, len(src), KV_BLOCK):
+                j = min(len(src), i + KV_BLOCK)
+                rows.index_copy_(0, pool.token_index(table, a + i, a + j, self.device),
+                                 src[i:j].to(self.device, non_blocking=True))
 
     def load_in(self, slot: int, state: dict, table: list[int] | None = None) -> None:
         """Write host tensors as ``copy_out`` makes them (a KV of tokens [0, n)) into ``slot`` and the pages of
@@ -197,15 +222,8 @@ class ModelRunner:
         self._join_copies([slot])
         self.pool.conv[:, slot].copy_(state["conv"], non_blocking=True)
         self.pool.ssm[:, slot].copy_(state["ssm"], non_blocking=True)
-        if table is None or "k" not in state:
-            return
-        pool = self.kv_pool
-        for name, cache in (("k", pool.k), ("v", pool.v)):
-            rows, src = pool.tokens_major(cache), state[name]
-            for i in range(0, len(src), KV_BLOCK):
-                j = min(len(src), i + KV_BLOCK)
-                rows.index_copy_(0, pool.token_index(table, i, j, self.device),
-                                 src[i:j].to(self.device, non_blocking=True))
+        if table is not None and "k" in state:
+            self._kv_from_host(table, 0, state["k"], state["v"])
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
         """A copy of one slot's state, every layer: ``{"conv": [L, conv_dim, K-1], "ssm": [L, H, P, N]}``."""

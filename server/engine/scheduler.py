@@ -73,8 +73,9 @@ class Scheduler:
                       else PrefixCache(self.slots, page_size, host=host, pages=self.pages))
         self.storage = None  # the storage tier (engine/tiering.py), with --storage-dir
         if cfg.storage_dir is not None and host is not None:
-            self.storage = self.cache.storage = build_storage_tier(
-                cfg, runner, host, metrics, storage_compat or {}, lambda result: self.inbox.put(("storage", result)))
+            self.storage = build_storage_tier(cfg, runner, host, metrics, storage_compat or {},
+                                              lambda result: self.inbox.put(("storage", result)))
+            self.cache.attach(self.storage)
         persist = cfg.session_persist and self.storage is not None
         table = SessionTable(cfg.max_sessions, cfg.session_timeout, cfg.max_session_timeout,
                              cfg.sessions_per_client, cfg.require_session_secret)

@@ -46,6 +46,7 @@ def build_storage_tier(cfg: ServerConfig, runner: ModelRunner, host: HostTier, m
                            vocab=runner.model.dims.vocab_size, kv=kv, session_expiry_s=cfg.max_session_timeout)
     tier = StorageTier(worker, host, metrics, page_size=page_size, capacity=cfg.storage_size,
                        entry_bytes=runner.pool.bytes_per_slot, write_policy=cfg.cache_write_policy,
+                       kv_token_bytes=runner.kv_pool.bytes_per_page // page_size if runner.kv_pool else 0,
                        write_threshold=cfg.cache_write_threshold, prefetch_policy=cfg.cache_prefetch_policy,
                        prefetch_timeout=cfg.cache_prefetch_timeout)
     tier.fence = runner.fence

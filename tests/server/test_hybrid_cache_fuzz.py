@@ -1,7 +1,7 @@
 """Hybrid models' cache features together, under a randomized workload: the host tier (evicted Mamba snapshots
 in host memory, their KV kept marked in the device tree), rolling decode snapshots, KV-page pressure, streaming
 sessions, aborts mid-decode, ``/flush_cache`` while requests run, ``max_new_tokens`` 0 and 1, page sizes 1, 4
-and 16, overlap scheduling on and off. Every greedy output equals the cold engine's (no radix cache) for the
+and 16, overlap scheduling on and off, a storage tier (entries holding their KV) with persisted sessions or none. Every greedy output equals the cold engine's (no radix cache) for the
 same full prompt; the invariant check runs after every step; at the end every slot, host slot and KV page is
 free or the cache's. ``FUZZ_SEEDS=N`` runs seeds 0..N-1 (the suite runs 2)."""
 
@@ -104,12 +104,16 @@ async def _client(engine, rng, log):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_workload_matches_the_cold_engine(nemotron, seed):
+def test_random_workload_matches_the_cold_engine(nemotron, seed, tmp_path):
     rng = random.Random(seed)
     cfg = _config(nemotron, rng)
     cold = Engine(ServerConfig(**{**cfg, "disable_radix_cache": True}))
     per = cold.pool.bytes_per_slot
-    warm = Engine(ServerConfig(**cfg, host_cache_size=per * rng.choice([2, 3, 6])))
+    # half the seeds with a storage tier below (entries with their KV) and persisted sessions
+    storage = dict(storage_dir=str(tmp_path), session_persist=True, cache_prefetch_policy="wait_complete",
+                   cache_write_policy=rng.choice(["write_through", "write_back", "write_through_selective"]))
+    warm = Engine(ServerConfig(**cfg, host_cache_size=per * rng.choice([2, 3, 6]),
+                               **(storage if rng.random() < 0.5 else {})))
     clients = rng.randrange(3, 7)
     rngs = [random.Random(rng.random()) for _ in range(clients)]
     log: list = []

@@ -1,6 +1,6 @@
-"""`mambaserve serve --model <hybrid checkpoint>` as a user starts it: refused in one line with a flag not
-built for hybrids (--storage-dir); without, /generate answers transformers' greedy tokens (and the same prompt sent again
-hits the radix cache at its last page boundary), /get_model_info names the architecture."""
+"""`mambaserve serve --model <hybrid checkpoint>` as a user starts it, with a storage tier and persisted sessions:
+/generate answers transformers' greedy tokens (and the same prompt sent again hits the radix cache at its last page
+boundary; the storage tier holds its entries), /get_model_info names the architecture."""
 
 import time
 
@@ -14,13 +14,9 @@ from tests.server.tiny_hybrids import make_hybrid_checkpoint
 
 def test_serve_a_hybrid_checkpoint(tmp_path):
     path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
-    proc = _serve(path, free_port(), "--device", "cpu", "--storage-dir", str(tmp_path / "st"))
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in err
-    assert "NemotronHForCausalLM is a hybrid model; not built for hybrids yet: --storage-dir" in err
-
     port = free_port()
-    proc = _serve(path, port, "--device", "cpu", "--context-length", "256")
+    proc = _serve(path, port, "--device", "cpu", "--context-length", "256", "--storage-dir", str(tmp_path / "st"),
+                  "--session-persist")
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -71,3 +67,4 @@ def test_serve_a_hybrid_checkpoint(tmp_path):
     assert state["kv_pages_tree"] == state["kv_pages_evictable"] > 0
     assert f"mambaserve_kv_pages_total {float(state['kv_pages'])}" in metrics
     assert f"mambaserve_kv_pages_evictable {float(state['kv_pages_evictable'])}" in metrics  # the cache's pages
+    assert state["storage_entries"] > 0 and not state["storage_degraded"]

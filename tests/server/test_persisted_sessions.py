@@ -49,15 +49,18 @@ async def _undisturbed(engine, streaming):
     return [(o, hit) for o, hit, _ in got]
 
 
+@pytest.mark.parametrize("model", ["tiny_ckpt", "nemotron"])
 @pytest.mark.parametrize("streaming", [True, False])
-def test_a_session_continued_on_another_server_loads_its_state(tiny_ckpt, tmp_path, streaming):
+def test_a_session_continued_on_another_server_loads_its_state(request, tmp_path, model, streaming):
     """Two turns on A, the rest on B, whose index of the directory predates them (it scanned at its start): B
-    loads the session's state (cached tokens as an undisturbed run's); every answer equals that run's, and each
-    turn was on disk by the time it was answered."""
-    ref = run(_undisturbed(make_engine(tiny_ckpt, storage_dir=str(tmp_path / "ref"), session_persist=True),
+    loads the session's state (hybrids: with its KV; cached tokens as an undisturbed run's); every answer equals
+    that run's, and each turn was on disk by the time it was answered."""
+    ckpt = request.getfixturevalue(model)
+    kw = {"page_size": 4} if model == "nemotron" else {}
+    ref = run(_undisturbed(make_engine(ckpt, storage_dir=str(tmp_path / "ref"), session_persist=True, **kw),
                            streaming))
-    a = make_engine(tiny_ckpt, storage_dir=str(tmp_path), session_persist=True)
-    b = make_engine(tiny_ckpt, storage_dir=str(tmp_path), session_persist=True)
+    a = make_engine(ckpt, storage_dir=str(tmp_path), session_persist=True, **kw)
+    b = make_engine(ckpt, storage_dir=str(tmp_path), session_persist=True, **kw)
 
     async def go():
         got, records = [], []
@@ -76,9 +79,11 @@ def test_a_session_continued_on_another_server_loads_its_state(tiny_ckpt, tmp_pa
     assert [(o, hit) for o, hit, _ in got] == ref
     assert got[2][1] > 0  # B's first turn: loaded, not recomputed
     history = []
-    for (out, _, _), turn, record in zip(got, TURNS, records):
+    for i, ((out, _, _), turn, record) in enumerate(zip(got, TURNS, records)):
         history += turn + out
         assert _persisted_tokens(record) == history  # on disk before the answer came back
+        if streaming and model == "nemotron":  # each turn wrote the KV of its own tokens only
+            assert record["kv"][-1] == [len(history) - len(turn) - len(out), len(history)] and len(record["kv"]) == i + 1
     assert _metric(metrics, 'mambaserve_session_restores_total{result="loaded"}') == 1
     assert _metric(metrics, "mambaserve_session_restore_seconds_count") == 1
     assert _metric(metrics, 'mambaserve_prefix_cache_hit_tokens_total{tier="storage"}') >= got[2][1]

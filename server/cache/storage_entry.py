@@ -13,8 +13,12 @@ Pure functions over bytes and token ids; the storage worker does the I/O (``stor
   deleted, never loaded.
 * **Compatibility key**: what must match for a state to mean the same thing here: the model's
   architecture and layer layout, a fingerprint of its weights, the weights and state dtypes, the
-  scan's chunk size and this format's version. An entry with another key is *incompatible*: never
-  loaded (it may belong to another model sharing the volume, so it is left in place).
+  scan's chunk size, the state's layout and this format's version. An entry with another key is
+  *incompatible*: never loaded (it may belong to another model sharing the volume, so it is left in place).
+  The layout is one device's (every head and group in the model's order) whatever the number of
+  tensor-parallel ranks that wrote it (they gather a state on rank 0 before it reaches the host tier): entries
+  written at one ``--tensor-parallel-size`` load at any other. Entries from before the layout was recorded have
+  that layout (``same_compat``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 MAGIC = b"MSL3\x00\x01\r\n"
 FORMAT_VERSION = 1
+STATE_LAYOUT = "one-device"  # (as session files': sessions/snapshot.py)
 CHECKSUM_BYTES = 32
 _LEN = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 * 2**20  # a header announcing more is corrupt (a prompt of 8M tokens at most)
@@ -93,8 +98,15 @@ def header_span(first: bytes) -> int:
     return len(MAGIC) + _LEN.size + min(_LEN.unpack_from(first, len(MAGIC))[0], MAX_HEADER_BYTES + 1)
 
 
+def same_compat(stored: object, compat: dict) -> bool:
+    """Whether a stored key is ``compat`` (a key from before the state's layout was recorded has one device's)."""
+    if isinstance(stored, dict) and "state_layout" not in stored:
+        stored = {**stored, "state_layout": STATE_LAYOUT}
+    return stored == compat
+
+
 def check_compatible(header: dict, compat: dict) -> None:
-    if header.get("format_version") != FORMAT_VERSION or header.get("compat") != compat:
+    if header.get("format_version") != FORMAT_VERSION or not same_compat(header.get("compat"), compat):
         raise EntryError("incompatible", f"entry written by {header.get('compat')} (format "
                          f"{header.get('format_version')}), this server is {compat}")
 
@@ -169,4 +181,4 @@ def compat_key(model_config: dict, weights: str, dtype: torch.dtype, state_dtype
     return {"architecture": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16],
             "weights": weights, "dtype": str(dtype).split(".")[-1], "state_dtype": str(state_dtype).split(".")[-1],
             "layers": num_layers, "conv": list(conv_shape), "ssm": list(ssm_shape), "chunk_size": chunk_size,
-            "format": FORMAT_VERSION, **({"kv": list(kv)} if kv else {})}
+            "format": FORMAT_VERSION, "state_layout": STATE_LAYOUT, **({"kv": list(kv)} if kv else {})}

@@ -48,11 +48,12 @@ DEFAULT_CONTEXT_LENGTH = 8192
 HYBRID_PAGE_SIZE = 16  # KV tokens per page for hybrids unless --page-size says (not yet measured against others)
 
 
-def tp_refusals(cfg: ServerConfig) -> list[str]:
+def tp_refusals(cfg: ServerConfig, hybrid: bool) -> list[str]:
     """The features a tensor-parallel server cannot run with yet, as the flags that ask for them."""
     out = []
-    if cfg.storage_dir:
-        out.append("--storage-dir (the storage tier's writes read host slots that every rank holds a part of)")
+    if cfg.storage_dir and hybrid:
+        out.append("--storage-dir with a hybrid model (its entries hold the attention layers' KV, which the ranks hold "
+                   "by heads: not gathered yet; --host-cache-size works)")
     return out
 
 
@@ -82,7 +83,7 @@ class Engine:
         if not self.hybrid and cfg.max_total_tokens:
             raise ValueError(f"--max-total-tokens sizes a hybrid model's KV pool; {self.architecture.name} has no "
                              "attention layers")
-        if tp_size > 1 and (refused := tp_refusals(cfg)):
+        if tp_size > 1 and (refused := tp_refusals(cfg, self.hybrid)):
             raise ValueError("not built for --tensor-parallel-size > 1 yet: " + "; ".join(refused))
         self.dims = self.architecture.read_dims(hf_config)
         if self.hybrid and self.dims.mamba is None:
@@ -166,10 +167,9 @@ class Engine:
         except OSError as e:  # hub ids resolve elsewhere; the directory name and config then stand for it
             log.warning("weights not fingerprinted (%s): storage entries are keyed by the model's name", e)
             weights = f"name:{self.model_name}"
-        pool, kv = self.pool, self.kv_pool
+        shapes, kv = self.runner.slot_shapes, self.kv_pool  # (one device's layout, whatever the TP size)
         key = storage_entry.compat_key(self.hf_config, weights, self.dtype, DTYPES[self.cfg.state_dtype],
-                                       self.dims.num_layers, pool.conv[:, 0].shape, pool.ssm[:, 0].shape,
-                                       self.dims.chunk_size,
+                                       self.dims.num_layers, shapes["conv"], shapes["ssm"], self.dims.chunk_size,
                                        kv=(kv.k.shape[0], *kv.k.shape[3:], str(kv.k.dtype)) if kv else None)
         log.info("storage compatibility key in %.1f s: weights %s", time.monotonic() - t, weights)
         return key

@@ -82,6 +82,11 @@ class ModelRunner:
         """One slot's state, every layer, as ``read_slot`` returns it and ``write_slot`` takes it."""
         return self.pool.slot_shapes
 
+    @property
+    def slot_bytes(self) -> int:
+        """One slot's state, every layer, as files and the host and storage tiers hold it."""
+        return self.pool.bytes_per_slot
+
     def apply_state_ops(self, ops: StateOps) -> None:
         """In the order recorded, before the forward and in order with the steps before it: copies and
         clears batched per run and loads from the host on the forward's stream, offloads to the host on the
@@ -109,14 +114,17 @@ class ModelRunner:
                 kernels.clear_slots(self.pool.ssm, idx)
             elif kind == "offload":
                 self._offload(pairs)
-            else:  # load
-                for h, slot in pairs:
-                    self.pool.conv[:, slot].copy_(self.host_pool.conv[h], non_blocking=True)
-                    self.pool.ssm[:, slot].copy_(self.host_pool.ssm[h], non_blocking=True)
+            else:
+                self._load(pairs)
         if ops.on_done:  # storage writes of host slots filled above: they wait for this event, not the host
             event = self.fence()
             for done in ops.on_done:
                 done(event)
+
+    def _load(self, pairs: list[tuple[int, int]]) -> None:
+        for h, slot in pairs:
+            self.pool.conv[:, slot].copy_(self.host_pool.conv[h], non_blocking=True)
+            self.pool.ssm[:, slot].copy_(self.host_pool.ssm[h], non_blocking=True)
 
     def _offload(self, pairs: list[tuple[int, int]]) -> None:
         if self.copy_stream is None:  # CPU: synchronous copies

@@ -4,11 +4,13 @@ hybrid's KV pages, the host tier's slots.
 Every rank of a tensor-parallel server holds the same slots and pages (the scheduler on rank 0 hands out ids
 that every rank's pools must have), each with its heads' part of every state and page; so the ranks plan
 from the same numbers: the smallest device and the most memory in use among them (``TP.max_over_ranks``).
+The host tier is rank 0's alone, of whole states.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,7 @@ from mambaserve.server.engine.memory import (HybridPlan, PoolPlan, decode_graph_
 from mambaserve.server.engine.state_pool import HostStatePool, MambaStatePool
 from mambaserve.server.model.inputs import ForwardMode
 from mambaserve.server.model.loader import DTYPES
-from mambaserve.server.model.parallel import TP
+from mambaserve.server.model.parallel import TP, slot_shapes
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ def build_pools(cfg: ServerConfig, model, device: torch.device, dtype: torch.dty
                          device)
         log.info("KV pool: %d pages x %d tokens x %.3f MiB = %.2f GiB", plan.pages, cfg.page_size,
                  plan.bytes_per_page / 2**20, plan.pages * plan.bytes_per_page / 2**30)
-    return Pools(plan, pool, kv_pool, _host_pool(cfg, pool, is_cuda, tp))
+    shapes = slot_shapes(model.mixers()[0].shard.full)  # (a host slot holds a whole state: every rank's heads)
+    return Pools(plan, pool, kv_pool, _host_pool(cfg, pool, is_cuda, shapes) if tp.rank == 0 else None)
 
 
 def _plan_pool(cfg: ServerConfig, model, dtype: torch.dtype, is_cuda: bool, total: int, in_use: int) -> PoolPlan:
@@ -98,12 +101,15 @@ def _plan_hybrid(cfg: ServerConfig, model, dtype: torch.dtype, context_length: i
                        cached=not cfg.disable_radix_cache)
 
 
-def _host_pool(cfg: ServerConfig, pool: MambaStatePool, is_cuda: bool, tp: TP) -> HostStatePool | None:
-    """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache), each
-    rank's share of them (its heads of every snapshot). The storage tier moves every byte through it: with
-    ``--storage-dir`` and no host size, a host tier of STAGING_SNAPSHOTS snapshots is its staging area."""
-    per = pool.bytes_per_slot
-    size = cfg.host_cache_size // tp.size
+def _host_pool(cfg: ServerConfig, pool: MambaStatePool, is_cuda: bool,
+               shapes: dict[str, tuple[int, ...]]) -> HostStatePool | None:
+    """The host tier's pool: ``--host-cache-size`` bytes in whole snapshots (none without a radix cache); with
+    several ranks, on rank 0 alone, each snapshot whole (``shapes``: every rank's heads, gathered on offload and
+    cut again on load, ``tp_runner.ShardedRunner``), so the storage tier works on rank 0 as with one. The storage
+    tier moves every byte through it: with ``--storage-dir`` and no host size, a host tier of STAGING_SNAPSHOTS
+    snapshots is its staging area."""
+    per = math.prod(shapes["conv"]) * pool.conv.element_size() + math.prod(shapes["ssm"]) * pool.ssm.element_size()
+    size = cfg.host_cache_size
     if not size and cfg.storage_dir and not cfg.disable_radix_cache:
         size = STAGING_SNAPSHOTS * per
         log.info("--storage-dir without --host-cache-size: a host tier of %d snapshots stages its reads and "
@@ -111,9 +117,8 @@ def _host_pool(cfg: ServerConfig, pool: MambaStatePool, is_cuda: bool, tp: TP) -
     if not size or cfg.disable_radix_cache:
         return None
     if size < per:
-        raise ValueError(f"--host-cache-size {cfg.host_cache_size} bytes holds no snapshot: one takes "
-                         f"{per * tp.size} bytes here")
-    host = HostStatePool(pool, size // per, pin=is_cuda)
+        raise ValueError(f"--host-cache-size {size} bytes holds no snapshot: one takes {per} bytes here")
+    host = HostStatePool(pool, size // per, pin=is_cuda, shapes=shapes)
     log.info("host cache tier: %d snapshots x %.2f MiB (%s)", host.capacity, per / 2**20,
              "pinned" if is_cuda else "host memory")
     return host

@@ -119,7 +119,7 @@ class Scheduler:
                                      num_state_slots=self.slots.capacity,
                                      track_interval=0 if cfg.disable_radix_cache else track_interval)
         metrics.host_slots_total.set(host.allocator.capacity if host is not None else 0)
-        per = runner.pool.bytes_per_slot
+        per = runner.slot_bytes
         metrics.tier_capacity_bytes.labels("gpu").set(self.slots.capacity * per)
         metrics.tier_capacity_bytes.labels("host").set(host.allocator.capacity * per if host is not None else 0)
 
@@ -377,7 +377,7 @@ class Scheduler:
         for kind, a, _ in ops.ops:
             if kind in ("offload", "load"):
                 self.metrics.tier_bytes.labels("gpu_to_host" if kind == "offload" else "host_to_gpu").inc(
-                    self.runner.pool.bytes_per_slot)
+                    self.runner.slot_bytes)
 
     def _update_gauges(self) -> None:
         m = self.metrics
@@ -396,7 +396,7 @@ class Scheduler:
             self.cache.evictions = 0
         host = self.cache.host
         if host is not None:
-            per = self.runner.pool.bytes_per_slot
+            per = self.runner.slot_bytes
             m.host_slots_used.set(host.allocator.num_used)
             m.tier_used_bytes.labels("host").set(host.allocator.num_used * per)
             m.tier_used_bytes.labels("gpu").set(self.cache.tree_slots * per)

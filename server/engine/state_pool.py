@@ -36,8 +36,12 @@ class HostStatePool:
     slot-major so one slot is one contiguous block for its device copies; pinned on CUDA hosts so the
     copies run asynchronously (offloads on the model runner's copy stream, loads on the forward's)."""
 
-    def __init__(self, device_pool: MambaStatePool, capacity: int, pin: bool):
+    def __init__(self, device_pool: MambaStatePool, capacity: int, pin: bool,
+                 shapes: dict[str, tuple[int, ...]] | None = None):
+        """``shapes``: one slot's (``conv``, ``ssm``) when not the device pool's: a tensor-parallel server's host
+        tier holds whole states (every rank's heads) on rank 0."""
         conv, ssm = device_pool.conv, device_pool.ssm
+        shapes = shapes or device_pool.slot_shapes
         self.capacity = capacity
-        self.conv = torch.zeros(capacity, conv.shape[0], *conv.shape[2:], dtype=conv.dtype, pin_memory=pin)
-        self.ssm = torch.zeros(capacity, ssm.shape[0], *ssm.shape[2:], dtype=ssm.dtype, pin_memory=pin)
+        self.conv = torch.zeros(capacity, *shapes["conv"], dtype=conv.dtype, pin_memory=pin)
+        self.ssm = torch.zeros(capacity, *shapes["ssm"], dtype=ssm.dtype, pin_memory=pin)

@@ -16,6 +16,7 @@ from mambaserve.server.cache.host_tier import HostTier
 from mambaserve.server.cache.pages import KVHold
 from mambaserve.server.cache.prefix_cache import PrefixCache
 from mambaserve.server.cache.storage_backend import FileSystemBackend
+from mambaserve.server.cache.storage_entry import same_compat
 from mambaserve.server.cache.storage_tier import StorageTier
 from mambaserve.server.cache.storage_worker import Result, SessionFile, StorageWorker
 from mambaserve.server.config import ServerConfig
@@ -45,7 +46,7 @@ def build_storage_tier(cfg: ServerConfig, runner: ModelRunner, host: HostTier, m
     worker = StorageWorker(FileSystemBackend(cfg.storage_dir), compat, pool.conv, pool.ssm, post, page_size=page_size,
                            vocab=runner.model.dims.vocab_size, kv=kv, session_expiry_s=cfg.max_session_timeout)
     tier = StorageTier(worker, host, metrics, page_size=page_size, capacity=cfg.storage_size,
-                       entry_bytes=runner.pool.bytes_per_slot, write_policy=cfg.cache_write_policy,
+                       entry_bytes=runner.slot_bytes, write_policy=cfg.cache_write_policy,
                        kv_token_bytes=runner.kv_pool.bytes_per_page // page_size if runner.kv_pool else 0,
                        write_threshold=cfg.cache_write_threshold, prefetch_policy=cfg.cache_prefetch_policy,
                        prefetch_timeout=cfg.cache_prefetch_timeout)
@@ -292,7 +293,7 @@ def check_record(record: object, sid: str, compat: dict, vocab: int, context_len
 
     if not isinstance(record, dict) or record.get("id") != sid or not isinstance(record.get("streaming"), bool):
         invalid("not this session's record")
-    if record.get("compat") != compat:
+    if not same_compat(record.get("compat"), compat):
         raise SnapshotError(409, "written by another model or configuration", "snapshot_incompatible", "incompatible")
     if record["streaming"]:
         history = record.get("history")

@@ -9,9 +9,10 @@ collectives inside the forwards match. The tokens a decode step takes from the p
 (``ForwardBatch.from_prev``: sampled on rank 0, never seen by its host) go to the followers by a device
 broadcast in the step's stream, so overlap scheduling holds at any TP size.
 
-A slot's state read out (session snapshots) is gathered to rank 0 into the layout one device holds, and a
-state written into a slot is cut into the ranks' parts from that layout (``parallel.shard_state``): files
-hold the same bytes at any TP size.
+A slot's state read out (session snapshots) or offloaded to the host tier is gathered to rank 0 into the
+layout one device holds, and a state written into a slot or loaded from the host tier is cut into the ranks'
+parts from that layout (``parallel.shard_state``): files, the host tier (on rank 0 alone) and the storage tier
+hold the same bytes at any TP size, and the tiers' bookkeeping runs on rank 0 as at TP 1.
 
 A command that fails on any rank once sent leaves the ranks out of step (a collective one of them never
 reaches): it ends the server (``ranks.fatal``) rather than let it hang or serve wrong values.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import pickle
 import sys
@@ -33,24 +35,74 @@ from mambaserve.server.cache.prefix_cache import StateOps
 from mambaserve.server.engine.batch import ForwardBatch
 from mambaserve.server.engine.model_runner import ForwardOutput, ModelRunner
 from mambaserve.server.engine.ranks import Ranks, fatal
-from mambaserve.server.model.parallel import TP, merge_state, shard_state
+from mambaserve.server.model.parallel import TP, merge_state, shard_state, slot_shapes
 
 log = logging.getLogger(__name__)
 
 
-class LeaderRunner(ModelRunner):
-    """Rank 0's model runner: every command goes to the followers first (module docstring)."""
+class ShardedRunner(ModelRunner):
+    """A rank's model runner over its shard: a slot's state read out, written, offloaded to the host tier or
+    loaded from it moves between the ranks' parts and one device's layout (``read_slot`` / ``write_slot``),
+    so that files, the host tier (rank 0's alone, whole states) and the storage tier hold the same bytes at any
+    TP size. Every rank runs these together (their collectives match)."""
 
-    def __init__(self, model, pool, device: torch.device, kv_pool, ranks: Ranks):
+    def __init__(self, model, pool, device: torch.device, kv_pool, tp: TP):
         super().__init__(model, pool, device, kv_pool)
-        self.ranks, self.tp = ranks, ranks.tp
-        self.full = model.mixers()[0].shard.full  # the Mamba layers' dims on one device (files' state layout)
+        self.tp = tp
+        self.full = model.mixers()[0].shard.full  # the Mamba layers' dims on one device
 
     @property
     def slot_shapes(self) -> dict[str, tuple[int, ...]]:
-        d = self.full
-        return {"conv": (d.num_layers, d.conv_dim, d.conv_kernel - 1),
-                "ssm": (d.num_layers, d.num_heads, d.head_dim, d.state_size)}
+        return slot_shapes(self.full)
+
+    @property
+    def slot_bytes(self) -> int:
+        shapes = self.slot_shapes
+        return (math.prod(shapes["conv"]) * self.pool.conv.element_size()
+                + math.prod(shapes["ssm"]) * self.pool.ssm.element_size())
+
+    def read_slot(self, slot: int) -> dict[str, torch.Tensor] | None:
+        """The slot's state gathered from every rank, in the layout one device holds (on rank 0; None elsewhere)."""
+        tp, parts = self.tp, {}
+        for name, t in super().read_slot(slot).items():
+            parts[name] = [torch.empty_like(t) for _ in range(tp.size)] if tp.rank == 0 else None
+            dist.gather(t, parts[name], dst=0, group=tp.group)
+        if tp.rank:
+            return None
+        return merge_state([{k: parts[k][r] for k in parts} for r in range(tp.size)], self.full)
+
+    def write_slot(self, slot: int, state: dict[str, torch.Tensor] | None) -> None:
+        """Rank 0's ``state`` (one device's layout) cut into the ranks' parts, each written into ``slot``."""
+        pool, shards = self.pool, None
+        local = {"conv": torch.empty(pool.conv[:, slot].shape, dtype=pool.conv.dtype, device=pool.conv.device),
+                 "ssm": torch.empty(pool.ssm[:, slot].shape, dtype=pool.ssm.dtype, device=pool.ssm.device)}
+        if self.tp.rank == 0:
+            state = {k: v.to(local[k].device, local[k].dtype, non_blocking=True) for k, v in state.items()}
+            shards = shard_state(state, self.full, self.tp.size)
+        for name, t in local.items():
+            dist.scatter(t, [s[name] for s in shards] if shards else None, src=0, group=self.tp.group)
+        super().write_slot(slot, local)
+
+    def _offload(self, pairs: list[tuple[int, int]]) -> None:
+        # on the forward stream (the gather is a collective in step with the forwards'), into rank 0's host slot
+        for slot, h in pairs:
+            state = ShardedRunner.read_slot(self, slot)  # (a part of the command running: nothing more to send)
+            if state is not None:
+                self.host_pool.conv[h].copy_(state["conv"], non_blocking=True)
+                self.host_pool.ssm[h].copy_(state["ssm"], non_blocking=True)
+
+    def _load(self, pairs: list[tuple[int, int]]) -> None:
+        for h, slot in pairs:
+            ShardedRunner.write_slot(self, slot, {"conv": self.host_pool.conv[h], "ssm": self.host_pool.ssm[h]}
+                                     if self.tp.rank == 0 else None)
+
+
+class LeaderRunner(ShardedRunner):
+    """Rank 0's model runner: every command goes to the followers first (module docstring)."""
+
+    def __init__(self, model, pool, device: torch.device, kv_pool, ranks: Ranks):
+        super().__init__(model, pool, device, kv_pool, ranks.tp)
+        self.ranks = ranks
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         prev = None
@@ -70,20 +122,29 @@ class LeaderRunner(ModelRunner):
         self._in_step("state ops", lambda: super(LeaderRunner, self).apply_state_ops(ops))
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
-        """The slot's state gathered from every rank, in the layout one device holds."""
         self.ranks.send(("read", slot))
-        return self._in_step("a state read", lambda: gather_slot(self, slot, self.tp, self.full))
+        return self._in_step("a state read", lambda: super(LeaderRunner, self).read_slot(slot))
 
     def write_slot(self, slot: int, state: dict[str, torch.Tensor]) -> None:
-        """``state`` (the layout one device holds) cut into the ranks' parts and written into their slot."""
         self.ranks.send(("write", slot))
-        self._in_step("a state write", lambda: scatter_slot(self, slot, state, self.tp, self.full))
+        self._in_step("a state write", lambda: super(LeaderRunner, self).write_slot(slot, state))
 
-    def copy_out(self, slot: int, kv=None):
-        raise NotImplementedError("a slot copied out for the storage tier at --tensor-parallel-size > 1 (refused at "
-                                  "start: Engine's tp_refusals)")
+    def copy_out(self, slot: int, kv=None) -> tuple[dict, object]:
+        """As ``ModelRunner.copy_out``, for a Mamba2 model's state (gathered from the ranks, then copied to the
+        host after everything launched so far)."""
+        if kv is not None:
+            raise NotImplementedError("a hybrid's KV copied out at --tensor-parallel-size > 1")
+        state = self.read_slot(slot)
+        pin = self.device.type == "cuda"
+        out = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state.items()}
+        for k, v in state.items():
+            out[k].copy_(v, non_blocking=pin)
+        return out, self.fence()
 
-    load_in = copy_out
+    def load_in(self, slot: int, state: dict, table: list[int] | None = None) -> None:
+        if table is not None and "k" in state:
+            raise NotImplementedError("a hybrid's KV loaded in at --tensor-parallel-size > 1")
+        self.write_slot(slot, {"conv": state["conv"], "ssm": state["ssm"]})
 
     def enable_cuda_graphs(self, *args) -> None:
         self.ranks.send(("graphs", args))
@@ -104,37 +165,9 @@ class LeaderRunner(ModelRunner):
                   "of step, so the server stops")
 
 
-def gather_slot(runner: ModelRunner, slot: int, tp: TP, full) -> dict[str, torch.Tensor] | None:
-    """Every rank's part of ``slot``'s state to rank 0, merged there into one device's layout of the Mamba
-    layers ``full`` (None on the other ranks)."""
-    local = ModelRunner.read_slot(runner, slot)
-    parts = {}
-    for name, t in local.items():
-        bufs = [torch.empty_like(t) for _ in range(tp.size)] if tp.rank == 0 else None
-        dist.gather(t, bufs, dst=0, group=tp.group)
-        parts[name] = bufs
-    if tp.rank:
-        return None
-    return merge_state([{k: parts[k][r] for k in parts} for r in range(tp.size)], full)
-
-
-def scatter_slot(runner: ModelRunner, slot: int, state: dict[str, torch.Tensor] | None, tp: TP, full) -> None:
-    """Rank 0's ``state`` (one device's layout) cut into the ranks' parts; each writes its own into ``slot``."""
-    pool = runner.pool
-    local = {"conv": torch.empty(pool.conv[:, slot].shape, dtype=pool.conv.dtype, device=pool.conv.device),
-             "ssm": torch.empty(pool.ssm[:, slot].shape, dtype=pool.ssm.dtype, device=pool.ssm.device)}
-    shards = None
-    if tp.rank == 0:
-        state = {k: v.to(local[k].device, local[k].dtype) for k, v in state.items()}
-        shards = shard_state(state, full, tp.size)
-    for name, t in local.items():
-        dist.scatter(t, [s[name] for s in shards] if shards else None, src=0, group=tp.group)
-    ModelRunner.write_slot(runner, slot, local)
-
-
-def follow(runner: ModelRunner, conn, tp: TP) -> None:
+def follow(runner: ShardedRunner, conn) -> None:
     """A follower's loop: the leader's commands, in order, until it says stop (or its channel ends)."""
-    full = runner.model.mixers()[0].shard.full
+    tp = runner.tp
     while True:
         try:
             command = pickle.loads(conn.recv_bytes())
@@ -153,9 +186,9 @@ def follow(runner: ModelRunner, conn, tp: TP) -> None:
             elif kind == "ops":
                 runner.apply_state_ops(StateOps(args[0]))
             elif kind == "read":
-                gather_slot(runner, args[0], tp, full)
+                runner.read_slot(args[0])
             elif kind == "write":
-                scatter_slot(runner, args[0], None, tp, full)
+                runner.write_slot(args[0], None)
             elif kind == "graphs":
                 runner.enable_cuda_graphs(*args[0])
             elif kind == "warm_up_kernels":
@@ -190,10 +223,10 @@ def main() -> None:
     model, _ = load_model(cfg.model, dtype, device, tp=tp)
     hybrid = resolve(read_config(Path(cfg.model))).hybrid
     pools = build_pools(cfg, model, device, dtype, context_length, hybrid, tp)
-    runner = ModelRunner(model, pools.pool, device, pools.kv_pool)
+    runner = ShardedRunner(model, pools.pool, device, pools.kv_pool, tp)
     runner.host_pool = pools.host_pool
     log.info("rank %d ready: following rank 0", rank)
-    follow(runner, conn, tp)
+    follow(runner, conn)
     dist.destroy_process_group()
 
 

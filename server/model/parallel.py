@@ -178,6 +178,12 @@ def _channel_index(s: MambaShard) -> torch.Tensor:
     return torch.cat([torch.arange(r.start, r.stop) for r in state_channels(s)])
 
 
+def slot_shapes(full: Mamba2Dims) -> dict[str, tuple[int, ...]]:
+    """One slot's state, every Mamba layer, in one device's layout: what files and the host tier hold."""
+    return {"conv": (full.num_layers, full.conv_dim, full.conv_kernel - 1),
+            "ssm": (full.num_layers, full.num_heads, full.head_dim, full.state_size)}
+
+
 def shard_state(state: dict[str, torch.Tensor], full: Mamba2Dims, size: int) -> list[dict[str, torch.Tensor]]:
     """One slot's state in the layout a single device holds (``conv [L, conv_dim, K-1]``, ``ssm [L, H, P, N]``)
     as each of ``size`` ranks holds it: its conv channels and heads (``mamba_shard``)."""

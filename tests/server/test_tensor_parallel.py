@@ -26,7 +26,8 @@ from mambaserve.server.model.parallel import TP, Slices, mamba_shard, merge_stat
 from mambaserve.server.model.weights import load_state_dict
 from mambaserve.server.sessions import snapshot
 from mambaserve.server.sessions.table import SessionError, TurnParams
-from tests.server.conftest import checked_accounting, free_port, make_engine, run_started, wait_healthy
+from tests.server.conftest import (accounting, checked_accounting, free_port, make_engine, run, run_started, serving,
+                                   wait_healthy)
 from tests.server.tiny_hybrids import make_hybrid_checkpoint
 from tests.server.tiny_models import make_checkpoint
 
@@ -179,6 +180,50 @@ def test_mamba2_two_groups_at_tp2_with_the_host_tier(tmp_path):
         _same(g, r)
     assert got[3][2] > 0 and tp2.metrics.cache_hit.labels("host")._value.get() >= 1  # back from the host tier
     assert acct["held_by_host"] >= 1
+
+
+def test_storage_entries_written_at_one_tp_size_load_at_another(tiny_ckpt, tmp_path):
+    """TP 1 writes an entry, TP 2 hits it (read into rank 0's host tier, cut into the ranks' parts) and writes
+    one (gathered on rank 0), TP 1 hits that: every output equals the prompt sent cold."""
+    a, b = PROMPT[:12], [70 - k for k in range(12)]
+    kw = dict(storage_dir=str(tmp_path / "l3"), cache_prefetch_policy="wait_complete", host_cache_size=1 << 20)
+
+    def serve(tp, prompts):
+        engine = make_engine(tiny_ckpt, tensor_parallel_size=tp, **kw)
+
+        async def go():
+            outs = [await _gen(engine, p, 4) for p in prompts]
+            return outs, engine.metrics.cache_hit.labels("storage")._value.get()
+        return run_started(engine, go)
+
+    (first,), _ = serve(1, [a])
+    (hit_a, wrote_b), from_storage2 = serve(2, [a + [5, 5], b])
+    (hit_b,), from_storage1 = serve(1, [b + [6, 6]])
+    ref = _cold(tiny_ckpt, [(a, 4), (a + [5, 5], 4), (b, 4), (b + [6, 6], 4)])
+    for got, r in zip([first, hit_a, wrote_b, hit_b], ref):
+        _same(got, r)
+    assert hit_a[2] > 0 and hit_b[2] > 0 and from_storage2 >= 1 and from_storage1 >= 1
+
+
+def test_a_persisted_session_moves_from_tp2_to_tp1(tiny_ckpt, tmp_path):
+    """--session-persist: two turns on a TP-2 server (its state gathered to rank 0 and written beside its record),
+    two more on a TP-1 server on the same directory, which loads that state: the answers and cached tokens are an
+    undisturbed TP-1 session's."""
+    from tests.server.test_persisted_sessions import TURNS, _turn, _undisturbed
+
+    ref = run(_undisturbed(make_engine(tiny_ckpt, storage_dir=str(tmp_path / "ref"), session_persist=True), True))
+    a = make_engine(tiny_ckpt, tensor_parallel_size=2, storage_dir=str(tmp_path), session_persist=True)
+    b = make_engine(tiny_ckpt, storage_dir=str(tmp_path), session_persist=True)
+
+    async def go():
+        async with serving(a) as ca, serving(b) as cb:
+            got = [await _turn(ca if i < 2 else cb, "s", t, i, True) for i, t in enumerate(TURNS)]
+            await accounting(a)
+            await accounting(b)
+        return [(o, hit) for o, hit, _ in got]
+
+    got = run(go())
+    assert got == ref and got[2][1] > 0  # B's first turn: loaded, not recomputed
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "granite_moe"])

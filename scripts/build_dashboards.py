@@ -143,6 +143,17 @@ OVERVIEW = Dashboard("mambaserve-overview", "mambaserve / Overview",
           "or 503 (too many connections).", [
         T(f"mambaserve_http_connections{{{SEL}}}", f"open {POD}"),
         T(rate("mambaserve_http_connections_refused_total", "reason"), "refused: {{reason}}")]),
+    Panel("Requests failed alone", "Requests per second failed by themselves because their row of a step had no "
+          "finite distribution (source: the model's logits, or the request's sampling values); their neighbours "
+          "went on. And state slots or KV pages a failed step had taken that nobody held, given back after it "
+          "(each one a bug worth reporting).", [
+        T(rate("mambaserve_non_finite_rows_total", "source"), "non-finite: {{source}}"),
+        T(rate("mambaserve_reclaimed_after_failure_total", "resource"), "reclaimed: {{resource}}")], unit="ops"),
+    Panel("Kernel compiles while serving", "Triton kernels compiled after each pod reported ready, since it "
+          "started (the warm-up compiles every variant a request can reach before then: a compile here stalled the "
+          "running requests for seconds; the server log names the kernel).",
+          [T(f"sum(mambaserve_kernel_compiles_total{{{SEL}, phase=\"serving\"}})")],
+          kind="stat", width=6, height=4, decimals=0, thresholds=[(None, "green"), (1, "red")]),
 ])
 
 CACHE = Dashboard("mambaserve-cache", "mambaserve / Cache",
@@ -257,12 +268,19 @@ SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",
           unit="percentunit", max=1),
     Panel("Sessions closed by reason", "Closed sessions per second: client, timeout, error.",
           [T(rate("mambaserve_sessions_closed_total", "reason"), "{{reason}}")], unit="ops", stack=True),
-    Panel("Session restores", "Sessions restored from a snapshot per second (migrations between pods, restarts).",
-          [T(rate("mambaserve_session_restores_total", "namespace, mambaserve_io_session"), S)], unit="ops"),
+    Panel("Session restores", "Sessions restored per second (migrations between pods, restarts) from a snapshot "
+          "file or a --session-persist record, by result: loaded (state read back), recomputed (history prefilled "
+          "again), rejected; and the seconds per second spent restoring persisted sessions (over the restores' rate: "
+          "the mean restore time).", [
+        T(rate("mambaserve_session_restores_total", "result"), "{{result}}"),
+        T(rate("mambaserve_session_restore_seconds_sum"), "seconds restoring")], unit="ops"),
     Panel("Session turns not persisted", "--session-persist: session turns per second that could not be "
           "written (storage full, read-only or gone): a restart resumes those sessions from an earlier turn.",
           [T(rate("mambaserve_session_turns_not_persisted_total", "namespace, mambaserve_io_session"), S)],
           unit="ops"),
+    Panel("Session files refused", "Snapshot files and persisted session records refused on reading back, per "
+          "second, by file and reason (corrupt, incompatible, tokens, too_long, empty, fields, state).",
+          [T(rate("mambaserve_session_files_rejected_total", "file, reason"), "{{file}}: {{reason}}")], unit="ops"),
 ])
 
 _TARGETS = ("0.02", "0.05", "0.1", "0.2", "0.3", "0.5")

@@ -151,6 +151,8 @@ class ServerMetrics:
             self.sessions_closed.labels(reason)
         for result in ("loaded", "recomputed", "rejected"):
             self.session_restores.labels(result)
+        for file in ("snapshot", "record"):  # a series per kind of file from the start: the panel shows 0, not nothing
+            self.files_rejected.labels(file, "corrupt")
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)
         for phase in ("warmup", "serving"):

@@ -359,6 +359,7 @@ def _session_status(session: InferenceSession, binding: Binding, kind: str, obse
         "selector": names.selector_string(names.server_selector(session.name)),
         "url": builders.service_url(session),
         "workload": f"{kind}/{names.workload(session.name)}",
+        "tensorParallelSize": max(1, session.resources.gpus),
         "cacheTier": binding.tier.name if binding.tier else (session.cache_tier or ""),
         "metricsSource": observed.source,
         "lastScrapeTime": conditions.now(),

@@ -4,13 +4,14 @@ The memory a server pod needs is the sum of what it holds in host memory, so it 
 limited at that (a limit equal to the request: the pod can never take more than the node reserved for
 it, so pinned host memory cannot push a GPU node into OOM)::
 
-    runtime      Python, torch, the CUDA and Triton host libraries           4Gi (GPU) / 2Gi (CPU)
+    runtime      Python, torch, the CUDA and Triton host libraries           4Gi (GPU) / 2Gi (CPU), per GPU
+                 (resources.gpus > 1: one server process per GPU)
     weights      the checkpoint, read into host memory while loading          model.checkpointSize
                  (a CPU pod keeps a second copy: the parameters it serves)
     state pool   CPU only: the state slots and activations live in host RAM  2Gi
     host tier    the CacheTier's pinned host tier                            host.sizeGb GiB
     staging      a storage tier without a host tier stages its reads         2Gi
-    pinned       pinned upload/download buffers, CUDA graphs' host side      1Gi (GPU)
+    pinned       pinned upload/download buffers, CUDA graphs' host side      1Gi per GPU
     /dev/shm     the memory-backed emptyDir, as much as it may hold          its sizeLimit
 
 ``Footprint.describe()`` prints that sum; ``mambaserve-operator render`` shows it beside the workload.
@@ -27,8 +28,9 @@ from mambaserve.operator.spec import CacheTier, InferenceSession, quantity_bytes
 
 GiB = 2**30
 # Requests of a pod whose spec names neither a request nor a limit for cpu. A GPU pod runs the
-# scheduler thread, HTTP and tokenization on a few cores; a CPU pod computes on its cores.
-DEFAULT_CPU = {True: "4", False: "2"}
+# scheduler thread, HTTP and tokenization on a few cores (and a process per further GPU, each a core's
+# worth of launches); a CPU pod computes on its cores.
+DEFAULT_CPU = {True: 4, False: 2}
 RUNTIME = {True: 4 * GiB, False: 2 * GiB}
 # An unknown checkpoint: a few billion parameters in bf16 on a GPU, a small model on CPU (what CPU pods serve).
 UNKNOWN_WEIGHTS = {True: 8 * GiB, False: 1 * GiB}
@@ -81,8 +83,9 @@ def weights_term(session: InferenceSession, gpu: bool) -> Term:
 
 
 def footprint(session: InferenceSession, tier: CacheTier | None, shm_bytes: int) -> Footprint:
-    gpu = session.resources.gpus > 0
-    terms = [Term("runtime", RUNTIME[gpu]), weights_term(session, gpu)]
+    gpu, processes = session.resources.gpus > 0, max(1, session.resources.gpus)
+    per = f"{processes} processes, one per GPU" if processes > 1 else ""
+    terms = [Term("runtime", RUNTIME[gpu] * processes, per), weights_term(session, gpu)]
     if not gpu:
         terms.append(Term("state pool", CPU_STATE_POOL))
     if tier is not None and tier.host_size_gb > 0:
@@ -90,7 +93,7 @@ def footprint(session: InferenceSession, tier: CacheTier | None, shm_bytes: int)
     elif tier is not None and tier.storage.enabled:
         terms.append(Term("storage staging", STORAGE_STAGING))
     if gpu:
-        terms.append(Term("pinned buffers", PINNED_BUFFERS))
+        terms.append(Term("pinned buffers", PINNED_BUFFERS * processes, per))
     terms.append(Term("/dev/shm", shm_bytes))
     return Footprint(tuple(terms))
 
@@ -102,7 +105,7 @@ def container_resources(session: InferenceSession, need: Footprint) -> dict[str,
     limits = {k: _quantity(v) for k, v in session.resources.limits.items()}
     # A limit alone makes the API server default the request to it; adding one could exceed it.
     if "cpu" not in requests and "cpu" not in limits:
-        requests["cpu"] = DEFAULT_CPU[gpu]
+        requests["cpu"] = str(DEFAULT_CPU[gpu] + max(0, session.resources.gpus - 1))
     if "memory" not in requests and "memory" not in limits:
         requests["memory"] = gib(need.total)
     if "memory" not in limits:

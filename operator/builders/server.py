@@ -59,6 +59,8 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
         "--session-timeout", str(sess.timeout_seconds),
         "--log-level", srv.log_level,
     ]
+    if session.resources.gpus > 1:  # one process per GPU of the pod, the model sharded over them
+        args += ["--tensor-parallel-size", str(session.resources.gpus)]
     if session.model.served_name:
         args += ["--served-model-name", session.model.served_name]
     if srv.max_running_requests is not None:

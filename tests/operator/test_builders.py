@@ -15,7 +15,7 @@ from mambaserve.operator.builders import adapter_rules, build_session_children, 
 from mambaserve.operator.builders.autoscaling import CAPACITY_MISS_METRIC, QUEUE_METRIC
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import parse_cache_tier, parse_session, session_problems
-from tests.operator.conftest import DATA, ROOT, load_yaml, sample
+from tests.operator.conftest import DATA, ROOT, load_crd, load_yaml, sample
 from mambaserve.operator.crd_schema import admit
 from tests.operator.kube_versions import SUPPORTED
 from tests.operator.pod_security import pod_templates, restricted_violations, writable_root_filesystems
@@ -482,6 +482,27 @@ def test_cpu_session_and_disabled_features() -> None:
     assert "tolerations" not in children["Deployment", "tiny"]["spec"]["template"]["spec"]
     assert "lifecycle" not in container  # nothing to drain without streaming sessions
     assert ("ServiceMonitor", "tiny") not in children
+    for obj in children.values():
+        assert_valid(obj)
+
+
+def test_a_pod_of_two_gpus_shards_its_model_over_them() -> None:
+    body = sample("inferencesession-minimal")
+    body["metadata"]["uid"] = "u"
+    body["spec"]["resources"] = {"gpus": 2}
+    stored, errors = admit(load_crd("inferencesessions"), body)
+    assert errors == []  # (up to 8: test_crds)
+    children = by_kind(build_session_children(parse_session(stored), None, SETTINGS))
+    pod = children["Deployment", "tiny"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
+    # one pod holds both GPUs; a process per GPU: runtime 2 x 4Gi + 8Gi unknown checkpoint + pinned 2 x 1Gi +
+    # /dev/shm 2Gi (memory-backed: NCCL's shared-memory transport and PyTorch's IPC live there)
+    assert container["resources"] == {"requests": {"cpu": "5", "memory": "20Gi", "nvidia.com/gpu": "2"},
+                                      "limits": {"memory": "20Gi", "nvidia.com/gpu": "2"}}
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     for obj in children.values():
         assert_valid(obj)
 

@@ -128,7 +128,7 @@ INVALID_SESSIONS = [
     ("long name", {**_session(), "metadata": {"name": "x" * 41}}, "at most 40 characters"),
     ("uppercase name", {**_session(), "metadata": {"name": "Chat"}}, "DNS-1035"),
     ("bad quantity", _session(resources={"requests": {"memory": "lots"}}), "does not match"),
-    ("two gpus", _session(resources={"gpus": 2}), "multi-GPU serving is not built yet"),
+    ("nine gpus", _session(resources={"gpus": 9}), "a pod's GPUs are one host's"),
     ("selector label in podTemplate", _session(podTemplate={"metadata": {"labels": {"mambaserve.io/session": "x"}}}),
      "the operator selects pods by them"),
     ("podTemplate unknown part", _session(podTemplate={"status": {}}), "Additional properties"),

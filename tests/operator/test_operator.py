@@ -157,6 +157,7 @@ async def test_status_from_pod_metrics(cluster: Cluster, start_operator: Any) ->
                               == 6 and s)
         assert st["metricsSource"] == "metrics"
         assert st["cacheHitRate"] == 0.8
+        assert st["tensorParallelSize"] == 1  # (the sample's one GPU)
         await asyncio.sleep(0.7)  # two more ticks: the unready pod still does not count
         assert status(cluster, "InferenceSession", "tiny")["openSessions"] == 6
 

@@ -100,14 +100,14 @@ def test_a_cluster_copy_keeps_its_owner_references_and_stdin_lists_work() -> Non
 
 def test_invalid_input_fails_in_one_line_with_status_1(tmp_path: pathlib.Path) -> None:
     bad = sample("inferencesession-minimal")
-    bad["spec"]["resources"] = {"gpus": 2}
+    bad["spec"]["resources"] = {"gpus": 9}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
     result = run_cli("-f", str(path))
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"mambaserve-operator render: error: {path}, document 1: "
-                                    "InferenceSession llm/tiny is invalid: spec.resources.gpus: resources.gpus must be 0 or 1")
+                                    "InferenceSession llm/tiny is invalid: spec.resources.gpus: resources.gpus must be at most 8")
 
 
 def _render(tmp_path: pathlib.Path, *texts: str, extra: tuple[str, ...] = ()) -> tuple[int, str, str]:

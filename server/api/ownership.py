@@ -1,6 +1,6 @@
-"""Session headers, and who calls a session verb (``sessions.table.Caller``): the API key it authenticated with, its address,
-the session secret it presents, and a fresh secret for a session it opens, returned in the
-``x-session-secret`` response header (docs/server-interface.md, "Session ownership").
+"""Session headers, and who calls a session verb (``sessions.table.Caller``): the API key it authenticated
+with, its address, the session secret it presents, and a fresh secret for a session it opens, returned in
+the ``x-session-secret`` response header (docs/server-interface.md, "Session ownership").
 
 The secret travels back as ``session_params.secret`` (the one field sglang-router forwards; it drops
 request headers but returns response headers) or as the ``x-session-secret`` request header."""

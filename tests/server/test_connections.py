@@ -68,7 +68,8 @@ def one_response(s: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += s.recv(4096)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     while len(body) < length:
         body += s.recv(4096)
     return head

@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "server, or another one on the same --storage-dir, continues it by its session id")
     s.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most")
     s.add_argument("--session-timeout", type=float, default=600.0, help="default idle timeout of a session (s)")
-    s.add_argument("--max-session-timeout", type=float, default=3600.0,
-                   help="longest idle timeout a client may give its session (s); a longer one gets 400")
+    s.add_argument("--max-session-timeout", type=float,
+                   help="longest idle timeout a client may give its session (s); a longer one gets 400 (default: "
+                        "3600, or --session-timeout if longer)")
     s.add_argument("--max-sessions-per-client", type=int,
                    help="open sessions one client may hold (its API key; without keys, its address), past it 429 "
                         "(default: half of --max-sessions with several API keys, else no limit beyond "

@@ -7,6 +7,9 @@ import re
 from dataclasses import dataclass, field
 
 
+DEFAULT_MAX_SESSION_TIMEOUT = 3600.0
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model: str
@@ -38,7 +41,8 @@ class ServerConfig:
     session_persist: bool = False  # streaming sessions written to the storage tier at every turn's end
     max_sessions: int = 1024
     session_timeout: float = 600.0
-    max_session_timeout: float = 3600.0  # a session's own timeout may not exceed it
+    # a session's own timeout may not exceed it (None: an hour, or --session-timeout if longer; a float after init)
+    max_session_timeout: float | None = None
     max_sessions_per_client: int | None = None  # None: half of max_sessions with several API keys, else no quota
     require_session_secret: bool = False
     session_slot_fraction: float = 0.5
@@ -123,6 +127,8 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.session_timeout) and self.session_timeout > 0):
             raise ValueError(f"--session-timeout must be a positive number of seconds, got {self.session_timeout}")
+        if self.max_session_timeout is None:
+            object.__setattr__(self, "max_session_timeout", max(DEFAULT_MAX_SESSION_TIMEOUT, self.session_timeout))
         if not (math.isfinite(self.max_session_timeout) and self.max_session_timeout >= self.session_timeout):
             raise ValueError(f"--max-session-timeout must be at least --session-timeout ({self.session_timeout:g} s), "
                              f"got {self.max_session_timeout}")

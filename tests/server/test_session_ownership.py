@@ -2,6 +2,7 @@
 with (and to the API key that opened it), a reopened id never touches the previous owner's snapshot
 files, one client cannot fill the session table, and a session's timeout is bounded."""
 
+from mambaserve.server.config import ServerConfig
 from tests.server.conftest import make_engine, run, serving
 
 GEN = {"sampling_params": {"max_new_tokens": 2, "temperature": 0}}
@@ -132,3 +133,5 @@ def test_one_client_cannot_fill_the_session_table_and_timeouts_are_bounded(tiny_
     assert week.status_code == 400 and "--max-session-timeout" in week.json()["error"]["message"]
     assert hour.status_code == 200
     assert again.status_code == 200  # a closed session gives its place back
+    # the bound follows a longer default (an InferenceSession's timeoutSeconds may reach a week)
+    assert ServerConfig(model="m", session_timeout=7200).max_session_timeout == 7200

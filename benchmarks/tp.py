@@ -127,24 +127,44 @@ def step_bytes(model, batch: int, context: int, pool: MambaStatePool, kv: KVPool
     return weights + 2 * pool.bytes_per_slot * batch + kv_read
 
 
-def allreduce_us(hidden: int, batch: int, dtype: torch.dtype, device: torch.device, tp: TP) -> float:
-    """One all-reduce of ``[batch, hidden]``, replayed 100 times in a CUDA graph (eagerly on CPU)."""
+def allreduce_us(hidden: int, batch: int, dtype: torch.dtype, device: torch.device, tp: TP) -> dict:
+    """One all-reduce of ``[batch, hidden]`` (what a layer sums), replayed 100 times in a CUDA graph (eagerly on
+    CPU): NCCL's (what the server runs), and for comparison PyTorch's symmetric-memory all-reduces (P2P loads
+    and stores through memory every rank maps; no multicast), where this torch has them."""
     x = torch.ones(batch, hidden, dtype=dtype, device=device)
-    n = 100
+    out = {dist.get_backend(tp.group): _replayed(lambda: tp.all_reduce(x), device)}
+    if device.type == "cuda":
+        try:
+            import torch.distributed._symmetric_memory as symm
+
+            buf = symm.empty(batch * hidden, dtype=dtype, device=device)
+            name = tp.group.group_name
+            symm.rendezvous(buf, name)
+            out["symm_mem_one_shot"] = _replayed(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name),
+                                                 device)
+            out["symm_mem_two_shot"] = _replayed(lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name),
+                                                 device)
+        except Exception as e:  # (alpha API: absent or changed in this torch)
+            out["symm_mem"] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def _replayed(fn, device: torch.device, n: int = 100) -> float:
+    """Microseconds per call of ``fn``: ``n`` calls captured in one CUDA graph and replayed (eager on CPU)."""
     if device.type != "cuda":
         t = time.perf_counter()
         for _ in range(n):
-            tp.all_reduce(x)
+            fn()
         return (time.perf_counter() - t) / n * 1e6
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            tp.all_reduce(x)
+            fn()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             for _ in range(n):
-                tp.all_reduce(x)
+                fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     times = []

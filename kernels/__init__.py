@@ -10,6 +10,7 @@ from mambaserve.kernels.norm_linear import ConvStep, gated_rmsnorm_linear, rmsno
 from mambaserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from mambaserve.kernels.rmsnorm import rmsnorm
 from mambaserve.kernels.selective_state_update import decode_runs_triton, selective_state_update
+from mambaserve.kernels.split_gated_norm import split_gated_norm, split_gated_norm_finish
 from mambaserve.kernels.ssd_scan import BoundaryStates, scan_runs_triton, ssd_scan_varlen
 from mambaserve.kernels.state_ops import clear_slots, copy_slots, scatter_steps
 from mambaserve.kernels.topk_softmax import topk_softmax
@@ -36,6 +37,8 @@ __all__ = [
     "scan_runs_triton",
     "scatter_steps",
     "selective_state_update",
+    "split_gated_norm",
+    "split_gated_norm_finish",
     "ssd_scan_varlen",
     "topk_softmax",
     "write_kv",

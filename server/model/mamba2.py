@@ -114,22 +114,16 @@ class Mamba2Mixer(nn.Module):
             config=self.kernel_config))
 
     def _out_spanning(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The gated norm's group is wider than this rank's channels (``n_groups`` < ranks): its scale needs every
-        rank's sum of squares. The projection is linear, so each rank projects its gated, weighted channels
-        unscaled and sends its sum of squares in the same all-reduce (one column per group); the scale applies
-        after the sum. One collective per layer, as without the norm; the kernels cannot run it (their norm
-        sees one rank's channels), so torch does."""
+        """The gated norm's one group spans the ranks: each projects its gated, weighted channels unscaled and
+        sends its share of the mean square in the same all-reduce; the scale applies after the sum
+        (``kernels.split_gated_norm``: one collective per layer, as without the norm)."""
         T, hidden = y.shape[0], self.out_proj.weight.shape[0]
-        h = y.float() * torch.nn.functional.silu(z.float())
-        partial = torch.nn.functional.linear((h * self.norm.weight.float()).to(y.dtype), self.out_proj.weight)
-        groups = self.shard.full.n_groups
-        buf = partial.new_zeros(T, groups, hidden + 1, dtype=torch.float32)
-        buf[:, self.shard.norm_group, :hidden] = partial
-        buf[:, self.shard.norm_group, hidden] = h.pow(2).sum(-1)
+        buf = torch.empty(T * hidden + 2 * T, dtype=y.dtype, device=y.device)
+        projection, sums = buf[:T * hidden].view(T, hidden), buf[T * hidden:].view(T, 2)
+        hw = kernels.split_gated_norm(y, z, self.norm.weight, self.norm.eps, self.norm.group_size, self.tp.size, sums)
+        torch.mm(hw, self.out_proj.weight.t(), out=projection)
         self.tp.all_reduce(buf)
-        scale = torch.rsqrt(buf[:, :, hidden:] / self.norm.group_size + self.norm.eps)
-        out = (buf[:, :, :hidden] * scale).sum(1).to(y.dtype)
-        return out + self.out_proj.bias if self.out_proj.bias is not None else out
+        return kernels.split_gated_norm_finish(projection, sums, self.out_proj.bias)
 
     @torch.no_grad()
     def refresh_A(self) -> None:

@@ -113,8 +113,7 @@ def shard_shape(shape: tuple[int, ...], spec: Slices | str | None) -> tuple[int,
 class MambaShard:
     """A rank's share of a Mamba2 mixer: ``local`` are the dims its modules and state pool have (heads and
     groups of this rank), ``heads`` and ``groups`` which of the full model's they are. ``norm_spans``: the
-    gated norm's groups are wider than the rank's channels (``n_groups < N``): every rank's channels are in
-    one group, shared with the other ranks of ``norm_group``."""
+    gated norm's one group is wider than the rank's channels (``n_groups`` 1, ranks > 1)."""
 
     full: Mamba2Dims
     local: Mamba2Dims
@@ -129,22 +128,21 @@ class MambaShard:
     def norm_spans(self) -> bool:
         return self.norm_group_size > self.local.d_inner
 
-    @property
-    def norm_group(self) -> int:
-        return self.groups.start
-
 
 def mamba_shard(d: Mamba2Dims, tp: TP) -> MambaShard:
     """Heads split evenly; a rank's B/C groups are those its heads read: ``n_groups / N`` of them when N divides
-    the groups, else (N a multiple of the groups) the one group all its heads are in, replicated on the
-    ranks sharing it. Other combinations cannot map heads to groups: refused."""
+    the groups, else (one group) the group, replicated on every rank. Other combinations are refused: where N
+    and the groups divide neither way a rank's heads would read groups held elsewhere; where several groups
+    each span ranks, their norms would need a sum per group (not built)."""
     heads = tp.part(d.num_heads, "Mamba heads")
     G, N = d.n_groups, tp.size
     if G % N == 0:
         groups = tp.part(G, "Mamba groups")
+    elif G == 1:  # every rank reads the one group; the gated norm over it is split (kernels.split_gated_norm)
+        groups = range(0, 1)
     elif N % G == 0:
-        g = tp.rank // (N // G)
-        groups = range(g, g + 1)
+        raise ModelLoadError(f"--tensor-parallel-size {N} with the Mamba layers' {G} groups of B/C: each group's "
+                             "gated norm would span several ranks; not built (fewer ranks, or one group, is)")
     else:
         raise ModelLoadError(f"--tensor-parallel-size {N} and the Mamba layers' {G} groups of B/C: neither "
                              "divides the other, so a rank's heads would read groups held elsewhere")

@@ -10,6 +10,7 @@ file in another state layout is refused. A follower killed takes the server down
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -61,7 +62,7 @@ def _same(got, ref):
 
 # ---- the shard math, without processes ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("heads,groups,size", [(6, 1, 2), (8, 2, 2), (8, 2, 4), (8, 4, 2), (16, 2, 8)])
+@pytest.mark.parametrize("heads,groups,size", [(6, 1, 2), (8, 1, 4), (8, 2, 2), (8, 4, 2), (16, 8, 4)])
 def test_a_state_cut_into_ranks_parts_and_merged_is_itself(heads, groups, size):
     d = Mamba2Dims(vocab_size=8, hidden_size=8, num_layers=2, num_heads=heads, head_dim=2, n_groups=groups,
                    state_size=3, conv_kernel=4, chunk_size=8, eps=1e-5, use_bias=False, use_conv_bias=True,
@@ -86,6 +87,9 @@ def test_shapes_that_cannot_be_split_are_refused_before_any_process_starts(tmp_p
     d = Mamba2Dims(8, 8, 1, 6, 2, 3, 3, 4, 8, 1e-5, False, True, True, False, (0.0, 1.0), [], None)
     with pytest.raises(ModelLoadError, match="neither divides the other"):
         mamba_shard(d, TP(0, 2))
+    d = dataclasses.replace(d, num_heads=8, n_groups=2)
+    with pytest.raises(ModelLoadError, match="each group's gated norm would span several ranks"):
+        mamba_shard(d, TP(0, 4))
 
 
 def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_ckpt):

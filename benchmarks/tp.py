@@ -17,7 +17,7 @@ A shape that does not fit one device (nemotron-h-47b, ~94 GB in bf16) runs at TP
 ``--context`` tokens (their KV pages allocated; the values are whatever the pool holds, which does not change
 the work).
 
-  NCCL_NVLS_ENABLE=0 python benchmarks/tp.py                            # 2 GPUs: 2.7b, nemotron-h-8b, -47b
+  NCCL_NVLS_ENABLE=0 python benchmarks/tp.py                            # 2 GPUs: nemotron-h-8b, 2.7b, -47b
   python benchmarks/tp.py --shapes tiny,tiny-hybrid --device cpu --batches 1,4   # a CPU smoke run (gloo)
 """
 
@@ -279,7 +279,7 @@ def summary(row: dict, batches: list[int]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="2.7b,nemotron-h-8b,nemotron-h-47b")
+    ap.add_argument("--shapes", default="nemotron-h-8b,2.7b,nemotron-h-47b")
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--context", type=int, default=1024, help="tokens already in each decode row's KV (hybrids)")

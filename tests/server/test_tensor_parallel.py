@@ -80,7 +80,9 @@ def test_a_state_cut_into_ranks_parts_and_merged_is_itself(heads, groups, size):
     assert torch.equal(merged["conv"], state["conv"]) and torch.equal(merged["ssm"], state["ssm"])
 
 
-def test_shapes_that_cannot_be_split_are_refused_before_any_process_starts(tmp_path):
+def test_what_cannot_be_split_is_refused_before_any_process_starts(tmp_path, nemotron):
+    with pytest.raises(ValueError, match="--storage-dir with a hybrid model"):
+        make_engine(nemotron, tensor_parallel_size=2, storage_dir=str(tmp_path / "l3"))
     three_heads = make_checkpoint(tmp_path / "h3", "h3_k2")
     with pytest.raises(ModelLoadError, match="--tensor-parallel-size 2 does not divide the model's 3 Mamba heads"):
         make_engine(three_heads, tensor_parallel_size=2)

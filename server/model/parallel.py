@@ -5,10 +5,10 @@ every layer; the layers' outputs are summed across ranks (``TP.all_reduce``) whe
 projection ends a block, and the logits gathered (``TP.gather_vocab``). The shards:
 
 - Mamba2 mixers by heads (``mamba_shard``): in_proj's z, x and dt rows of the rank's heads, its B and C rows of
-  the groups those heads read (all of them replicated on the ranks sharing a group when ``n_groups < N``), the
-  conv channels and A/D/dt_bias of the same, the gated norm's weight and out_proj's columns of the rank's
-  channels. The gated norm is grouped (``d_inner / n_groups`` channels); where a group spans ranks its sum of
-  squares is summed with the output (``Mamba2Mixer._out``);
+  the groups those heads read (the one group, replicated on every rank, in a model that has one), the conv
+  channels and A/D/dt_bias of the same, the gated norm's weight and out_proj's columns of the rank's channels.
+  The gated norm is grouped (``d_inner / n_groups`` channels); where the one group spans the ranks, its mean
+  square is summed with the output (``Mamba2Mixer._out_spanning``, ``kernels.split_gated_norm``);
 - attention by heads (``attention_shard``): query heads split, KV heads split or, when fewer than N, the one
   each rank's query heads read replicated;
 - MLPs column/row (their intermediate width split), MoE experts tensor-parallel within each expert (every

@@ -68,14 +68,16 @@ SHAPES = {
 }
 
 
-def build(shape: str, device: torch.device, dtype: torch.dtype):
-    arch_name, cfg = SHAPES[shape]
+def build(shape: str, device: torch.device, dtype: torch.dtype, tp=None, shapes: dict | None = None):
+    """``shape``'s model (of ``shapes``, default this file's) with random weights; with ``tp``, a rank's shard
+    of it (benchmarks/tp.py)."""
+    arch_name, cfg = (shapes or SHAPES)[shape]
     arch = ARCHITECTURES[arch_name]
     dims = arch.read_dims(cfg)
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = arch.model_class(dims)
-    model = model.to_empty(device=device).to(dtype)
+        model = arch.model_class(dims, None, *([tp] if tp is not None else []))
+    model = model.to(dtype).to_empty(device=device)  # (in dtype from the start: a 47B shape's fp32 would not fit)
     model.tie_weights()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybrid_step import SHAPES as HYBRID_SHAPES  # benchmarks/ is sys.path[0] when run as a script
+import hybrid_step  # benchmarks/ is sys.path[0] when run as a script
+from hybrid_step import SHAPES as HYBRID_SHAPES
 from hybrid_step import copy_bandwidth
 from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.engine.cuda_graphs import DecodeGraphs
@@ -76,29 +77,8 @@ MAX_BATCH = {"nemotron-h-47b": 64}
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype, tp: TP):
-    """``shape``'s model on ``device``, this rank's shard of it, with random weights (the same on every rank: a
-    rank draws the full model's generator stream for nothing, it only needs a plausible scale)."""
-    arch_name, cfg = SHAPES[shape]
-    arch = ARCHITECTURES[arch_name]
-    dims = arch.read_dims(cfg)
-    with torch.device("meta"):
-        model = arch.model_class(dims, None, tp)
-    model = model.to(dtype).to_empty(device=device)  # (in dtype from the start: fp32 first would not fit)
-    model.tie_weights()
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                p.uniform_(-1.0, 0.5, generator=gen)
-            elif p.dim() >= 2:
-                p.normal_(std=0.02, generator=gen)
-            else:
-                p.fill_(1.0)
-        for m in model.mixers():
-            for n in ("A_log", "D", "dt_bias"):
-                getattr(m, n).data = getattr(m, n).data.float()
-    model.refresh_derived()
-    return model.eval(), dims
+    """``shape``'s model on ``device``, this rank's shard of it, with random weights."""
+    return hybrid_step.build(shape, device, dtype, tp, SHAPES)
 
 
 def full_bytes(shape: str, dtype: torch.dtype) -> int:

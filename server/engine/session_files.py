@@ -47,8 +47,8 @@ class SessionFiles:
         if s.slot is None:
             return Exported(list(tokens), meta, None)
         self.runner.apply_state_ops(self.cache.take_pending())  # a deferred copy into its slot runs first
-        state = {k: v.to("cpu", non_blocking=True) for k, v in self.runner.read_slot(s.slot).items()}  # (pinned)
-        return Exported(list(tokens), meta, state, self.runner.fence())
+        state, ready = self.runner.copy_out(s.slot)
+        return Exported(list(tokens), meta, state, ready)
 
     def restore(self, meta: dict, tokens: list[int], state: dict[str, torch.Tensor] | None,
                 session_id: str | None, caller: Caller = Caller()) -> dict:

@@ -10,7 +10,6 @@ The host tier is rank 0's alone, of whole states.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +107,7 @@ def _host_pool(cfg: ServerConfig, pool: MambaStatePool, is_cuda: bool,
     cut again on load, ``tp_runner.ShardedRunner``), so the storage tier works on rank 0 as with one. The storage
     tier moves every byte through it: with ``--storage-dir`` and no host size, a host tier of STAGING_SNAPSHOTS
     snapshots is its staging area."""
-    per = math.prod(shapes["conv"]) * pool.conv.element_size() + math.prod(shapes["ssm"]) * pool.ssm.element_size()
+    per = pool.state_bytes(shapes)
     size = cfg.host_cache_size
     if not size and cfg.storage_dir and not cfg.disable_radix_cache:
         size = STAGING_SNAPSHOTS * per

@@ -6,6 +6,8 @@ is the cache's ``SlotAllocator``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mambaserve.server.cache.slots import SlotAllocator
@@ -28,7 +30,12 @@ class MambaStatePool:
 
     @property
     def bytes_per_slot(self) -> int:
-        return (self.conv[:, 0].numel() * self.conv.element_size() + self.ssm[:, 0].numel() * self.ssm.element_size())
+        return self.state_bytes(self.slot_shapes)
+
+    def state_bytes(self, shapes: dict[str, tuple[int, ...]]) -> int:
+        """One state of ``shapes`` (as ``slot_shapes``) in this pool's dtypes: a tensor-parallel rank's whole
+        states (every rank's heads) are larger than its slots."""
+        return math.prod(shapes["conv"]) * self.conv.element_size() + math.prod(shapes["ssm"]) * self.ssm.element_size()
 
 
 class HostStatePool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import pickle
 import sys
@@ -57,9 +56,7 @@ class ShardedRunner(ModelRunner):
 
     @property
     def slot_bytes(self) -> int:
-        shapes = self.slot_shapes
-        return (math.prod(shapes["conv"]) * self.pool.conv.element_size()
-                + math.prod(shapes["ssm"]) * self.pool.ssm.element_size())
+        return self.pool.state_bytes(self.slot_shapes)
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor] | None:
         """The slot's state gathered from every rank, in the layout one device holds (on rank 0; None elsewhere)."""

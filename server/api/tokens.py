@@ -43,10 +43,7 @@ def token_routes(engine: Engine) -> APIRouter:
     async def detokenize(body: DetokenizeRequest):
         nested = bool(body.tokens) and isinstance(body.tokens[0], list)
         batch = body.tokens if nested else [body.tokens]
-        vocab = engine.dims.vocab_size
-        bad = [t for ids in batch for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        engine.check_token_ids(t for ids in batch for t in ids)
         texts = await asyncio.to_thread(lambda: [tok.decode(ids) for ids in batch])
         text = texts if nested else texts[0]
         return {"prompt": text, "text": text}

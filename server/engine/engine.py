@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -266,14 +267,16 @@ class Engine:
         params.validate()
         if not prompt_ids:
             raise BadRequest("the prompt is empty")
-        vocab = self.dims.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        bad = [t for t in params.token_ids() if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(f"token ids of the sampling parameters out of range [0, {vocab}): {bad[:5]}")
+        self.check_token_ids(prompt_ids)
+        self.check_token_ids(params.token_ids(), "token ids of the sampling parameters")
         return fit_to_context(len(prompt_ids), params, self.context_length, max_tokens_explicit)
+
+    def check_token_ids(self, ids: Iterable[int], what: str = "token ids") -> None:
+        """BadRequest naming the first few of ``ids`` outside the model's vocabulary."""
+        vocab = self.dims.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"{what} out of range [0, {vocab}): {bad[:5]}")
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,

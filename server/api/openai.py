@@ -42,11 +42,11 @@ async def chat_prompt(engine: Engine, body: ChatRequest) -> tuple[list[int], lis
     template = getattr(engine.tokenizer, "chat_template", None)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     messages = [m.for_template() for m in body.messages]
-    if tools and not tool_calls.reads_tools(template):
+    reads_tools = tool_calls.reads_tools(template)
+    if tools and not reads_tools:
         messages = tool_calls.with_tool_prompt(messages, tools, tool_calls.detect(template))
     try:
-        ids = await engine.tokenize_chat(messages, tools if tool_calls.reads_tools(template) else None,
-                                         **body.template_args())
+        ids = await engine.tokenize_chat(messages, tools if reads_tools else None, **body.template_args())
     except ValueError as e:
         raise BadRequest(str(e)) from None
     return body.truncated(ids), tools
@@ -182,15 +182,13 @@ def openai_routes(engine: Engine) -> APIRouter:
 
                 def chunk(i: int, out: StepOutput) -> dict | None:
                     outs[i].append(out)
-                    text, lp = out.text, output_logprobs([out], offsets[i], body.logprobs) if want_lp else None
-                    first = len(outs[i]) == 1
-                    if body.echo and len(outs[i]) == 1:  # the prompt before the choice's first text
+                    text, elp, first = out.text, None, len(outs[i]) == 1
+                    if body.echo and first:  # the prompt before the choice's first text
                         etext, elp = echoed(i, outs[i - i % n])
                         text, offsets[i] = etext + text, offsets[i] + len(etext)
-                        if lp is not None:
-                            lp = merge_logprobs(elp, output_logprobs([out], offsets[i], body.logprobs))
                     elif not out.text and not out.finished and not (first and prompt_lp):
                         return None
+                    lp = merge_logprobs(elp, output_logprobs([out], offsets[i], body.logprobs)) if want_lp else None
                     offsets[i] += len(out.text)
                     choice = {"index": i, "text": text, "logprobs": lp,
                               "finish_reason": out.finish_reason.value if out.finished else None}

@@ -128,7 +128,14 @@ class StructuredOutputs(_Body):
             return ("choice", json.dumps(self.choice))
         if kind == "grammar":
             return ("ebnf", self.grammar)
-        return (kind, getattr(self, kind) or "") if kind != "json_object" else ("json_object", "")
+        return ("json_object", "") if kind == "json_object" else ("regex", self.regex)
+
+
+def _grammar_fields(body: BaseModel, fields: tuple[tuple[str, str], ...]) -> list[tuple[str, tuple[str, str]]]:
+    """``(field, (grammar kind, source))`` for each of ``fields`` (field, kind) that ``body`` sets; a JSON value
+    as its text."""
+    return [(name, (kind, value if isinstance(value, str) else json.dumps(value)))
+            for name, kind in fields if (value := getattr(body, name)) is not None]
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -190,12 +197,9 @@ class _OpenAISampling(_Body):
             found.append(("response_format", self.response_format.constraint()))
         if self.structured_outputs is not None:
             found.append(("structured_outputs", self.structured_outputs.constraint()))
-        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                           ("guided_grammar", "ebnf"), ("regex", "regex"), ("json_schema", "json_schema"),
-                           ("ebnf", "ebnf")):
-            value = getattr(self, name)
-            if value is not None:
-                found.append((name, (kind, value if isinstance(value, str) else json.dumps(value))))
+        found += _grammar_fields(self, (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                                        ("guided_choice", "choice"), ("guided_grammar", "ebnf"), ("regex", "regex"),
+                                        ("json_schema", "json_schema"), ("ebnf", "ebnf")))
         if len(found) > 1:
             raise BadRequest(f"at most one structured output per request; got {', '.join(n for n, _ in found)}")
         return (found[0][1], found[0][0]) if found else (None, None)
@@ -390,8 +394,7 @@ class NativeSampling(_Body):
 
     def params(self) -> SamplingParams:
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
-        grammars = [(name, kind) for name, kind in (("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "ebnf"))
-                    if getattr(self, name) is not None]
+        grammars = _grammar_fields(self, (("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "ebnf")))
         if len(grammars) > 1:
             raise BadRequest(f"at most one of json_schema, regex, ebnf; got {', '.join(n for n, _ in grammars)}")
         names = {"seed": "sampling_seed"} if self.sampling_seed is not None else {}
@@ -404,7 +407,7 @@ class NativeSampling(_Body):
                               presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
                               min_new_tokens=self.min_new_tokens, logit_bias=_logit_bias(self.logit_bias),
                               include_stop_str_in_output=self.no_stop_trim,
-                              constraint=(grammars[0][1], getattr(self, grammars[0][0])) if grammars else None,
+                              constraint=grammars[0][1] if grammars else None,
                               names=names)
 
 

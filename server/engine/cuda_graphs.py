@@ -159,11 +159,12 @@ class PrefillGraphs:
         for n in lens:
             cu.append(cu[-1] + n)
         pad = s - len(lens)
-        slots, start, snap, snap_len = ((batch.slots, batch.start_pos, batch.snap_slots(), batch.snap_lens())
-                                        if batch is not None else ([], [], [], []))
+        slots, start, has_init, snap, snap_len = (
+            (batch.slots, batch.start_pos, batch.has_initial_state, batch.snap_slots(), batch.snap_lens())
+            if batch is not None else ([], [], [], [], []))
         upload(self.cu[:s + 1], cu + [t] * pad)
         upload(self.slots[:s], list(slots) + [-1] * pad)
-        upload(self.has_init[:s], [p > 0 for p in start] + [False] * pad)
+        upload(self.has_init[:s], has_init + [False] * pad)
         upload(self.start[:s], list(start) + [0] * pad)
         upload(self.snap[:s], snap + [-1] * pad)
         upload(self.snap_len[:s], snap_len + [0] * pad)

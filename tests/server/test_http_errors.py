@@ -110,12 +110,12 @@ def test_validation_messages_are_sentences_not_pydantic_internals(engine):
     """A validator's own sentence comes as it is written (no "body: Value error, " before it)."""
     async def go():
         async with serving(engine) as c:
-            return await c.post("/generate", content=b'{"text": "\\ud800"}',
-                                headers={"content-type": "application/json"})
+            return [await c.post("/generate", content=body, headers={"content-type": "application/json"})
+                    for body in (b'{"text": "\\ud800"}', b'{"text": ["ok", "\\ud800"]}')]
 
-    r = run(go())
-    assert r.status_code == 422
-    assert r.json()["error"]["message"] == "text is not well-formed unicode (a lone surrogate?)"
+    for r in run(go()):  # a lone surrogate alone, and one in a list
+        assert r.status_code == 422
+        assert r.json()["error"]["message"] == "text is not well-formed unicode (a lone surrogate?)"
 
 
 def test_json_bodies_are_read_whatever_the_content_type_says(engine):

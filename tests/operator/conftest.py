@@ -40,12 +40,23 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       its own last patch; with a constant version it would re-run creation handlers on stale events);
     - server-side apply (``application/apply-patch+yaml``) and field ownership in ``managedFields``
       (tests/operator/ssa.py), and an apply that changes nothing writes nothing (no new version, no event);
-    - a failed JSON-patch ``test`` is a 422 (Kopf's optimistic-concurrency guard), not a 500.
+    - a failed JSON-patch ``test`` is a 422 (Kopf's optimistic-concurrency guard), not a 500;
+    - a write refused with ``refuse`` changes nothing. kmock stores every write before its reactions
+      answer, so a ``<< Response(status=422)`` on a PATCH still created the object: the next reconcile
+      found it in place and cleared the Degraded condition the refusal had set.
     """
 
     _versions = itertools.count(2)
 
+    def refuse(self, method: str, path: str, status: int, reason: str, message: str) -> None:
+        """Answer every ``method path`` request with this error, as an API server refusing the object does."""
+        self.__dict__.setdefault("_refused", {})[method.upper(), path] = (status, reason, message)
+
     async def _handle(self, request: Any) -> Any:
+        refused = self.__dict__.get("_refused", {}).get((request.method.value, request.url.path))
+        if refused is not None:
+            status, reason, message = refused
+            raise kmock.KubernetesError(status=status, reason=reason, message=message)
         if request.resource is None or request.method not in ("POST", "PATCH"):
             return await super()._handle(request)
         version = str(next(self._versions))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import kmock as kmock_lib
 import kopf
 import pytest
 import pytest_asyncio
@@ -175,8 +174,8 @@ async def test_missing_kinds_and_invalid_objects_are_distinguished(kmock: Any) -
         with pytest.raises(ResourceNotInstalled):
             await client.list("ScaledObject", "llm")
         assert await client.get("Deployment", "llm", "nope") is None
-        cluster.kmock["patch /apis/apps/v1/namespaces/llm/deployments/bad"] << kmock_lib.Response(
-            status=422, payload={"kind": "Status", "reason": "Invalid", "message": "bad affinity"})
+        cluster.kmock.refuse("PATCH", "/apis/apps/v1/namespaces/llm/deployments/bad", 422, "Invalid",
+                             "bad affinity")
         with pytest.raises(ApiError) as info:
             await client.apply(deployment("bad"))
         assert info.value.invalid and "bad affinity" in info.value.message

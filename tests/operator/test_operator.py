@@ -237,9 +237,8 @@ async def test_unsupported_and_invalid_settings_degrade_without_crashing(kmock: 
     kmock[re.compile(r"/apis/keda\.sh/.*")] << kmock_lib.Response(status=404, payload={
         "kind": "Status", "reason": "NotFound", "message": "the server could not find the requested resource",
         "details": {}})
-    kmock["patch /apis/apps/v1/namespaces/llm/deployments/broken"] \
-        << kmock_lib.Response(status=422, payload={"kind": "Status", "reason": "Invalid",
-                                                   "message": "spec.template.spec.affinity: Invalid value"})
+    kmock.refuse("PATCH", "/apis/apps/v1/namespaces/llm/deployments/broken", 422, "Invalid",
+                 "spec.template.spec.affinity: Invalid value")
     await start_operator()
     keda = sample("inferencesession-keda")
     keda["spec"].pop("cacheTierRef")
@@ -257,6 +256,10 @@ async def test_unsupported_and_invalid_settings_degrade_without_crashing(kmock: 
                                 and c["status"] == "True" and c)
     assert degraded["reason"] == "InvalidChild" and "affinity" in degraded["message"]
     assert status(cluster, "InferenceSession", "broken")["phase"] == "Degraded"
+    # Refused, the Deployment does not exist, and later ticks keep saying so.
+    await asyncio.sleep(1.0)  # > 3 status ticks
+    assert cluster.condition("InferenceSession", "broken", "Degraded")["status"] == "True"
+    assert cluster.get("Deployment", "broken") is None
     # The other children of the broken session were still applied.
     assert cluster.get("Service", "broken") is not None
 

@@ -281,6 +281,9 @@ SESSIONS = Dashboard("mambaserve-sessions", "mambaserve / Sessions",
     Panel("Session files refused", "Snapshot files and persisted session records refused on reading back, per "
           "second, by file and reason (corrupt, incompatible, tokens, too_long, empty, fields, state).",
           [T(rate("mambaserve_session_files_rejected_total", "file, reason"), "{{file}}: {{reason}}")], unit="ops"),
+    Panel("Drain time per pod", "Seconds each stopping pod has drained so far (SIGTERM: in-flight turns finish, "
+          "open sessions are written to storage; 0 while serving); a line nearing the pod's --drain-timeout is a "
+          "stream about to be cut.", [T(f"mambaserve_drain_seconds{{{SEL}}}", POD)], unit="s"),
 ])
 
 _TARGETS = ("0.02", "0.05", "0.1", "0.2", "0.3", "0.5")

@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-body-timeout", type=float, default=60.0,
                    help="seconds a request's body may take to arrive after its headers; past it 408 and the "
                         "connection is closed")
+    s.add_argument("--drain-timeout", type=float, default=25.0,
+                   help="on SIGTERM (or Ctrl-C) the server drains: /health answers 503, new requests get 503 with "
+                        "Retry-After, the requests in flight (streams included) run to their end for at most this "
+                        "many seconds, open sessions are written to storage (--session-persist), then it exits 0; a "
+                        "second signal exits at once (default 25: within Kubernetes' default grace period, 30 s)")
     return p
 
 
@@ -211,6 +216,7 @@ def serve(cfg: ServerConfig) -> None:
 
     from mambaserve.server.api import connections
     from mambaserve.server.api.app import create_app
+    from mambaserve.server.api.drain import Drain, DrainingServer
     from mambaserve.server.api.loading import LoadingApp
     from mambaserve.server.engine.engine import Engine
     from mambaserve.server.model.config import ModelLoadError
@@ -247,13 +253,16 @@ def serve(cfg: ServerConfig) -> None:
     max_connections = cfg.max_connections or connections.default_max_connections(descriptors)
     logging.getLogger("mambaserve").info("open-file limit %d: at most %d connections", descriptors, max_connections)
     guard = connections.ConnectionGuard(max_connections, cfg.http_header_timeout, cfg.http_body_timeout)
+    drain = Drain(cfg.drain_timeout)
     # Idle keep-alive connections live longer here than in the proxies and client pools in front (cloud
     # load balancers idle out at 60 s): the server is never the side that closes a connection a client
     # is about to reuse, which fails that request (uvicorn's default is 5 s, httpx's pools keep 5 s too).
-    server = connections.GuardedServer(uvicorn.Config(
-        guard.middleware(app), host=cfg.host, port=cfg.port, http=guard.protocol(),
-        loop="mambaserve.server.api.connections:GuardedEventLoop",
-        log_level=cfg.log_level, timeout_graceful_shutdown=5, timeout_keep_alive=75))
+    # A signal drains first (api/drain.py); uvicorn's own graceful wait is then a backstop of the same length.
+    server = DrainingServer(uvicorn.Config(
+        guard.middleware(drain.middleware(app)), host=cfg.host, port=cfg.port, http=guard.protocol(),
+        loop="mambaserve.server.api.connections:GuardedEventLoop", log_level=cfg.log_level,
+        timeout_graceful_shutdown=cfg.drain_timeout, timeout_keep_alive=75), drain,
+        lambda: app.engine if app.app is not None else None)  # (a signal while loading stops at once)
     guard.open = lambda: len(server.server_state.connections)
     print(f"mambaserve: loading {cfg.model} (503 at {url}/health until ready)", flush=True)
     server.run(sockets=[sock])

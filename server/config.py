@@ -64,6 +64,7 @@ class ServerConfig:
     max_connections: int | None = None  # None: from the open-file limit (api/connections.py)
     http_header_timeout: float = 20.0
     http_body_timeout: float = 60.0
+    drain_timeout: float = 25.0  # seconds a SIGTERM'd server lets in-flight requests finish (api/drain.py)
     api_key: str | None = field(default=None, repr=False)  # never logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # every key accepted (default: api_key alone)
 
@@ -136,6 +137,8 @@ class ServerConfig:
             raise ValueError(f"--max-sessions-per-client must be >= 1, got {self.max_sessions_per_client}")
         if self.api_key and not self.api_keys:
             object.__setattr__(self, "api_keys", (self.api_key,))
+        if not (math.isfinite(self.drain_timeout) and self.drain_timeout >= 0):
+            raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {self.drain_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
         for name in ("http_header_timeout", "http_body_timeout"):

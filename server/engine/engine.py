@@ -393,6 +393,19 @@ class Engine:
     async def close_session(self, session_id: str, caller: Caller = Caller()) -> None:
         await self.run_in_scheduler(lambda: self.scheduler.sessions.close(session_id, caller=caller))
 
+    async def session_count(self) -> int:
+        return await self.run_in_scheduler(lambda: len(self.scheduler.sessions.table.sessions))
+
+    async def persist_sessions(self) -> tuple[int, list[str]]:
+        """A draining server's open sessions on storage (``--session-persist``): those whose record is behind
+        (a write that failed, a session restored from a snapshot file and not used since) written now. Returns
+        (sessions written, ids of those not on storage: nothing persists without the flag)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        await self.run_in_scheduler(lambda: self.scheduler.persist_sessions(
+            lambda *result: loop.call_soon_threadsafe(done.set_result, result)))
+        return await done
+
     async def snapshot_session(self, session_id: str, name: str | None, caller: Caller = Caller()) -> dict:
         """The session's tokens and state copied out between two steps, then written by the snapshot store's
         thread: no file is touched on the scheduler thread."""

@@ -125,6 +125,9 @@ class ServerMetrics:
                                         "Sessions restored from a snapshot file or a persisted record, by result: "
                                         "loaded (its state read back), recomputed (its history prefilled again), "
                                         "rejected (a record refused)", ["result"], registry=r)
+        self.drain_seconds = Gauge("mambaserve_drain_seconds",
+                                   "Seconds since a signal started this server's drain (0 while serving; its last "
+                                   "value when the drain ended, just before the server exits)", registry=r)
         self.session_restore_seconds = Histogram("mambaserve_session_restore_seconds",
                                                  "Time from a turn naming a persisted session this server did not "
                                                  "know to that session recreated, its state loaded",

@@ -490,3 +490,12 @@ class Scheduler:
             raise CacheBusyError(f"cannot flush the cache while {len(self.queues.running)} requests run and "
                                  f"{len(self.queues.waiting)} wait")
         return self.cache.flush()
+
+    def persist_sessions(self, then: Callable[[int, list[str]], None]) -> None:
+        """Drain: ``then(written, ids not on storage)`` once the sessions behind are written (``SessionPersistence
+        .persist_open``); without --session-persist none is, and every open session is listed."""
+        if self.persistence is None:
+            then(0, list(self.sessions.table.sessions))
+            return
+        self.runner.apply_state_ops(self.cache.take_pending())  # a deferred copy into a session's slot runs first
+        self.persistence.persist_open(then)

@@ -162,10 +162,11 @@ class SessionPersistence:
                 files.append(SessionFile(f"{kv[1]}-{n}.kv", s.history[:n], [state["k"], state["v"]], kv_from=kv[1]))
         record = {**self._record(s), "history": s.history, "state": n, "kv": chunks}
         obsolete = [f"{done['state']}.state"] if done["state"] and done["state"] != n else []
+        covers = len(s.history)
 
         def written(ok: bool) -> None:
             if ok:
-                s.persisted = {"state": n, "kv": chunks}
+                s.persisted = {"state": n, "kv": chunks, "covers": covers}
             then(ok)
         self.storage.put_session(s.id, record, files, obsolete, event, written)
         return True
@@ -181,18 +182,47 @@ class SessionPersistence:
             if m.length and (self.storage.has(key) or tuple(key) in self.storage.writing
                              or self.cache.write_to_storage(key, m.node.slot)):
                 states[rid] = m.length
+        covers = s.last_rid
         record = {**self._record(s), "last_rid": s.last_rid,
                   "turns": [{"rid": t.rid, "parent": t.parent, "input_len": t.input_len, "tokens": t.tokens,
                              "state": states.get(t.rid, 0)} for t in s.turns.values()]}
 
         def written(ok: bool) -> None:
             if ok:
-                s.persisted = {"turns": states}
+                s.persisted = {"turns": states, "covers": covers}
             then(ok)
         # (queued after the state's write, which waits for its offload: both are issued with the next step)
         self.cache.pending.on_done.append(
             lambda event: self.storage.put_session(s.id, record, [], [], None, written))
         return True
+
+    def persist_open(self, then: Callable[[int, list[str]], None]) -> None:
+        """Drain: every open session whose record on storage is behind it (``persisted["covers"]``: a write that
+        failed, a session restored from a snapshot file and not used since) written now; ``then(written, ids not
+        on storage)`` once all have landed. A session without a turn yet has nothing to persist (listed)."""
+        behind, empty, failed = [], [], []
+        for s in self.sessions.table.sessions.values():
+            covers = len(s.history) if s.streaming else s.last_rid
+            if not covers:
+                empty.append(s.id)
+            elif s.closing is None and (s.persisted or {}).get("covers") != covers:
+                behind.append(s)
+        left = len(behind)
+
+        def one(sid: str, ok: bool) -> None:
+            nonlocal left
+            left -= 1
+            if not ok:
+                failed.append(sid)
+            if not left:
+                then(len(behind) - len(failed), empty + failed)
+        if not behind:
+            then(0, empty)
+        for s in behind:  # (storage read-only or off: each put_session says so at once)
+            if s.streaming:
+                self._persist_streaming(s, lambda ok, sid=s.id: one(sid, ok))
+            else:
+                self._persist_turns(s, s.last_rid, lambda ok, sid=s.id: one(sid, ok))
 
     # ---- reading ------------------------------------------------------------------------------------
     def look_up(self, req: Req, then: Callable[[Req], None]) -> bool:
@@ -240,10 +270,12 @@ class SessionPersistence:
         if record["streaming"]:
             s.kv = live[2] if live else None
             s.from_storage = live is not None
-            s.persisted = {"state": record["state"], "kv": record["kv"]} if live else None
+            s.persisted = {"state": record["state"] if live else 0, "kv": record["kv"] if live else [],
+                           "covers": len(s.history)}
             loaded = live is not None
         else:
-            s.persisted = {"turns": {t["rid"]: t["state"] for t in record["turns"] if t["state"]}}
+            s.persisted = {"turns": {t["rid"]: t["state"] for t in record["turns"] if t["state"]},
+                           "covers": record["last_rid"]}
             loaded = any(t["state"] for t in record["turns"])
         self.metrics.session_restores.labels("loaded" if loaded else "recomputed").inc()
         self.metrics.session_restore_seconds.observe(time.monotonic() - started)

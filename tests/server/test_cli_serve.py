@@ -3,6 +3,7 @@ ready), a taken port or a bad model fails in one line, and the banner appears on
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from mambaserve.server.api.app import create_app
 from mambaserve.server.api.loading import LoadingApp
-from tests.server.conftest import free_port, make_engine
+from tests.server.conftest import free_port, make_engine, wait_healthy
 
 
 def _serve(model, port, *flags):
@@ -177,3 +178,40 @@ def test_the_warm_up_prompt_fits_any_vocabulary_and_context():
     assert warm_up_prompt(vocab_size=96, context_length=18) == (list(range(1, 15)), 4)
     assert warm_up_prompt(vocab_size=96, context_length=2) == ([1], 1)
     assert warm_up_prompt(vocab_size=1, context_length=1) is None  # nothing fits: no warm-up
+
+
+@pytest.mark.parametrize("end", ["deadline", "second_signal"])
+def test_a_drain_past_its_deadline_or_signalled_twice_exits_and_says_what_was_cut(tiny_ckpt, end):
+    """SIGTERM drains (api/drain.py); a stream longer than --drain-timeout, or a second SIGTERM, ends it at once:
+    the stream is cut, the log says so, the process exits 0 within seconds."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mambaserve.server", "serve", "--model", str(tiny_ckpt), "--port",
+                             str(port), "--device", "cpu", "--drain-timeout", "1" if end == "deadline" else "60"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        body = {"input_ids": [5, 6, 7], "stream": True,
+                "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
+        chunks, began = 0, None
+        with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+            with pytest.raises(httpx.RemoteProtocolError):  # the answer is cut: no final chunk, no [DONE]
+                for line in r.iter_lines():
+                    chunks += line.startswith("data: {")
+                    assert line != "data: [DONE]"
+                    if chunks == 1 and began is None:
+                        began = time.monotonic()
+                        proc.send_signal(signal.SIGTERM)
+                        if end == "second_signal":
+                            time.sleep(0.5)
+                            proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        err = proc.communicate(timeout=30)[1]
+    assert rc == 0 and chunks > 1 and took < 10, (rc, chunks, took, err[-2000:])
+    assert "draining: 1 requests in flight" in err
+    why = "the drain timeout (1 s) passed" if end == "deadline" else "a second signal"
+    assert f"draining: {why}: exiting with 1 requests in flight" in err, err[-2000:]

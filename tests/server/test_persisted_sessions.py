@@ -122,3 +122,35 @@ def test_a_damaged_state_is_refused_and_the_history_recomputed(tiny_ckpt, tmp_pa
     assert hit < ref[2][1]  # (what ordinary entries held of its prompts, not its state)
     assert _metric(metrics, 'mambaserve_session_restores_total{result="recomputed"}') == 1
     assert _metric(metrics, 'mambaserve_cache_storage_rejected_entries_total{reason="corrupt"}') == 1
+
+
+def test_a_drain_writes_the_sessions_whose_record_is_behind(tiny_ckpt, tmp_path):
+    """A session restored from a snapshot file has no record on storage until its next turn; a draining server
+    (``Engine.persist_sessions``) writes it, so another server continues it, its state loaded. A session opened
+    without a turn has nothing to persist and is named."""
+    snaps, storage = str(tmp_path / "snaps"), str(tmp_path / "storage")
+
+    async def first():
+        async with serving(make_engine(tiny_ckpt, session_snapshot_dir=snaps)) as c:
+            await _turn(c, "mig", TURNS[0], 0, True)
+            await _turn(c, "mig", TURNS[1], 1, True)
+            assert (await c.post("/sessions/mig/snapshot", json={})).status_code == 200
+            return await _turn(c, "mig", TURNS[2], 2, True)
+
+    async def draining(engine):
+        async with serving(engine) as c:
+            assert (await c.post("/sessions/restore", json={"name": "mig.safetensors"})).status_code == 200
+            assert (await c.post("/open_session", json={"session_id": "empty"})).status_code == 200
+            return await engine.persist_sessions(), await engine.persist_sessions()
+
+    async def other(engine):
+        async with serving(engine) as c:
+            return await _turn(c, "mig", TURNS[2], 2, True), (await c.get("/metrics")).text
+
+    expected, expected_hit, _ = run(first())
+    drained = run(draining(make_engine(tiny_ckpt, session_snapshot_dir=snaps, storage_dir=storage,
+                                       session_persist=True)))
+    (out, hit, _), metrics = run(other(make_engine(tiny_ckpt, storage_dir=storage, session_persist=True)))
+    assert drained == ((1, ["empty"]), (0, ["empty"]))  # written once: then its record is not behind
+    assert out == expected and hit == expected_hit > 0
+    assert _metric(metrics, 'mambaserve_session_restores_total{result="loaded"}') == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -137,3 +139,34 @@ def assert_idle(acc: dict) -> None:
     """No request holds a slot; every slot is free or a cached snapshot."""
     assert acc["running"] == 0 and acc["waiting"] == 0 and acc["held_by_requests"] == 0, acc
     assert acc["free"] + acc["held_by_tree"] == acc["capacity"], acc
+
+
+@contextlib.contextmanager
+def sglang_router(worker_urls: list[str], *flags: str):
+    """The real sglang-router (the Rust gateway from PyPI) on a free port (its metrics on another), once every
+    worker is registered and healthy; yields (its URL, its metrics URL)."""
+    port, prom = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", *worker_urls, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+         "--log-level", "warn", *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 40
+        while True:
+            with contextlib.suppress(httpx.TransportError, ValueError):
+                workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
+                if len(workers) == len(worker_urls) and all(w["is_healthy"] for w in workers):
+                    break
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the router did not register every worker"
+            time.sleep(0.2)
+        yield url, f"http://127.0.0.1:{prom}/metrics"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

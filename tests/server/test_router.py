@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, make_engine, run, serving, uvicorn_server
+from tests.server.conftest import make_engine, run, serving, sglang_router, uvicorn_server
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -32,42 +29,12 @@ class Routed:
     worker_urls: list[str]
 
 
-@contextlib.contextmanager
-def _router(worker_urls: list[str], *flags: str):
-    """The router process on a free port (its metrics on another), once both workers are registered."""
-    port, prom = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", *worker_urls, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
-         "--log-level", "warn", *flags],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 40
-        while True:
-            with contextlib.suppress(httpx.TransportError, ValueError):
-                workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
-                if len(workers) == 2 and all(w["is_healthy"] for w in workers):
-                    break
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the router did not register both workers"
-            time.sleep(0.2)
-        yield url, f"http://127.0.0.1:{prom}/metrics"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def routed(tiny_ckpt):
     engines = [make_engine(tiny_ckpt, context_length=4096) for _ in range(2)]
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(uvicorn_server(e)) for e in engines]
-        url, metrics = stack.enter_context(_router(urls, "--policy", "manual", "--assignment-mode", "min_group"))
+        url, metrics = stack.enter_context(sglang_router(urls, "--policy", "manual", "--assignment-mode", "min_group"))
         yield Routed(url, metrics, engines, urls)
 
 
@@ -109,7 +76,7 @@ def test_sessions_through_the_router_keep_history_on_one_worker(routed, tiny_ckp
     def k_streaming(sid):  # both kinds of session: live state (streaming) and through the radix cache
         return int(sid.rsplit("-", 1)[1]) % 2 == 0
 
-    async def through_router():
+    async def throughsglang_router():
         async with httpx.AsyncClient(base_url=routed.url, timeout=60) as c:
             placements = {sid: [] for sid in turns}
             got = await asyncio.gather(*(conversation(c, sid, t, placements[sid]) for sid, t in turns.items()))
@@ -131,7 +98,7 @@ def test_sessions_through_the_router_keep_history_on_one_worker(routed, tiny_ckp
                     ref[sid].append(out)
             return ref
 
-    got, placements = run(through_router())
+    got, placements = run(throughsglang_router())
     ref = run(resent())
     for sid in turns:
         for (ids, lps), (rids, rlps) in zip(got[sid], ref[sid]):
@@ -147,7 +114,7 @@ def test_sessions_through_the_router_keep_history_on_one_worker(routed, tiny_ckp
         assert _router_metric(metrics, "smg_worker_cb_consecutive_failures", w) == 0
 
 
-def test_openai_requests_without_a_model_and_chat_sessions_through_the_router(routed):
+def test_openai_requests_without_a_model_and_chat_sessions_through_thesglang_router(routed):
     async def go():
         async with httpx.AsyncClient(base_url=routed.url, timeout=60) as c:
             listed = (await c.get("/v1/models")).json()["data"][0]["id"]  # the id the router lists
@@ -233,7 +200,7 @@ def test_how_cache_aware_spreads_requests_over_workers(routed):
 
     distinct = lambda k, tag: [f"{chr(65 + i % 26)}{tag}{i} " * 8 for i in range(k)]  # noqa: E731
     shared = "def handler(request, response):\n    " * 4
-    with _router(routed.worker_urls, "--policy", "cache_aware") as (url, _):
+    with sglang_router(routed.worker_urls, "--policy", "cache_aware") as (url, _):
         one_at_a_time = spread(url, distinct(8, "s"), 1)
         concurrent = spread(url, distinct(16, "c"), 8)
         same_prefix = spread(url, [shared + f"x{i}" for i in range(12)], 6)

@@ -37,6 +37,9 @@ MEMORY_ANNOTATION = f"{GROUP}/memory"
 STATES_SUBDIR = "states"
 SNAPSHOTS_SUBDIR = "sessions"
 SPREAD_KEYS = ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+# Of the seconds a pod has after SIGTERM (terminationGracePeriodSeconds), those the server's drain leaves for its
+# exit: the engine's stop, whose queued storage writes reach the disk.
+DRAIN_MARGIN_S = 5
 
 
 def model_path(session: InferenceSession) -> str:
@@ -57,6 +60,7 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
         "--mamba-cache-strategy", srv.cache_strategy,
         "--max-sessions", str(sess.max_sessions),
         "--session-timeout", str(sess.timeout_seconds),
+        "--drain-timeout", str(drain_timeout(session)),
         "--log-level", srv.log_level,
     ]
     if session.resources.gpus > 1:  # one process per GPU of the pod, the model sharded over them
@@ -90,6 +94,13 @@ def server_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
 # temporary files of atomic writes, so the volume itself never fills up.
 STATES_SHARE = 0.85
 SNAPSHOTS_SHARE = 0.10
+
+
+def drain_timeout(session: InferenceSession) -> int:
+    """The server's --drain-timeout: on SIGTERM it finishes what is in flight and writes its sessions within
+    terminationGracePeriodSeconds less the exit's margin. The pod's grace period is that plus the preStop hook's
+    drainSeconds (``pod_template``), so the kubelet's SIGKILL never comes before the drain's deadline."""
+    return max(0, session.termination_grace_period_seconds - DRAIN_MARGIN_S)
 
 
 def storage_args(session: InferenceSession, tier: CacheTier | None) -> list[str]:
@@ -205,7 +216,8 @@ def pod_template(session: InferenceSession, tier: CacheTier | None, settings: Op
         mounts.append(pod.mount("sessions", SESSIONS_DIR))
 
     # Streaming sessions hold live state: keep routing away from a stopping pod for drainSeconds
-    # (endpoints and the router see it NotReady) before the server gets SIGTERM.
+    # (endpoints and the router see it NotReady) before the server gets SIGTERM; then the server drains itself
+    # (--drain-timeout), within the rest of the grace period.
     drain = session.sessions.drain_seconds if session.sessions.streaming else 0
     container: dict[str, Any] = {
         "name": "server",

@@ -114,7 +114,7 @@ def test_minimal_session_objects() -> None:
         "--model", "/models/mamba2-130m", "--host", "0.0.0.0", "--port", "30000", "--device", "cuda",
         "--dtype", "auto", "--state-dtype", "float32", "--chunked-prefill-size", "2048",
         "--mamba-cache-strategy", "no_buffer", "--max-sessions", "1024", "--session-timeout", "600",
-        "--log-level", "info", "--served-model-name", "mamba2-130m",
+        "--drain-timeout", "55", "--log-level", "info", "--served-model-name", "mamba2-130m",
         "--session-snapshot-dir", "/var/lib/mambaserve/sessions",
     ]
     # memory: runtime 4Gi + an unknown checkpoint's 8Gi + pinned 1Gi + /dev/shm 2Gi, requested and limited
@@ -126,9 +126,10 @@ def test_minimal_session_objects() -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/health?stuck_step_timeout=300", "port": "http"}
     assert container["ports"] == [{"name": "http", "containerPort": 30000, "protocol": "TCP"}]
     # Streaming sessions drain: a preStop exec of the image's Python (works on every supported
-    # Kubernetes, unlike the sleep action), and the grace period covers it.
+    # Kubernetes, unlike the sleep action), then the server's own drain (SIGTERM: in-flight turns finish, sessions
+    # written) within terminationGracePeriodSeconds (60) less 5 s for its exit; the grace period covers all three.
     assert container["lifecycle"] == {"preStop": {"exec": {"command": ["python3", "-c", "import time; time.sleep(30)"]}}}
-    assert pod["terminationGracePeriodSeconds"] == 90
+    assert pod["terminationGracePeriodSeconds"] == 30 + int(container["args"][container["args"].index("--drain-timeout") + 1]) + 5
     # Read-only root: every place the server writes is a volume, and the libraries are told where.
     env = {e["name"]: e.get("value") for e in container["env"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -472,7 +473,7 @@ def test_cpu_session_and_disabled_features() -> None:
     body = sample("inferencesession-minimal")
     body["metadata"]["uid"] = "u"
     body["spec"].update({"resources": {"gpus": 0, "requests": {"cpu": 4}}, "sessions": {"streaming": False},
-                         "monitoring": {"enabled": False}})
+                         "monitoring": {"enabled": False}, "terminationGracePeriodSeconds": 20})
     children = by_kind(build_session_children(parse_session(body), None, SETTINGS))
     container = children["Deployment", "tiny"]["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][container["args"].index("--device") + 1] == "cpu"
@@ -480,7 +481,9 @@ def test_cpu_session_and_disabled_features() -> None:
     # no GPU, so no GPU toleration.
     assert container["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
     assert "tolerations" not in children["Deployment", "tiny"]["spec"]["template"]["spec"]
-    assert "lifecycle" not in container  # nothing to drain without streaming sessions
+    assert "lifecycle" not in container  # no preStop wait without streaming sessions; the server still drains
+    assert container["args"][container["args"].index("--drain-timeout") + 1] == "15"
+    assert children["Deployment", "tiny"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 20
     assert ("ServiceMonitor", "tiny") not in children
     for obj in children.values():
         assert_valid(obj)

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from mambaserve.operator import builders, conditions, names
+from mambaserve.operator import builders, conditions, deletion_cost, names
 from mambaserve.operator.conditions import Condition, Event
 from mambaserve.operator.kube import SESSION_CHILD_KINDS, ApiError, Kube, ResourceNotInstalled, owned_by
 from mambaserve.operator.metrics_flow import MetricsFlow
@@ -203,7 +203,9 @@ async def reconcile_session(kube: Kube, body: Mapping[str, Any], settings: Opera
     router = await kube.get("Deployment", session.namespace, names.router(session.name)) \
         if session.router.enabled else None
     pods = await kube.list("Pod", session.namespace, names.server_selector(session.name))
-    observed = observe(workload, await scrape(pods, settings.metrics_timeout))
+    scraped = await scrape(pods, settings.metrics_timeout)
+    observed = observe(workload, scraped)
+    await deletion_cost.keep(kube, session.namespace, pods, scraped)
     model = await _model_condition(kube, session)
     reasons = diagnose(workload, pods)
     if model is not None and model.status != "True":
@@ -360,6 +362,8 @@ def _session_status(session: InferenceSession, binding: Binding, kind: str, obse
         "url": builders.service_url(session),
         "workload": f"{kind}/{names.workload(session.name)}",
         "tensorParallelSize": max(1, session.resources.gpus),
+        # null removes it (status is merge-patched) when the router is switched off
+        "router": builders.routing(session).as_status() if session.router.enabled else None,
         "cacheTier": binding.tier.name if binding.tier else (session.cache_tier or ""),
         "metricsSource": observed.source,
         "lastScrapeTime": conditions.now(),

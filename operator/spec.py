@@ -149,7 +149,7 @@ class Autoscaling:
 @dataclasses.dataclass(frozen=True)
 class Router:
     enabled: bool = False
-    policy: str = "cache_aware"
+    policy: str = "auto"  # builders/router.py: routing
     replicas: int = 1
     image: str | None = None
 
@@ -362,7 +362,7 @@ def parse_session(body: Mapping[str, Any]) -> InferenceSession:
         ),
         router=Router(
             enabled=bool(_get(router, "enabled", False)),
-            policy=_get(router, "policy", "cache_aware"),
+            policy=_get(router, "policy", "auto"),
             replicas=int(_get(router, "replicas", 1)),
             image=router.get("image") or None,
         ),

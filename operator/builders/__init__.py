@@ -12,7 +12,7 @@ from mambaserve.operator.builders.model import build_model_claim, build_model_jo
 from mambaserve.operator.builders.monitoring import build_router_monitor, build_service_monitor
 from mambaserve.operator.builders.network import build_network_policy
 from mambaserve.operator.builders.router import (build_router_deployment, build_router_pdb, build_router_role,
-                                                 build_router_role_binding, build_router_service_account)
+                                                 build_router_role_binding, build_router_service_account, routing)
 from mambaserve.operator.builders.server import build_workload, memory_footprint, problems, rollout, server_args
 from mambaserve.operator.builders.services import build_client_service, build_headless_service, service_url
 from mambaserve.operator.builders.storage import build_kernel_claim, build_tier_claim
@@ -20,7 +20,7 @@ from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import CacheTier, InferenceSession
 
 __all__ = ["Scale", "adapter_rules", "build_session_children", "build_tier_claim", "default_scale", "manual_replicas",
-           "memory_footprint", "problems", "rollout", "server_args", "service_url", "uses_cache"]
+           "memory_footprint", "problems", "rollout", "routing", "server_args", "service_url", "uses_cache"]
 
 
 @dataclasses.dataclass(frozen=True)

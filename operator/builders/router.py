@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mambaserve.operator import names
@@ -11,12 +12,41 @@ from mambaserve.operator.settings import ROUTER_METRICS_PORT, ROUTER_PORT, SERVE
 from mambaserve.operator.spec import InferenceSession
 
 
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The router's policy for a session, and why (``status.router``)."""
+    policy: str
+    assignment_mode: str | None
+    reason: str
+
+    def as_status(self) -> dict[str, str]:
+        out = {"policy": self.policy, "reason": self.reason}
+        if self.assignment_mode:
+            out["assignmentMode"] = self.assignment_mode
+        return out
+
+
+def routing(session: InferenceSession) -> Routing:
+    """``auto`` is sticky when the pods keep sessions, cache-aware otherwise; any other policy is taken as
+    given. Sticky is ``manual`` with ``min_group``: a key's requests stay on the pod that holds its state
+    (x-smg-routing-key), and a new key goes to the pod with the fewest keys, so a new pod takes new sessions
+    while the old ones stay where their state is."""
+    asked = session.router.policy
+    if asked == "auto":
+        if session.sessions.streaming:
+            return Routing("manual", "min_group", "auto: sessions.streaming is on, so each session's turns stay on "
+                                                  "the pod holding its state (x-smg-routing-key)")
+        return Routing("cache_aware", None, "auto: sessions.streaming is off, so requests go where their prefix "
+                                            "is cached")
+    return Routing(asked, "min_group" if asked == "manual" else None, "router.policy")
+
+
 def router_args(session: InferenceSession) -> list[str]:
     selector = [f"{k}={v}" for k, v in sorted(names.server_selector(session.name).items())]
-    # manual: sticky per x-smg-routing-key (a session's turns reach the pod holding its state); a new key
-    # goes to the pod with the fewest keys, not a random one
-    policy = ["--policy", "manual", "--assignment-mode", "min_group"] if session.router.policy == "manual" \
-        else ["--policy", session.router.policy]
+    chosen = routing(session)
+    policy = ["--policy", chosen.policy]
+    if chosen.assignment_mode:
+        policy += ["--assignment-mode", chosen.assignment_mode]
     return [
         "--host", "0.0.0.0",
         "--port", str(ROUTER_PORT),

@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import yaml
 
+from mambaserve.operator import names
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
 MODEL = ROOT / "models" / "mamba2-tiny-pystdlib"
@@ -417,8 +419,9 @@ def operator_objects() -> list[dict[str, Any]]:
 class OperatorScenario:
     """Drives the operator through create, update and delete of every child kind."""
 
-    def __init__(self, emulator: Emulator) -> None:
+    def __init__(self, emulator: Emulator, server_port: int) -> None:
         self.emulator = emulator
+        self.server_port = server_port
         self.error: BaseException | None = None
 
     def create(self) -> None:
@@ -428,6 +431,18 @@ class OperatorScenario:
         em.eventually(lambda: em.get("Deployment", "chat") and em.get("HorizontalPodAutoscaler", "chat")
                       and em.get("StatefulSet", "agents") and em.get("ScaledObject", "agents"),
                       "create the children of chat and agents")
+        # A ready pod of chat's Deployment, the real server behind it: the operator scrapes it and keeps its
+        # deletion cost from the server's open sessions.
+        em.call(em.cluster.create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "chat-5d8f7-x2x7k", "labels": names.session_labels("chat", "server"),
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "chat-5d8f7",
+                                              "uid": "uid-rs", "controller": True}]},
+            "spec": {"containers": [{"name": "server", "ports": [{"name": "http",
+                                                                  "containerPort": self.server_port}]}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}))
+        em.eventually(lambda: ((em.get("Pod", "chat-5d8f7-x2x7k") or {}).get("metadata", {}).get("annotations") or {})
+                      .get("controller.kubernetes.io/pod-deletion-cost"), "keep a server pod's deletion cost")
         for name in ("chat", "agents"):  # spec changes: children are patched
             em.call(em.cluster.update_spec("InferenceSession", name, {"server": {"chunkedPrefillSize": 8192}}))
         em.eventually(lambda: "8192" in (em.get("StatefulSet", "agents") or {}).get("spec", {}).get(
@@ -501,7 +516,7 @@ class LiveStack:
         wait_http(f"http://127.0.0.1:{self.server_port}/health", 120, self.server)
 
         # 4. Load on the server while the operator works through its scenario.
-        self.scenario = OperatorScenario(self.emulator)
+        self.scenario = OperatorScenario(self.emulator, self.server_port)
         scenario = threading.Thread(target=self.scenario.run_create, name="operator-scenario")
         scenario.start()
         self.server_url = f"http://127.0.0.1:{self.server_port}"

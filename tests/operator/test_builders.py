@@ -11,7 +11,8 @@ import kubernetes_validate
 import pytest
 
 from mambaserve.operator import names
-from mambaserve.operator.builders import adapter_rules, build_session_children, build_tier_claim, problems, server_args
+from mambaserve.operator.builders import (adapter_rules, build_session_children, build_tier_claim, problems, routing,
+                                          server_args)
 from mambaserve.operator.builders.autoscaling import CAPACITY_MISS_METRIC, QUEUE_METRIC
 from mambaserve.operator.settings import OperatorSettings
 from mambaserve.operator.spec import parse_cache_tier, parse_session, session_problems
@@ -284,6 +285,30 @@ def test_keda_session_with_per_pod_tier_runs_as_statefulset() -> None:
     router = children["Deployment", "agents-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router[router.index("--policy") + 1] == "manual"
     assert router[router.index("--assignment-mode") + 1] == "min_group"  # new sessions spread over the pods
+
+
+@pytest.mark.parametrize("sessions, policy, mode", [
+    ({}, "manual", "min_group"),  # streaming sessions by default: sticky
+    ({"streaming": False}, "cache_aware", None),
+])
+def test_router_policy_auto_is_sticky_when_the_pods_keep_sessions(sessions: dict[str, Any], policy: str,
+                                                                   mode: str | None) -> None:
+    body = sample("inferencesession-minimal")
+    body["metadata"].update({"uid": "uid-s", "generation": 1})
+    body["spec"].update(router={"enabled": True}, sessions=sessions)
+    stored, errors = admit(load_crd("inferencesessions"), body)  # the CRD's default policy is auto
+    assert not errors and stored["spec"]["router"]["policy"] == "auto"
+    chosen = routing(parse_session(stored))
+    args = by_kind(build_session_children(parse_session(stored), None, SETTINGS))[
+        "Deployment", "tiny-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--policy") + 1] == chosen.policy == policy
+    assert (args[args.index("--assignment-mode") + 1] if "--assignment-mode" in args else None) == mode
+    assert chosen.as_status()["policy"] == policy and chosen.as_status().get("assignmentMode") == mode
+    assert chosen.as_status()["reason"].startswith("auto: ")
+    # A policy set in the spec is taken as given, sessions or not.
+    body["spec"]["router"]["policy"] = "round_robin"
+    assert routing(parse_session(admit(load_crd("inferencesessions"), body)[0])).as_status() == {
+        "policy": "round_robin", "reason": "router.policy"}
 
 
 def test_memory_request_and_limit_cover_everything_the_pod_holds() -> None:

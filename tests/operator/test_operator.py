@@ -69,6 +69,7 @@ async def test_session_lifecycle_create_update_scale_status_delete(cluster: Clus
     assert st["observedGeneration"] == 1
     assert st["selector"] == "app.kubernetes.io/component=server,mambaserve.io/session=chat"
     assert st["url"] == "http://chat.llm.svc:30000"
+    assert st["router"] == {"policy": "cache_aware", "reason": "router.policy"}  # the sample sets it
     assert cluster.condition("InferenceSession", "chat", "CacheTierBound")["status"] == "True"
     assert cluster.condition("InferenceSession", "chat", "Autoscaling")["status"] == "True"
     await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == ["chat"])
@@ -287,6 +288,7 @@ async def test_spec_changes_replace_and_prune_children(cluster: Cluster, start_o
         ("StatefulSet", "chat"), ("PodDisruptionBudget", "chat")})
     assert cluster.get("Service", "chat")["spec"]["selector"] == names.server_selector("chat")
     await eventually(lambda: status(cluster, "InferenceSession", "chat").get("workload") == "StatefulSet/chat")
+    assert "router" not in status(cluster, "InferenceSession", "chat")  # switched off
     await eventually(lambda: status(cluster, "CacheTier", "local-nvme").get("boundSessions") == ["chat"])
     await eventually(lambda: status(cluster, "CacheTier", "shared-tier").get("boundSessions") == [])
 

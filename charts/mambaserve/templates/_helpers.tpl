@@ -129,12 +129,13 @@ real operator and checks every request it makes against these rules.
   resources: ["events"]
   verbs: ["create"]
 # Server pods are listed and watched (the operator's watch cache) to scrape their /metrics and to
-# say why they do not serve. get is not used by the operator itself: it needs it because the router
-# Role it creates grants it, and RBAC only lets a subject grant permissions it holds (escalation
-# prevention).
+# say why they do not serve, and patched to keep their controller.kubernetes.io/pod-deletion-cost
+# annotation (scale-down removes the pods with the fewest open sessions first). get is not used by the
+# operator itself: it needs it because the router Role it creates grants it, and RBAC only lets a
+# subject grant permissions it holds (escalation prevention).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "patch"]
 # Children of an InferenceSession: read from watch streams selected by the operator's
 # app.kubernetes.io/managed-by label (list, watch), server-side applied (patch; create when the
 # apply creates the object), re-created when an immutable field changes and pruned when stale (delete). The optional kinds (KEDA, prometheus-operator)

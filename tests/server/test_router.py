@@ -207,3 +207,58 @@ def test_how_cache_aware_spreads_requests_over_workers(routed):
     assert one_at_a_time == [0, 8]
     assert concurrent[0] >= 4 and sum(concurrent) == 16
     assert same_prefix == [0, 12]
+
+
+
+def test_a_new_worker_takes_new_sessions_while_the_old_ones_stay(tiny_ckpt):
+    """Scale 1 -> 2 under load, as the operator's router runs (manual + min_group; the new pod discovered
+    while sessions run, here added through the router's POST /workers). min_group gives a new key the worker
+    with the fewest keys *in flight* (ties at random): while the old sessions' turns run on the first worker,
+    every session opened goes to the new one; the old sessions stay where their state is."""
+    engines = [make_engine(tiny_ckpt, context_length=4096) for _ in range(2)]
+    old, new = [f"old-{k}" for k in range(3)], [f"new-{k}" for k in range(3)]
+
+    async def turn(c, sid, i, n=3, close=False):
+        sp = {"id": sid, **({"open": True, "streaming": True} if i == 0 else {}), **({"close": True} if close else {})}
+        r = await c.post("/generate", headers={"x-smg-routing-key": sid},
+                         json={"input_ids": _words(4, 3 * i + len(sid)), "session_params": sp,
+                               "sampling_params": {"max_new_tokens": n, **GREEDY}})
+        assert r.status_code == 200, (sid, i, r.text)
+        return r.json()["meta_info"]["cached_tokens"]
+
+    def placed(sid):
+        return tuple(sid in _sessions_on(e) for e in engines)
+
+    async def go(url, first, second):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            for sid in old:
+                await turn(c, sid, 0)  # opened while there is one worker
+            # The load: a long turn of every old session in flight on the first worker.
+            running = [asyncio.ensure_future(turn(c, sid, 1, n=3500)) for sid in old]
+            while (await c.get(first + "/get_load")).json()[0]["num_reqs"] < len(old):
+                await asyncio.sleep(0.02)
+            assert (await c.post("/workers", json={"url": second})).status_code == 202
+            while len([w for w in (await c.get("/workers")).json()["workers"] if w["is_healthy"]]) < 2:
+                await asyncio.sleep(0.05)
+            where = {}
+            for sid in new:
+                await turn(c, sid, 0)
+                where[sid] = placed(sid)
+            busy = sum(not f.done() for f in running)  # still in flight when the last new key was placed
+            cached = await asyncio.gather(*running)
+            for sid in old:  # their next turns: on the first worker, on their live state
+                cached.append(await turn(c, sid, 2))
+                where[sid] = placed(sid)
+            for sid in old + new:
+                await turn(c, sid, 3, close=True)
+            return where, busy, cached
+
+    with contextlib.ExitStack() as stack:
+        first, second = [stack.enter_context(uvicorn_server(e)) for e in engines]
+        url, _ = stack.enter_context(sglang_router([first], "--policy", "manual", "--assignment-mode", "min_group"))
+        where, busy, cached = run(go(url, first, second))
+        assert all(not _sessions_on(e) for e in engines)  # each closed by its last turn
+    assert busy == len(old), "the old turns ended before the new sessions were placed: no load to balance against"
+    assert {where[sid] for sid in new} == {(False, True)}, where  # the new worker had no key in flight
+    assert {where[sid] for sid in old} == {(True, False)}, where
+    assert all(c > 0 for c in cached), cached  # a turn sent elsewhere would have been a 404, not recomputed

@@ -29,8 +29,8 @@ class Routing:
 def routing(session: InferenceSession) -> Routing:
     """``auto`` is sticky when the pods keep sessions, cache-aware otherwise; any other policy is taken as
     given. Sticky is ``manual`` with ``min_group``: a key's requests stay on the pod that holds its state
-    (x-smg-routing-key), and a new key goes to the pod with the fewest keys, so a new pod takes new sessions
-    while the old ones stay where their state is."""
+    (x-smg-routing-key), and a new key goes to the pod with the fewest keys in flight, so a pod added under
+    load takes new sessions while the old ones stay where their state is."""
     asked = session.router.policy
     if asked == "auto":
         if session.sessions.streaming:

@@ -5,8 +5,8 @@ port of its own; the operator runs for real against kmock's emulator."""
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +19,7 @@ from mambaserve.operator.deletion_cost import ANNOTATION, changes, deletion_cost
 from mambaserve.operator.status import PodMetrics
 from mambaserve.server.engine.metrics import ServerMetrics
 from tests.operator.conftest import Cluster, eventually, sample
+from tests.operator.test_operator import metrics_stub
 
 REPLICA_SET = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "tiny-5d8f7", "uid": "uid-rs",
                "controller": True}
@@ -54,16 +55,8 @@ async def server_metrics(sessions: int) -> AsyncIterator[tuple[int, ServerMetric
 
     async def page(_: aiohttp.web.Request) -> aiohttp.web.Response:
         return aiohttp.web.Response(body=generate_latest(metrics.registry), content_type="text/plain")
-    app = aiohttp.web.Application()
-    app.router.add_get("/metrics", page)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield site._server.sockets[0].getsockname()[1], metrics  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
+    async with metrics_stub(page) as port:
+        yield port, metrics
 
 
 def _cost(cluster: Cluster, pod: str) -> str | None:

@@ -99,9 +99,8 @@ class HybridRadixCache(MambaRadixCache):
             ck = self._child_key(key, pos)
             child = node.children.get(ck)
             if child is None:
-                child = TreeNode(key[pos:], node, n)
+                child = self._add_child(node, ck, TreeNode(key[pos:], node, n))
                 child.pages = tuple(pages[pos // ps:])
-                node.children[ck] = child
                 self._pages_held += len(child.pages)
                 self._evictable_pages += len(child.pages)  # a new leaf: nothing locks it yet
                 node, pos = child, n
@@ -309,8 +308,7 @@ class HybridRadixCache(MambaRadixCache):
         while (node is not self.root and node.slot is None and not node.children
                and node.lock_ref == 0 and node.kv_ref == 0 and not node.host):
             parent = node.parent
-            del parent.children[self._child_key(node.key, 0)]
-            node.parent = None
+            self._remove_child(node)
             self.released += node.pages
             self._pages_held -= len(node.pages)
             self._evictable_pages -= len(node.pages)

@@ -33,12 +33,19 @@ Rules the engine relies on:
   stays as a *tombstone* (its children still need the path); a leaf without a snapshot is removed,
   then its childless, unlocked, snapshot-less ancestors too.
 * **Recency.** A logical clock ticks once per ``match_prefix`` hit and per ``insert``; the tick is
-  stamped on the touched node and all its ancestors, so ``parent.last_access >= child.last_access``
-  always. Eviction orders by ``(last_access, depth)``: among nodes touched by the same operation the
-  shallower goes first, i.e. along a touched path a child is more recent than its parent, and a
-  conversation's deepest (longest, most useful) state outlives its earlier turns. A *global*
-  "child more recent than parent" cannot hold under any path-touch LRU: touching S via branch X
-  makes S newer than its idle branch Y (which is the right thing to evict first).
+  stamped on the touched node and all its ancestors (``last_access``, so ``parent.last_access >=
+  child.last_access`` always) and on the touched node alone as its own last use (``used``). Eviction
+  takes *superseded* snapshots first: those below which the tree is one path (``_rank``), a
+  conversation's earlier turns (its prompt's snapshot among them), which only a prompt diverging right
+  there would match (a regenerated answer, an edited message) while the conversation goes on from its
+  deeper state; least recently used first by their own last use. Then the others by ``(last_access,
+  depth)``: a leaf, or a prefix that branches below (a system prompt many conversations share, as recent as
+  its most recent branch); among nodes touched by the same operation the shallower goes first. With path
+  stamps alone (before, issue 31) a conversation's earlier turns were as recent as its latest state, so
+  twelve chats sent round robin over room for all their latest states evicted the chats about to be sent,
+  every round, instead of those earlier turns. A *global* "child more recent than parent" cannot hold under
+  any path-touch LRU: touching S via branch X makes S newer than its idle branch Y (which is the right
+  thing to evict first).
 """
 
 from __future__ import annotations
@@ -60,8 +67,8 @@ class TreeNode:
     existing object as the lower half (where its snapshot and holders' expectations live).
     """
 
-    __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access", "speculative", "hits",
-                 "stored", "from_storage", "pages", "kv_ref", "host")
+    __slots__ = ("key", "parent", "children", "depth", "slot", "lock_ref", "last_access", "used", "leaves",
+                 "speculative", "hits", "stored", "from_storage", "pages", "kv_ref", "host")
 
     def __init__(self, key: tuple[int, ...], parent: TreeNode | None, depth: int, last_access: int = 0):
         self.key = key
@@ -71,6 +78,8 @@ class TreeNode:
         self.slot: int | None = None  # snapshot slot id, None = no snapshot (tombstone or split point)
         self.lock_ref = 0  # locks on this node + locks on all its descendants
         self.last_access = last_access
+        self.used = last_access  # the clock when a match or an insert last touched this node itself
+        self.leaves = 1  # leaves at or below it (kept by _add_child / _remove_child): 1 below a conversation's turn
         self.speculative = False  # its snapshot was kept in case it is needed, and no request has used it yet
         # (tiers) matches of its snapshot, whether the storage tier has a copy, and (host tier) whether
         # the snapshot came from storage and has not been matched since
@@ -111,6 +120,14 @@ def _require(cond: bool, msg: str) -> None:
     # Explicit raise rather than `assert`, so the checks also run under `python -O`.
     if not cond:
         raise AssertionError(msg)
+
+
+def _rank(node: TreeNode) -> tuple[bool, int, int]:
+    """Eviction order (module docstring, Recency): superseded snapshots first, by their own last use; then by path
+    recency; shallower first. A snapshot is superseded when the tree below it is one path to one leaf."""
+    if node.children and node.leaves == 1:
+        return (False, node.used, node.depth)
+    return (True, node.last_access, node.depth)
 
 
 class MambaRadixCache:
@@ -190,8 +207,7 @@ class MambaRadixCache:
             ck = self._child_key(key, pos)
             child = node.children.get(ck)
             if child is None:
-                child = TreeNode(key[pos:], node, n)
-                node.children[ck] = child
+                child = self._add_child(node, ck, TreeNode(key[pos:], node, n))
                 node, pos = child, n
                 break
             m = self._common_len(child.key, key, pos, n)  # >= 1 page: the first page matched
@@ -255,11 +271,10 @@ class MambaRadixCache:
         """
         if num_slots <= 0:
             return []
-        candidates = [n for n in self._owner.values()
-                      if n.lock_ref == 0 and (unused_since is None or n.last_access <= unused_since)
-                      and (n.speculative or not speculative_only)]
-        order = ((lambda n: (not prefer(n), n.last_access, n.depth)) if prefer is not None
-                 else (lambda n: (n.last_access, n.depth)))
+        candidates = [n for n in self._owner.values() if n.lock_ref == 0 and (n.speculative or not speculative_only)]
+        if unused_since is not None:
+            candidates = [n for n in candidates if _rank(n)[1] <= unused_since]
+        order = _rank if prefer is None else (lambda n: (not prefer(n), _rank(n)))
         victims = heapq.nsmallest(num_slots, candidates, key=order)
         if keys is not None:
             keys.extend(self.key_of(node) for node in victims)
@@ -328,6 +343,8 @@ class MambaRadixCache:
                 stack.append(child)
             _require(node.lock_ref >= child_locks,
                      f"{node!r} has fewer locks than its children together ({child_locks})")
+            _require(node.leaves == (sum(c.leaves for c in node.children.values()) if node.children else 1),
+                     f"{node!r} counts {node.leaves} leaves below it, its children say otherwise")
             if node is not r and node.slot is None and not node.children:
                 _require(node.lock_ref > 0 or node.kv_ref > 0 or node.host,
                          f"tombstone leaf left in the tree: {node!r}")
@@ -365,6 +382,7 @@ class MambaRadixCache:
         parent = child.parent
         mid = TreeNode(child.key[:m], parent, child.depth - len(child.key) + m, child.last_access)
         mid.lock_ref = child.lock_ref  # every lock through `child` also passes through `mid`
+        mid.leaves = child.leaves
         parent.children[self._child_key(child.key, 0)] = mid
         child.key = child.key[m:]
         child.parent = mid
@@ -373,8 +391,30 @@ class MambaRadixCache:
 
     def _touch(self, node: TreeNode) -> None:
         self._clock += 1
+        node.used = self._clock
         while node is not None:
             node.last_access = self._clock
+            node = node.parent
+
+    def _add_child(self, parent: TreeNode, ck: object, child: TreeNode) -> TreeNode:
+        """File a new leaf under ``parent``: a leaf more for ``parent`` and its ancestors unless ``parent`` was one."""
+        if parent.children:
+            self._count_leaves(parent, 1)
+        parent.children[ck] = child
+        return child
+
+    def _remove_child(self, node: TreeNode) -> None:
+        """Remove the leaf ``node`` from its parent (which becomes a leaf itself if it was its only child)."""
+        parent = node.parent
+        del parent.children[self._child_key(node.key, 0)]
+        node.parent = None  # detach, so a stale reference fails loudly in lock/unlock
+        if parent.children:
+            self._count_leaves(parent, -1)
+
+    @staticmethod
+    def _count_leaves(node: TreeNode | None, change: int) -> None:
+        while node is not None:
+            node.leaves += change
             node = node.parent
 
     def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
@@ -392,6 +432,5 @@ class MambaRadixCache:
         while (node is not self.root and node.slot is None and not node.children
                and node.lock_ref == 0):
             parent = node.parent
-            del parent.children[self._child_key(node.key, 0)]
-            node.parent = None  # detach, so a stale reference fails loudly in lock/unlock
+            self._remove_child(node)
             node = parent

@@ -127,9 +127,11 @@ def test_the_host_making_room_frees_the_kv_it_kept_and_unmarks_inner_nodes():
 
 
 def test_the_deeper_snapshot_wins_and_a_refresh_keeps_the_mark():
-    cache = _cache(slots=2, host=2)
+    cache = _cache(slots=3, host=3)
     a = cache.alloc()
     _finish(cache, [1, 2, 3, 4], a)
+    d = cache.alloc()
+    _finish(cache, [1, 2, 7, 8], d)  # a second branch: [1, 2] is shared (not superseded by one deeper state)
     b = cache.alloc()
     _finish(cache, [1, 2], b)  # a shallower snapshot on the same path
     cache.tree.match_prefix([1, 2, 9])  # ...used more recently
@@ -142,13 +144,13 @@ def test_the_deeper_snapshot_wins_and_a_refresh_keeps_the_mark():
     cached, lock, tier = cache.match([1, 2, 3, 4, 5])
     assert (cached, tier) == (4, "gpu")  # where both have it, the device wins
     cache.unlock(lock)
-    x, y = cache.alloc(), cache.alloc()  # evicts [1, 2] to the host, then [1, 2, 3, 4]: the host has it
-    cache.free(x)
-    cache.free(y)
-    assert sorted(cache.tree.host_marks()) == [(1, 2), (1, 2, 3, 4)]
-    assert cache.host.allocator.num_used == 2
+    freed = [cache.alloc() for _ in range(3)]  # every snapshot to the host ([1, 2, 3, 4]: the host has it)
+    for slot in freed:
+        cache.free(slot)
+    assert sorted(cache.tree.host_marks()) == [(1, 2), (1, 2, 3, 4), (1, 2, 7, 8)]
+    assert cache.host.allocator.num_used == 3
     cache.check_invariants()
-    assert cache.flush() == 2 and cache.tree.host_marks() == [] and _pages_held(cache) == 0
+    assert cache.flush() == 3 and cache.tree.host_marks() == [] and _pages_held(cache) == 0
     cache.check_invariants()
 
 

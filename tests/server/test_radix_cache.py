@@ -131,11 +131,26 @@ def test_eviction_order_is_lru_with_parents_before_children_on_a_touched_path(ca
     cache.insert([2], 2)  # t2
     cache.insert([3], 3)  # t3
     cache.match_prefix([1, 5])  # t4: [1] becomes most recent
-    cache.insert([2, 2], 4)  # t5: touches [2] and [2,2]
-    # Order: [3]@t3, then [2]@t5 (shallower), [2,2]@t5, [1]@t4 is older than both.
+    cache.insert([2, 2, 4], 4)  # t5: touches [2] and [2,2,4]
+    cache.insert([2, 2, 5], 5)  # t6: [2] is a branch point now
+    # Order: [3]@t3, [1]@t4, then [2]@t6 (shallower), [2,2,4]@t5 is older than it, [2,2,5]@t6.
     assert cache.evict(2) == [3, 1]
-    assert cache.evict(10) == [2, 4]
+    assert cache.evict(10) == [4, 2, 5]
     assert cache.snapshot_slots == 0 and cache.root.children == {}
+
+
+def test_a_conversations_earlier_turns_go_before_another_conversations_latest_state(cache):
+    """Twelve chats sent round robin, a snapshot per turn, room for all their latest states: each turn's
+    earlier states are superseded (a chain below them), so eviction takes them, not the chat about to be sent."""
+    chats = [[100 + k] for k in range(12)]
+    slots = iter(range(10**6))
+    for r in range(4):
+        for k, chat in enumerate(chats):
+            assert r == 0 or cache.match_prefix(chat).length == len(chat)  # its latest state is still there
+            chat += [k, k]
+            cache.insert(chat, next(slots))
+            cache.evict(max(0, cache.snapshot_slots - 14))  # room for 14 snapshots
+    assert cache.snapshot_slots == 14
 
 
 def test_sibling_branch_not_refreshed_by_touching_parent(cache):

@@ -2,8 +2,9 @@
 
 The oracle is deliberately naive: a dict {key tuple: slot} of stored snapshots plus the list of
 touch events (tick, key). It predicts match lengths and slots, which snapshots are pinned by locks,
-the exact eviction order (least recent touch covering the key first, shallower first on ties) and
-the slot accounting (every stored slot is either in the tree or was returned exactly once).
+the exact eviction order (superseded snapshots first — one stored key alone extends them as far as any
+goes — by their own last touch; then the rest by the least recent touch covering the key; shallower first
+on ties) and the slot accounting (every stored slot is either in the tree or was returned exactly once).
 """
 
 from hypothesis import HealthCheck, settings
@@ -40,10 +41,22 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def _recency(self, key):
         return max(t for t, k in self.events if k[: len(key)] == key)
 
+    def _eviction_order(self, key):
+        """Superseded first (the tree below it is one path), by its own last touch; then by path recency."""
+        longer = [k for k in self._tree_keys() if len(k) > len(key) and k[:len(key)] == key]
+        tips = {k for k in longer if not any(len(o) > len(k) and o[:len(k)] == k for o in longer)}
+        if len(tips) == 1:
+            return (False, max(t for t, k in self.events if k == key), len(key))
+        return (True, self._recency(key), len(key))
+
     def _expected_match(self, query):
         n = len(query) - len(query) % self.page_size
         hits = [k for k in self.model if len(k) <= n and query[: len(k)] == k]
         return max(hits, key=len) if hits else ()
+
+    def _tree_keys(self):
+        """Every key the tree has a node ending at (what decides its shape)."""
+        return set(self.model) | {k for _, k, _ in self.locks}
 
     def _pinned(self):
         return {k for k in self.model for _, lk, _ in self.locks if lk[: len(k)] == k}
@@ -116,8 +129,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 4))
     def evict(self, n):
         pinned = self._pinned()
-        candidates = sorted((k for k in self.model if k not in pinned),
-                            key=lambda k: (self._recency(k), len(k)))
+        candidates = sorted((k for k in self.model if k not in pinned), key=self._eviction_order)
         expected = [self.model[k] for k in candidates[:n]]
         freed = self.cache.evict(n)
         assert freed == expected, (freed, expected)
@@ -265,6 +277,9 @@ class HybridRadixCacheMachine(RadixCacheMachine):
 
     def _kept_for_host(self):
         return ()
+
+    def _tree_keys(self):
+        return super()._tree_keys() | {k for _, k in self.kv_locks} | set(self._kept_for_host())
 
     @invariant()
     def page_accounting(self):

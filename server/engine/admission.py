@@ -159,7 +159,9 @@ class Admission:
         if not self.cache.enabled or s + n != last + 1:
             return None
         if self.pages is None:
-            return last
+            # (a streaming session's turn: its next turn goes on from its live state, deeper; a snapshot here
+            # would only take a slot, and a host tier's room, from other conversations' states)
+            return None if req.session is not None and req.session.streaming else last
         at = last - last % self.pages.page_size
         return at if s < at and at >= last - last % self.scan_chunk else None
 

@@ -55,6 +55,8 @@ def test_a_full_volume_stops_persistence_visibly_and_a_restart_on_it_still_resto
         async with serving(e) as c:
             await c.post("/open_session", json={"streaming": True, "session_id": "chat-1"})
             outs = [await _turn(c, t) for t in turns[:2]]
+            # an ordinary prefix's entry (a streaming turn leaves none of its own)
+            await c.post("/generate", json={"input_ids": turns[4], "sampling_params": {"max_new_tokens": 2}})
             await e.run_in_scheduler(e.scheduler.storage.drain)
             volume.full = True
             outs += [await _turn(c, t) for t in turns[2:4]]  # the first finds the disk full, the next knows

@@ -12,10 +12,10 @@ With a storage tier (``storage_tier``) the host pool is also its staging area: a
 a *locked* host entry, a read from storage fills a *reserved* slot (allocated, in no tree) that joins
 the tree when the read has landed (``commit``) or goes back (``release``).
 
-For a hybrid model the entries are Mamba snapshots whose KV pages stay in the device tree
-(``HybridRadixCache``, which marks the nodes they belong to): the tier records the keys of the entries
-it drops to make room (``dropped``) so the device tree unmarks them, and drops an entry whose KV the
-device tree evicted (``drop``).
+The tier records the keys of the entries it drops to make room (``dropped``): a later prompt that misses
+one of them is a capacity miss. For a hybrid model the entries are Mamba snapshots whose KV pages stay in
+the device tree (``HybridRadixCache``, which marks the nodes they belong to): the device tree unmarks the
+dropped ones, and the tier drops an entry whose KV the device tree evicted (``drop``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ class HostTier:
         self.tree = MambaRadixCache(page_size)
         self.reserved: set[int] = set()  # slots being filled from storage
         self.evictions = 0
-        self.dropped: list | None = None  # (hybrids) a list: the keys of entries dropped to make room go there
+        # the keys of entries dropped to make room: the owner remembers them as evicted (capacity misses) and
+        # (hybrids) unmarks their nodes in the device tree
+        self.dropped: list[tuple[int, ...]] = []
 
     def _alloc(self) -> int | None:
         slot = self.allocator.alloc()

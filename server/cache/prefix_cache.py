@@ -264,13 +264,13 @@ class PrefixCache(DisabledCache):
         self.tree = (MambaRadixCache(page_size) if pages is None
                      else HybridRadixCache(page_size, host_below=host is not None))
         self.host = host  # evicted snapshots go there first (None: they are dropped)
-        if host is not None and pages is not None:
-            host.dropped = []  # (hybrids) entries it drops for room: their nodes in the tree are unmarked
-        # Keys of evicted snapshots, LRU-bounded (a tree with ids for slots): a later prompt that would
-        # have matched one of them missed for lack of space, a miss more slots would have turned into a
-        # hit (a *capacity* miss), unlike a prefix never seen (a compulsory miss).
-        self.ghosts = MambaRadixCache(page_size)
-        self.ghost_limit = ghosts if ghosts is not None else 4 * allocator.capacity
+        # Keys of snapshots evicted from any tier (device, host, storage), LRU-bounded (a tree with ids for
+        # slots): a later prompt that would have matched one of them missed for lack of space, a miss more
+        # cache would have turned into a hit (a *capacity* miss), unlike a prefix never seen (a compulsory
+        # miss). Four times as many as the device and host tiers hold (up to an eighth more).
+        self.ghosts = MambaRadixCache(page_size)  # (evicting as the tiers do: what a larger cache would keep)
+        host_slots = host.allocator.capacity if host is not None else 0
+        self.ghost_limit = ghosts if ghosts is not None else 4 * (allocator.capacity + host_slots)
         self._ghost_ids = itertools.count()
         self.page_evictions = 0  # leaves removed for their KV pages (hybrids; counted in `evictions` too)
 
@@ -289,8 +289,7 @@ class PrefixCache(DisabledCache):
                         self._on_host(self.host.tree._owner[h], key)
                 elif self.pages is not None and self.host is not None and not self.host.has(key):
                     self.tree.drop_host(key)  # no host entry took it (all locked): its KV need not stay
-                if self.pages is not None:
-                    self._sync_host()
+                self._sync_host()
                 self.free(s)
                 self._remember_evicted(key)
             if self.pages is not None:
@@ -299,15 +298,23 @@ class PrefixCache(DisabledCache):
         return slot
 
     def _sync_host(self) -> None:
-        """(hybrids with a host tier) Host entries whose node's KV was evicted dropped, nodes whose host
-        entry was dropped for room unmarked: each tier holds what the other says."""
+        """After the tiers below made room: what the host tier (and the storage tier) dropped is remembered as
+        evicted; hybrids: host entries whose node's KV was evicted dropped, nodes whose host entry was dropped
+        for room unmarked: each tier holds what the other says."""
         if self.host is None:
             return
-        for key in self.tree.take_host_dropped():
-            self.host.drop(key)
+        if self.pages is not None:
+            for key in self.tree.take_host_dropped():
+                self.host.drop(key)
         while self.host.dropped:
-            self.tree.drop_host(self.host.dropped.pop())
-        self._drain()  # (the pages of nodes pruned when unmarked)
+            key = self.host.dropped.pop()
+            if self.pages is not None:
+                self.tree.drop_host(key)
+            self._remember_evicted(key)
+        while self.storage is not None and self.storage.deleted:
+            self._remember_evicted(self.storage.deleted.pop())
+        if self.pages is not None:
+            self._drain()  # (the pages of nodes pruned when unmarked)
 
     def _drain(self) -> None:
         """Pages of nodes the tree removed, back to the allocator (hybrid models)."""
@@ -317,8 +324,11 @@ class PrefixCache(DisabledCache):
     def _remember_evicted(self, key: tuple[int, ...]) -> None:
         if self.ghost_limit <= 0:
             return
-        if self.ghosts.snapshot_slots >= self.ghost_limit:
-            self.ghosts.evict(1)
+        held = self.ghosts.snapshot_slots
+        if held >= self.ghost_limit + self.ghost_limit // 8:
+            # an eighth over the limit, then back to it at once: evict scans the whole ghost tree (thousands of
+            # keys with a host tier), once per eighth rather than once per eviction of every tier
+            self.ghosts.evict(held - self.ghost_limit + 1)
         if not self.ghosts.insert(key, next(self._ghost_ids)).stored:
             self.ghosts.match_prefix(key)  # seen before: refresh it
 
@@ -387,7 +397,7 @@ class PrefixCache(DisabledCache):
             self.pending.offload(slot, lock.slot)
             if self.pages is not None:  # (hybrids) the host copy is usable with the tree's KV, like an evicted one
                 self.tree.node_at(tokens).host = True
-                self._sync_host()
+            self._sync_host()
         self._write(lock.node, tokens)
         return True
 
@@ -420,8 +430,9 @@ class PrefixCache(DisabledCache):
     def attach(self, storage: StorageTier) -> None:
         """The storage tier below the host tier; hybrids: an entry read from it lands its KV in the tree."""
         self.storage = storage
+        storage.sync_host = self._sync_host
         if self.pages is not None:
-            storage.land_kv, storage.unpin_kv, storage.sync_host = self._land_kv, self._unpin, self._sync_host
+            storage.land_kv, storage.unpin_kv = self._land_kv, self._unpin
 
     def _land_kv(self, key: Sequence[int], k, v) -> TreeNode | None:
         """(hybrids) An entry read from storage (its state in a host slot about to join the host tier at ``key``):

@@ -94,7 +94,8 @@ class StorageTier:
         # pins them too (``HostLock.kv``), unpinned with it: KV eviction never takes a locked host entry's KV
         self.land_kv: Callable | None = None
         self.unpin_kv: Callable = lambda node: None
-        self.sync_host: Callable[[], None] = lambda: None  # (hybrids) the host tier made room: marks follow
+        self.sync_host: Callable[[], None] = lambda: None  # the host tier made room: the cache takes note
+        self.deleted: list[tuple[int, ...]] = []  # keys of entries deleted for room (the cache's capacity misses)
         self.configured_capacity = capacity
         self.capacity = capacity or 0
         self.write_policy, self.write_threshold = write_policy, write_threshold
@@ -177,8 +178,7 @@ class StorageTier:
 
     def _make_room(self, size: int) -> bool:
         while self.used + self.session_bytes + self.pending_bytes + size > self.capacity:
-            freed: list = []
-            ids = self.index.evict(1, keys=freed)
+            ids = self.index.evict(1, keys=self.deleted)
             if not ids:
                 return False
             self.evictions += 1

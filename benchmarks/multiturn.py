@@ -10,9 +10,17 @@ A hybrid checkpoint (`e2e.py --size nemotron-h-8b --checkpoint DIR` builds one) 
 server refuses to start (a hybrid's radix cache where it is not built) is reported as refused, with the
 server's reason, and the other modes still run.
 
+--sessions N adds N clients that hold a streaming session each (each round sends its new question only; the
+session keeps the history), beside the resent chats; the hit rate printed is the resent chats' alone (a
+session's turn hits its live state by construction). --variant FLAGS runs the server again with those flags
+added and prints both: e.g. whether --session-persist costs the chats their hits on a small pool (issue 31):
+
   python benchmarks/multiturn.py --model models/mamba2-tiny-pystdlib --compare
   python benchmarks/multiturn.py --url http://127.0.0.1:30000
   python benchmarks/multiturn.py --model /tmp/nemotron-h-8b --compare --clients 8 --rounds 4
+  python benchmarks/multiturn.py --clients 6 --sessions 4 --rounds 6 --request-length 64 --question-length 16 \
+      --output-length 16 --server-args "--mamba-cache-size 8 --host-cache-size 4MiB --storage-dir /tmp/st" \
+      --variant=--session-persist
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ from _server import kernel_compiles, launched  # noqa: E402 (the script's folder
 from ttft import STAGES, stage_sums  # noqa: E402
 
 
-async def one_request(c: httpx.AsyncClient, ids: list[int], out_len: int) -> tuple[float, list[int], int]:
-    """Stream one /generate; returns (TTFT seconds, output ids, cached tokens)."""
-    body = json.dumps({"input_ids": ids, "stream": True,
+async def one_request(c: httpx.AsyncClient, ids: list[int], out_len: int, session: dict | None = None
+                      ) -> tuple[float, list[int], int]:
+    """Stream one /generate (with ``session``: a turn of that streaming session, ``session_params``); returns
+    (TTFT seconds, output ids, cached tokens)."""
+    body = json.dumps({"input_ids": ids, "stream": True, **({"session_params": session} if session else {}),
                        "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}})
     t0 = time.perf_counter()  # after encoding the body (thousands of ids): the client's time is not TTFT
     ttft, last = None, None
@@ -75,10 +85,34 @@ async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
                     stages = now
                 await barrier.wait()
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=a.clients + 8)) as c:
-        await asyncio.gather(*(client(k, c) for k in range(a.clients)))
+    async def session(k: int, c: httpx.AsyncClient):
+        """A streaming session's client: each round sends its new tokens only (not counted in the chats' rounds)."""
+        new = [rng.randrange(1, vocab_hi) for _ in range(a.request_length)]
+        for r in range(a.rounds):
+            sp = {"id": f"bench-{k}", **({"open": True, "streaming": True} if r == 0 else {}),
+                  **({"close": True} if r == a.rounds - 1 else {})}
+            _, out, _ = await one_request(c, new, a.output_length, sp)
+            new = [rng.randrange(1, vocab_hi) for _ in range(a.question_length)]
+
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=a.clients + a.sessions + 8)) as c:
+        await asyncio.gather(*(client(k, c) for k in range(a.clients)), *(session(k, c) for k in range(a.sessions)))
     return [{"round": i + 1, "mean_ttft_s": statistics.mean(r["ttft"]), "hit_rate": r["cached"] / r["prompt"],
              "prompt_tokens": r["prompt"], "stages_ms": r.get("stages_ms", {})} for i, r in enumerate(rounds)]
+
+
+CACHE_COUNTERS = ("mambaserve_prefix_cache_hit_tokens_total", "mambaserve_prefix_cache_capacity_miss_tokens_total",
+                  "mambaserve_cache_evictions_total")
+
+
+def cache_counters(url: str) -> dict[str, float]:
+    """The server's hits by tier, capacity misses and evictions by tier, at the end of the run."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(CACHE_COUNTERS):
+            name, value = line.rsplit(" ", 1)
+            out[name.replace("mambaserve_", "").replace("_total", "")] = float(value)
+    return out
 
 
 def main() -> None:
@@ -95,6 +129,8 @@ def main() -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--round-barrier", action="store_true")
     p.add_argument("--vocab", type=int, help="draw prompt token ids below this (default 4000)")
+    p.add_argument("--sessions", type=int, default=0, help="streaming sessions beside the resent chats")
+    p.add_argument("--variant", help="run the server again with these flags added, and compare")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="multiturn.json")
     a = p.parse_args()
@@ -107,19 +143,27 @@ def main() -> None:
         base = a.server_args.split() + ["--context-length", str(a.request_length + a.rounds * (
             a.question_length + a.output_length) + 64)]
         modes = {"radix": base, "no_cache": base + ["--disable-radix-cache"]} if a.compare else {"radix": base}
+        if a.variant:
+            modes["variant"] = base + a.variant.split()
+        for name, flags in modes.items():  # each mode a storage directory of its own: nothing carries over
+            if "--storage-dir" in flags:
+                i = flags.index("--storage-dir") + 1
+                flags[i] = f"{flags[i]}/{name}"
         for name, flags in modes.items():
             t = time.perf_counter()
             try:
                 with launched(a.model, flags) as url:
                     ready = time.perf_counter() - t  # process start to /health 200: load, warm-up, graphs
                     results[name] = asyncio.run(run_benchmark(url, a))
-                    servers[name] = {"ready_s": round(ready, 1), "kernel_compiles": kernel_compiles(url)}
+                    servers[name] = {"ready_s": round(ready, 1), "kernel_compiles": kernel_compiles(url),
+                                     "cache": cache_counters(url)}
             except RuntimeError as e:
                 if not str(e).startswith("server did not start"):
                     raise
                 refused[name] = str(e).split(": ", 2)[-1]
     print(f"{a.clients} clients x {a.rounds} rounds, request {a.request_length} + question {a.question_length}, "
-          f"output {a.output_length} tokens")
+          f"output {a.output_length} tokens" + (f"; {a.sessions} streaming sessions beside" if a.sessions else "")
+          + (f"; variant: {a.variant}" if a.variant else ""))
     for name, why in refused.items():
         print(f"{name}: the server refused to start: {why}")
     names = list(results)
@@ -139,6 +183,13 @@ def main() -> None:
         for n in names:
             for r in results[n]:
                 print(f"  {n} round {r['round']}: " + " ".join(f"{s} {v}" for s, v in r["stages_ms"].items() if v))
+    for n in names:  # rounds 2 on: the chats resend what the server saw (round 1 is compulsory misses)
+        later = results[n][1:] or results[n]
+        print(f"{n}: hit rate of rounds 2-{a.rounds}: "
+              f"{sum(r['hit_rate'] * r['prompt_tokens'] for r in later) / sum(r['prompt_tokens'] for r in later):.3f}")
+    for n, srv in servers.items():
+        if srv.get("cache"):
+            print(f"{n} server: " + ", ".join(f"{k} {v:g}" for k, v in srv["cache"].items()))
     for n, srv in servers.items():
         c = srv["kernel_compiles"]
         print(f"{n} server: ready in {srv.get('ready_s', '?')} s, kernel compiles {c.get('warmup')} before ready, "

@@ -120,8 +120,12 @@ def test_a_large_n_request_takes_turns_with_a_newer_one(tiny_ckpt):
                 pass
             done.append(out)
         big = [asyncio.ensure_future(choice(g)) for g in engine.generate_n(_prompt(8, 1), params, 12)]
-        while (await engine.accounting())["running"] < 4:
+        for _ in range(2000):  # (bounded: a miss fails with what the scheduler held, not a hung suite)
+            if (acc := await engine.accounting())["running"] >= 4:
+                break
             await asyncio.sleep(0.005)
+        else:
+            raise AssertionError(f"the n = 12 request never held the 4 running places: {acc}, {len(done)} ended")
         ended_before_first_token = None
         async for out in engine.generate(_prompt(8, 2), params):
             if ended_before_first_token is None:

@@ -153,7 +153,10 @@ class DrainingServer(GuardedServer):
             engine.metrics.drain_seconds.set(time.monotonic() - self.drain.started)
 
     def _exit_now(self) -> None:
-        """Stop with at most half a second for what is in flight (then cancelled); the engine still stops,
-        its storage writes reaching the disk."""
+        """Stop now: the connections are closed, so what is in flight ends as a client's disconnect does (its
+        request aborted; uvicorn would cancel it with a traceback each); the engine still stops, its storage
+        writes reaching the disk."""
+        for connection in list(self.server_state.connections):
+            connection.transport.close()
         self.config.timeout_graceful_shutdown = min(self.config.timeout_graceful_shutdown or 0.5, 0.5)
         self.should_exit = True

@@ -35,10 +35,12 @@ Rules the engine relies on:
 * **Recency.** A logical clock ticks once per ``match_prefix`` hit and per ``insert``; the tick is
   stamped on the touched node and all its ancestors (``last_access``, so ``parent.last_access >=
   child.last_access`` always) and on the touched node alone as its own last use (``used``). Eviction
-  takes *superseded* snapshots first: those below which the tree is one path (``_rank``), a
-  conversation's earlier turns (its prompt's snapshot among them), which only a prompt diverging right
+  takes *superseded* snapshots first: those below which the tree is one path holding two snapshots or
+  more (``_superseded``), a conversation's earlier turns, which only a prompt diverging right
   there would match (a regenerated answer, an edited message) while the conversation goes on from its
-  deeper state; least recently used first by their own last use. Then the others by ``(last_access,
+  deeper state; least recently used first by their own last use. (A prompt's snapshot with only its own
+  answer's below is not superseded: the same prompt sent again, as a benchmark, a retry or a cycled document
+  does, matches it.) Then the others by ``(last_access,
   depth)``: a leaf, or a prefix that branches below (a system prompt many conversations share, as recent as
   its most recent branch); among nodes touched by the same operation the shallower goes first. With path
   stamps alone (before, issue 31) a conversation's earlier turns were as recent as its latest state, so
@@ -124,10 +126,25 @@ def _require(cond: bool, msg: str) -> None:
 
 def _rank(node: TreeNode) -> tuple[bool, int, int]:
     """Eviction order (module docstring, Recency): superseded snapshots first, by their own last use; then by path
-    recency; shallower first. A snapshot is superseded when the tree below it is one path to one leaf."""
-    if node.children and node.leaves == 1:
+    recency; shallower first."""
+    if _superseded(node):
         return (False, node.used, node.depth)
     return (True, node.last_access, node.depth)
+
+
+def _superseded(node: TreeNode) -> bool:
+    """The tree below ``node`` is one path holding at least two snapshots: a later turn went on from it (a request
+    leaves two, its prompt's and its answer's), not only ``node``'s own request's answer (a prompt sent again as it
+    is matches the prompt's snapshot, never the answer's below it: that one does not supersede it)."""
+    if not node.children or node.leaves != 1:
+        return False
+    below = 0
+    while node.children:
+        (node,) = node.children.values()
+        below += node.slot is not None
+        if below == 2:
+            return True
+    return False
 
 
 class MambaRadixCache:

@@ -119,8 +119,9 @@ def test_match_through_tombstone_falls_back_to_nearest_snapshot_ancestor(cache):
     cache.insert([1, 1, 2, 2, 3, 3], 3)
     cache.match_prefix([1, 1, 2, 2, 3, 3])  # refresh the chain: order [1,1] < [1,1,2,2] < leaf
     cache.insert([1, 1, 2, 2, 3, 3], 9)  # duplicate: just refreshes again
+    cache.insert([1, 1, 2, 2, 3, 3, 4, 4], 4)  # a later turn: [1,1] and [1,1,2,2] are superseded
     cache.match_prefix([1, 1])  # now [1,1] is newer than its descendants
-    assert cache.evict(1) == [2]  # the inner [1,1,2,2] is the LRU snapshot
+    assert cache.evict(1) == [2]  # the inner [1,1,2,2] is the LRU superseded snapshot
     m = cache.match_prefix([1, 1, 2, 2, 7])
     assert (m.length, m.slot) == (2, 1)
     assert cache.match_prefix([1, 1, 2, 2, 3, 3]).length == 6
@@ -140,17 +141,34 @@ def test_eviction_order_is_lru_with_parents_before_children_on_a_touched_path(ca
 
 
 def test_a_conversations_earlier_turns_go_before_another_conversations_latest_state(cache):
-    """Twelve chats sent round robin, a snapshot per turn, room for all their latest states: each turn's
-    earlier states are superseded (a chain below them), so eviction takes them, not the chat about to be sent."""
+    """Twelve chats sent round robin, two snapshots a turn (its prompt's, its answer's), room for all their latest
+    states: a turn's earlier states are superseded (one path below them holding two snapshots or more), so eviction
+    takes them, not the chat about to be sent."""
     chats = [[100 + k] for k in range(12)]
     slots = iter(range(10**6))
     for r in range(4):
         for k, chat in enumerate(chats):
             assert r == 0 or cache.match_prefix(chat).length == len(chat)  # its latest state is still there
             chat += [k, k]
-            cache.insert(chat, next(slots))
-            cache.evict(max(0, cache.snapshot_slots - 14))  # room for 14 snapshots
-    assert cache.snapshot_slots == 14
+            cache.insert(chat, next(slots))  # the prompt's
+            chat += [7]
+            cache.insert(chat, next(slots))  # the answer's
+            cache.evict(max(0, cache.snapshot_slots - 26))  # room for 26 snapshots
+    assert cache.snapshot_slots == 26
+
+
+def test_a_prompt_with_only_its_own_answer_below_is_not_superseded(cache):
+    """The same prompt sent again matches its prompt's snapshot, never its answer's: the answer alone does not
+    push the prompt's out before older snapshots; a later turn below them does."""
+    cache.insert([5], 1)  # an older, unrelated snapshot
+    cache.insert([1, 2], 2)  # a prompt's
+    cache.insert([1, 2, 3], 3)  # its answer's
+    assert cache.evict(1) == [1]  # least recently used first: [1, 2] is not superseded by [1, 2, 3] alone
+    cache.insert([1, 2, 3, 4], 4)  # the next turn's prompt...
+    cache.insert([9], 5)
+    cache.insert([1, 2, 3, 4, 5], 6)  # ...and answer: [1, 2] and [1, 2, 3] are earlier turns now
+    assert cache.evict(2) == [2, 3]
+    assert cache.evict(1) == [5]
 
 
 def test_sibling_branch_not_refreshed_by_touching_parent(cache):

@@ -2,8 +2,8 @@
 
 The oracle is deliberately naive: a dict {key tuple: slot} of stored snapshots plus the list of
 touch events (tick, key). It predicts match lengths and slots, which snapshots are pinned by locks,
-the exact eviction order (superseded snapshots first — one stored key alone extends them as far as any
-goes — by their own last touch; then the rest by the least recent touch covering the key; shallower first
+the exact eviction order (superseded snapshots first — one path below them, holding two stored keys or
+more — by their own last touch; then the rest by the least recent touch covering the key; shallower first
 on ties) and the slot accounting (every stored slot is either in the tree or was returned exactly once).
 """
 
@@ -42,10 +42,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
         return max(t for t, k in self.events if k[: len(key)] == key)
 
     def _eviction_order(self, key):
-        """Superseded first (the tree below it is one path), by its own last touch; then by path recency."""
+        """Superseded first (the tree below it is one path holding two snapshots or more), by its own last touch;
+        then by path recency."""
         longer = [k for k in self._tree_keys() if len(k) > len(key) and k[:len(key)] == key]
         tips = {k for k in longer if not any(len(o) > len(k) and o[:len(k)] == k for o in longer)}
-        if len(tips) == 1:
+        if len(tips) == 1 and sum(k in self.model for k in longer) >= 2:
             return (False, max(t for t, k in self.events if k == key), len(key))
         return (True, self._recency(key), len(key))
 

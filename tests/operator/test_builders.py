@@ -285,6 +285,9 @@ def test_keda_session_with_per_pod_tier_runs_as_statefulset() -> None:
     router = children["Deployment", "agents-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router[router.index("--policy") + 1] == "manual"
     assert router[router.index("--assignment-mode") + 1] == "min_group"  # new sessions spread over the pods
+    # the real router's own parser takes them; a killed or draining pod loses its keys within ~10 s
+    parsed = pytest.importorskip("sglang_router.launch_router").parse_router_args(router)
+    assert (parsed.policy, parsed.health_check_interval_secs, parsed.health_failure_threshold) == ("manual", 5, 2)
 
 
 @pytest.mark.parametrize("sessions, policy, mode", [

@@ -186,7 +186,9 @@ def test_a_killed_workers_sessions_continue_on_the_other_from_storage(family, re
         loaded = _metric(survivor.url, 'mambaserve_session_restores_total{result="loaded"}') - before
         recomputed = _metric(survivor.url, 'mambaserve_session_restores_total{result="recomputed"}')
         log = survivor.text()
-    assert sorted(set(placed.values())) == [0, 1]  # min_group spread them
+    # (min_group places a key on a worker with the fewest keys in flight, ties at random: first turns sent one at
+    # a time may all land on one worker, which is then the one killed)
+    assert moved
     for sid, t in inputs.items():
         assert [a.ids for a in got[sid]] == ref[sid], sid  # as if nothing had happened
         for i, a in enumerate(got[sid][1:], 1):  # every later turn prefilled its new tokens only

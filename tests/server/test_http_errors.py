@@ -269,11 +269,13 @@ def test_api_key_guards_everything_but_health_and_metrics(tiny_ckpt, tmp_path):
 
 
 def test_request_timeout_ends_a_long_request_and_frees_its_slot(tiny_ckpt):
-    engine = make_engine(tiny_ckpt, request_timeout=0.5, context_length=8192)
+    # (1.5 s: the first steps of a fresh engine on a loaded 2-core machine took longer than 0.5 s once, no token came)
+    engine = make_engine(tiny_ckpt, request_timeout=1.5, context_length=8192)
     long = {"max_new_tokens": 8000, "temperature": 0, "ignore_eos": True}
 
     async def go():
         async with serving(engine) as c:
+            await c.post("/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})  # warm
             native = await c.post("/generate", json={"input_ids": [3, 4], "sampling_params": long})
             openai = await c.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 8000, "ignore_eos": True})
             quick = await c.post("/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})

@@ -15,10 +15,9 @@ import logging
 import pathlib
 from collections.abc import Sequence
 
-import kopf
 import yaml
 
-from mambaserve.operator.kube import Kube, credentials
+from mambaserve.operator.kube import Kube, command_line_credentials
 from mambaserve.operator.render import SOURCE_CRDS
 
 FIELD_MANAGER = "mambaserve-crds"
@@ -50,10 +49,7 @@ def main(argv: Sequence[str]) -> int:
         parser.error(f"no CustomResourceDefinition in {args.crds}")
 
     async def run() -> None:
-        info = kopf.ConnectionInfo(server=args.api_server, insecure=True) if args.api_server else credentials(log)
-        if info is None:
-            raise SystemExit("no Kubernetes credentials: no ServiceAccount token, no kubeconfig")
-        kube = Kube(info, agent=FIELD_MANAGER)
+        kube = Kube(command_line_credentials(args.api_server, log), agent=FIELD_MANAGER)
         try:
             for name in await apply_crds(kube, args.crds):
                 log.info("applied CustomResourceDefinition %s", name)

@@ -106,6 +106,17 @@ def credentials(logger: Any, settings: kopf.OperatorSettings | None = None,
             or kopf.login_with_kubeconfig(logger=logger, settings=settings, **kwargs))
 
 
+def command_line_credentials(api_server: str | None, logger: Any) -> kopf.ConnectionInfo:
+    """For the operator's one-shot commands (hooks): ``--api-server`` (development, no credentials), else
+    ``credentials``; exits with a sentence when there are none."""
+    if api_server:
+        return kopf.ConnectionInfo(server=api_server, insecure=True)
+    info = credentials(logger)
+    if info is None:
+        raise SystemExit("no Kubernetes credentials: no ServiceAccount token, no kubeconfig")
+    return info
+
+
 class Kube:
     """Async client over one connection (from Kopf's login), renewed when credentials change.
 

@@ -16,9 +16,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-import kopf
 
-from mambaserve.operator.kube import ApiError, Kube, credentials
+from mambaserve.operator.kube import ApiError, Kube, command_line_credentials
 from mambaserve.operator.settings import GROUP
 
 FINALIZER = f"{GROUP}/finalizer"
@@ -80,13 +79,7 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def run() -> None:
-        if args.api_server:
-            info = kopf.ConnectionInfo(server=args.api_server, insecure=True)
-        else:
-            info = credentials(log)
-            if info is None:
-                raise SystemExit("no Kubernetes credentials: no ServiceAccount token, no kubeconfig")
-        kube = Kube(info)
+        kube = Kube(command_line_credentials(args.api_server, log))
         try:
             stopped = await stop_operator(kube, args.operator_namespace, args.operator_deployment, args.timeout)
             log.info("operator %s", "stopped" if stopped else "not found (already deleted)")

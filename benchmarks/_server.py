@@ -70,3 +70,13 @@ def kernel_compiles(url: str) -> dict[str, int]:
         if fam.name == "mambaserve_kernel_compiles":
             out.update({s.labels["phase"]: int(s.value) for s in fam.samples if s.name.endswith("_total")})
     return out
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of the samples of the server's /metrics whose line starts with ``name`` (a name, or a name and
+    its labels); 0 when the server does not answer (a worker killed)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.TransportError:
+        return 0.0
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))

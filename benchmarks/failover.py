@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import free_port, launched  # noqa: E402 (the script's folder)
+from _server import free_port, launched, metric  # noqa: E402 (the script's folder)
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "mamba2-tiny-pystdlib"
 
@@ -67,15 +67,6 @@ def router(worker_urls: list[str]):
             proc.wait(timeout=10)
         if proc.poll() is None:
             proc.kill()
-
-
-def metric(url: str, name: str) -> float:
-    """The sum of a metric's samples on a worker (0 if it is gone)."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=5).text
-    except httpx.TransportError:
-        return 0.0
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 async def turn(c: httpx.AsyncClient, sid: str, ids: list[int], first: bool, out: int) -> dict:

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import launched  # noqa: E402 (the script's folder)
+from _server import launched, metric  # noqa: E402 (the script's folder)
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "mamba2-tiny-pystdlib"
 
@@ -57,13 +57,8 @@ def streamed(url: str, body: dict, headers: dict | None = None) -> tuple[float, 
 
 def restore_seconds(url: str) -> tuple[float, int]:
     """(sum, count) of the server's mambaserve_session_restore_seconds."""
-    total = count = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("mambaserve_session_restore_seconds_sum"):
-            total = float(line.split()[-1])
-        elif line.startswith("mambaserve_session_restore_seconds_count"):
-            count = float(line.split()[-1])
-    return total, int(count)
+    return (metric(url, "mambaserve_session_restore_seconds_sum"),
+            int(metric(url, "mambaserve_session_restore_seconds_count")))
 
 
 def run(a_url: str, b_url: str, histories: list[int], turn: int, repeat: int, vocab: int, seed: int) -> list[dict]:

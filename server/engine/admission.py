@@ -29,6 +29,9 @@ MAX_OVERTAKEN = 4  # admission rounds a waiting request may be passed by others 
 # Prompt tokens per step of a request that wants the prompt's logprobs: each needs a row of fp32 logits and
 # one of log-softmax (2 x 1024 x 50k vocabulary x 4 B = 0.4 GB), where a whole 8k chunk would take 3.3 GB.
 PROMPT_LOGITS_PER_STEP = 1024
+# Prefill work of at most chunk / SHORT_PREFILL tokens runs before the decoders even right after an EXTEND
+# (policy.next_mode_is_decode): a burst of cache hits' new tokens, not a long prompt's next chunk.
+SHORT_PREFILL = 4
 
 
 class Admission:
@@ -45,7 +48,7 @@ class Admission:
         self.max_running, self.chunk, self.track_interval = max_running, chunk, track_interval
         # the chunk scan's chunks (aligned to absolute positions): a snapshot inside a step is taken in its last one
         self.scan_chunk = scan_chunk
-        self.last_was_extend = False
+        self.extends_in_a_row = 0  # EXTEND steps since the last DECODE (policy.next_mode_is_decode)
 
     # ---- schedule -----------------------------------------------------------------------------------
     def schedule(self, inflight: Launched | None) -> tuple[ForwardBatch | None, Plan]:
@@ -54,8 +57,9 @@ class Admission:
         ``inflight``: the launched step whose samples are still on the device."""
         running, waiting = self.queues.running, self.queues.waiting
         decode = [r for r in running if r.prefill_done]
-        has_prefill = bool(waiting) or len(decode) < len(running)
-        if next_mode_is_decode(has_prefill, bool(decode), self.last_was_extend):
+        prefill_tokens = (sum(r.prefill_len - r.in_state for r in running if not r.prefill_done)
+                          + sum(max(1, r.prefill_len - r.expected_cached) for r in waiting))
+        if next_mode_is_decode(prefill_tokens, bool(decode), self.extends_in_a_row, self.chunk // SHORT_PREFILL):
             return self._decode_batch(decode, inflight)
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in running if not r.prefill_done]
         now = time.monotonic()
@@ -275,7 +279,7 @@ class Admission:
     def commit(self, batch: ForwardBatch, plan: Plan) -> list[int]:
         """Book a launched step: everything that does not depend on its sampled tokens. Returns the
         plan indices of the rows to sample."""
-        self.last_was_extend = batch.mode is ForwardMode.EXTEND
+        self.extends_in_a_row = self.extends_in_a_row + 1 if batch.mode is ForwardMode.EXTEND else 0
         for req in self.queues.running:  # every pending copy ran with this batch: release the snapshots
             self.cache.unlock(req.locked_node)
             req.locked_node = None

@@ -2,9 +2,9 @@
 
 A step is an EXTEND batch (prefill chunks, several prompts packed, a long prompt split across steps
 by the token budget) or a DECODE batch of every request that is done prefilling. When both kinds
-have work they alternate: decoders never starve behind a stream of long prompts, and a request whose
-prompt just finished (with a prefix cache its last prompt token runs as a decode step) gets its
-first token one short step later instead of after every queued prefill.
+have work they alternate (a short prefill may take one more step first): decoders never starve behind a
+stream of long prompts, and a request whose prompt just finished gets its second token one short step later
+instead of after every queued prefill.
 """
 
 from __future__ import annotations
@@ -56,8 +56,16 @@ def admission_order(waiting: list[tuple[object, int, int, int]], max_overtaken: 
     return aged + [key for key, _, _, _ in rest]
 
 
-def next_mode_is_decode(has_prefill_work: bool, has_decode_work: bool, last_was_extend: bool) -> bool:
-    """True: run a DECODE step now; False: try an EXTEND step first."""
+def next_mode_is_decode(prefill_tokens: int, has_decode_work: bool, extends_in_a_row: int, short: int) -> bool:
+    """True: run a DECODE step now; False: try an EXTEND step first. ``prefill_tokens``: the prompt tokens
+    left to prefill (running and waiting requests); ``extends_in_a_row``: EXTEND steps since the last DECODE.
+
+    After one EXTEND, a second runs before the decoders if what is left to prefill is ``short`` or less: cache
+    hits that arrive a little apart (a burst through HTTP lands over a few steps) each run a few dozen new
+    tokens, and making them wait behind a decode step cost them more than their whole prefill. Never a third:
+    decoders wait at most two steps."""
     if not has_decode_work:
         return False
-    return last_was_extend or not has_prefill_work
+    if prefill_tokens == 0 or extends_in_a_row >= 2:
+        return True
+    return extends_in_a_row == 1 and prefill_tokens > short

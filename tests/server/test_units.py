@@ -30,10 +30,17 @@ def test_prefill_plan_packs_chunks_and_keeps_arrival_order():
 
 
 def test_prefill_and_decode_alternate_when_both_have_work():
-    assert next_mode_is_decode(has_prefill_work=True, has_decode_work=True, last_was_extend=True)
-    assert not next_mode_is_decode(has_prefill_work=True, has_decode_work=True, last_was_extend=False)
-    assert next_mode_is_decode(has_prefill_work=False, has_decode_work=True, last_was_extend=False)
-    assert not next_mode_is_decode(has_prefill_work=True, has_decode_work=False, last_was_extend=True)
+    def decode(prefill_tokens, extends_in_a_row, has_decode_work=True):
+        return next_mode_is_decode(prefill_tokens, has_decode_work, extends_in_a_row, short=512)
+
+    assert not decode(4096, extends_in_a_row=0)  # a decode step ran last: prefill
+    assert decode(4096, extends_in_a_row=1)  # a long prompt's next chunk waits for the decoders' step
+    assert decode(0, extends_in_a_row=0)  # nothing to prefill
+    assert not decode(4096, extends_in_a_row=3, has_decode_work=False)
+    # cache hits' few new tokens run right after an extend, but never a third extend in a row
+    assert not decode(448, extends_in_a_row=1)
+    assert decode(448, extends_in_a_row=2)
+    assert decode(513, extends_in_a_row=1)
 
 
 def test_sampling_filters():

@@ -189,6 +189,10 @@ class Scheduler:
         if batch is not None:
             self._count_moves(batch.state_ops)
             out = self.runner.forward(batch)  # launched; the device runs it while the host goes on
+            if log.isEnabledFor(logging.DEBUG):  # (when each request's tokens ran: with the timelines' lines)
+                log.debug("step %d launched at %.1fms: %s, %d rows, %d tokens, %.2fms after the step began",
+                          self.steps, 1e3 * time.monotonic(), batch.mode.name, batch.batch_size, batch.num_tokens,
+                          1e3 * (time.monotonic() - self.step_started))
             if out.input_logprobs is not None:  # (waits for this step: only requests that ask for them)
                 self.output.add_input_logprobs(plan, batch.logprob_owner, out.input_logprobs)
             rows = self.admission.commit(batch, plan)

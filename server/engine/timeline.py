@@ -56,4 +56,5 @@ def observe(timeline: Timeline, histogram, rid: str = "") -> None:
     for stage, seconds in shares:
         histogram.labels(stage).observe(seconds)
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("request %s to first byte: %s", rid, " ".join(f"{s} {1e3 * t:.2f}ms" for s, t in shares))
+        log.debug("request %s received at %.1fms, to first byte: %s", rid, 1e3 * timeline.marks["received"],
+                  " ".join(f"{s} {1e3 * t:.2f}ms" for s, t in shares))

@@ -32,46 +32,50 @@ import random
 import statistics
 import time
 
+import aiohttp
 import httpx
 
 from _server import kernel_compiles, launched  # noqa: E402 (the script's folder is on sys.path)
 from ttft import STAGES, stage_sums  # noqa: E402
 
 
-async def one_request(c: httpx.AsyncClient, ids: list[int], out_len: int, session: dict | None = None
-                      ) -> tuple[float, list[int], int]:
+async def one_request(s: aiohttp.ClientSession, url: str, ids: list[int], out_len: int,
+                      session: dict | None = None) -> tuple[float, list[int], int, float]:
     """Stream one /generate (with ``session``: a turn of that streaming session, ``session_params``); returns
-    (TTFT seconds, output ids, cached tokens)."""
+    (TTFT seconds, output ids, cached tokens, when it was sent: time.monotonic(), the clock of the server's
+    debug log)."""
     body = json.dumps({"input_ids": ids, "stream": True, **({"session_params": session} if session else {}),
                        "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}})
-    t0 = time.perf_counter()  # after encoding the body (thousands of ids): the client's time is not TTFT
+    t0 = time.monotonic()  # after encoding the body (thousands of ids): the client's time is not TTFT
     ttft, last = None, None
-    async with c.stream("POST", "/generate", content=body, headers={"content-type": "application/json"}) as r:
+    async with s.post(url + "/generate", data=body, headers={"content-type": "application/json"}) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        async for raw in r.content:  # one SSE line at a time
+            line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             last = json.loads(line[6:])
             if ttft is None and last["output_ids"]:
-                ttft = time.perf_counter() - t0
-    return ttft, last["output_ids"], last["meta_info"]["cached_tokens"]
+                ttft = time.monotonic() - t0
+    return ttft, last["output_ids"], last["meta_info"]["cached_tokens"], t0
 
 
 async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
     rng = random.Random(a.seed)
     vocab_hi = 4000 if a.vocab is None else a.vocab
     convs = [[rng.randrange(1, vocab_hi) for _ in range(a.request_length)] for _ in range(a.clients)]
-    rounds = [dict(ttft=[], cached=0, prompt=0) for _ in range(a.rounds)]
+    rounds = [dict(ttft=[], sent=[], cached=0, prompt=0) for _ in range(a.rounds)]
     barrier = asyncio.Barrier(a.clients) if a.round_barrier else None
     stages: dict = {}
 
-    async def client(k: int, c: httpx.AsyncClient):
+    async def client(k: int, c: aiohttp.ClientSession):
         history = convs[k]
         for r in range(a.rounds):
             if a.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(a.request_rate / a.clients))
-            ttft, out, cached = await one_request(c, history, a.output_length)
+            ttft, out, cached, sent = await one_request(c, url, history, a.output_length)
             rounds[r]["ttft"].append(ttft)
+            rounds[r]["sent"].append(sent)
             rounds[r]["cached"] += cached
             rounds[r]["prompt"] += len(history)
             history = history + out + [rng.randrange(1, vocab_hi) for _ in range(a.question_length)]
@@ -79,26 +83,30 @@ async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
                 await barrier.wait()
                 if k == 0:  # every request of the round has answered: its share of the server's stages
                     nonlocal stages
-                    now = stage_sums((await c.get("/metrics")).text)
+                    async with c.get(url + "/metrics") as m:
+                        now = stage_sums(await m.text())
                     rounds[r]["stages_ms"] = {s: round(1e3 * (now.get(s, (0, 0))[1] - stages.get(s, (0, 0))[1])
                                                        / a.clients, 2) for s in STAGES}
                     stages = now
                 await barrier.wait()
 
-    async def session(k: int, c: httpx.AsyncClient):
+    async def session(k: int, c: aiohttp.ClientSession):
         """A streaming session's client: each round sends its new tokens only (not counted in the chats' rounds)."""
         new = [rng.randrange(1, vocab_hi) for _ in range(a.request_length)]
         for r in range(a.rounds):
             sp = {"id": f"bench-{k}", **({"open": True, "streaming": True} if r == 0 else {}),
                   **({"close": True} if r == a.rounds - 1 else {})}
-            _, out, _ = await one_request(c, new, a.output_length, sp)
+            _, out, _, _ = await one_request(c, url, new, a.output_length, sp)
             new = [rng.randrange(1, vocab_hi) for _ in range(a.question_length)]
 
-    async with httpx.AsyncClient(base_url=url, timeout=600,
-                                 limits=httpx.Limits(max_connections=a.clients + a.sessions + 8)) as c:
+    # aiohttp, as burst.py: httpx's pool spreads concurrent requests' sends and reads over milliseconds, which a
+    # hit's TTFT (tens of ms) would count as the server's
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=a.clients + a.sessions + 8)) as c:
         await asyncio.gather(*(client(k, c) for k in range(a.clients)), *(session(k, c) for k in range(a.sessions)))
-    return [{"round": i + 1, "mean_ttft_s": statistics.mean(r["ttft"]), "hit_rate": r["cached"] / r["prompt"],
-             "prompt_tokens": r["prompt"], "stages_ms": r.get("stages_ms", {})} for i, r in enumerate(rounds)]
+    return [{"round": i + 1, "mean_ttft_s": statistics.mean(r["ttft"]), "min_ttft_s": min(r["ttft"]),
+             "max_ttft_s": max(r["ttft"]), "requests": sorted(zip(r["sent"], r["ttft"])),
+             "hit_rate": r["cached"] / r["prompt"], "prompt_tokens": r["prompt"], "stages_ms": r.get("stages_ms", {})} for i, r in enumerate(rounds)]
 
 
 CACHE_COUNTERS = ("mambaserve_prefix_cache_hit_tokens_total", "mambaserve_prefix_cache_capacity_miss_tokens_total",
@@ -168,13 +176,14 @@ def main() -> None:
         print(f"{name}: the server refused to start: {why}")
     names = list(results)
     both = "radix" in results and "no_cache" in results
-    print("round " + "".join(f"| {n:>10} TTFT ms  hit rate " for n in names)
+    print("round " + "".join(f"| {n:>10} TTFT ms (min-max)  hit rate " for n in names)
           + ("| TTFT ratio no_cache/radix" if both else ""))
     for i in range(a.rounds):
         row = f"{i + 1:5} "
         for n in names:
             r = results[n][i]
-            row += f"| {r['mean_ttft_s'] * 1e3:18.1f} {r['hit_rate']:9.3f} "
+            spread = f"({r['min_ttft_s'] * 1e3:.0f}-{r['max_ttft_s'] * 1e3:.0f})"
+            row += f"| {r['mean_ttft_s'] * 1e3:18.1f} {spread:>11} {r['hit_rate']:9.3f} "
         if both:
             row += f"| {results['no_cache'][i]['mean_ttft_s'] / results['radix'][i]['mean_ttft_s']:8.2f}x"
         print(row)

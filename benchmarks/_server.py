@@ -14,6 +14,14 @@ import time
 import httpx
 
 
+def sharing_one_device(i: int) -> list[str]:
+    """Flags for the i-th (0, 1) of two servers on one GPU. --mem-fraction-static caps the device's memory in use,
+    whoever uses it (pool = F x total - in use - reserve): with the default 0.88 for both, the second found none
+    left and refused to start (H200); so the first stops at 0.42 and the second at 0.84. A --mem-fraction-static
+    given later on the command line wins."""
+    return ["--mem-fraction-static", f"{0.42 * (i + 1):.2f}"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import free_port, launched, metric  # noqa: E402 (the script's folder)
+from _server import free_port, launched, metric, sharing_one_device  # noqa: E402 (the script's folder)
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "mamba2-tiny-pystdlib"
 
@@ -140,8 +140,9 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         storage = stack.enter_context(tempfile.TemporaryDirectory(prefix="mambaserve-failover-"))
         flags = ["--storage-dir", storage, "--session-persist", "--context-length", str(context),
-                 *(["--device", a.device] if a.device else []), *a.server_args.split()]
-        workers = [stack.enter_context(launched(a.model, flags, process=True)) for _ in range(2)]
+                 *(["--device", a.device] if a.device else [])]
+        workers = [stack.enter_context(launched(a.model, flags + sharing_one_device(i) + a.server_args.split(),
+                                                process=True)) for i in range(2)]
         url = stack.enter_context(router([u for u, _ in workers]))
         rows, killed = asyncio.run(run(url, workers, a))
     print(f"{a.model}: {a.sessions} streaming sessions x {a.rounds} rounds through sglang-router, 2 workers on one "

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import launched, metric  # noqa: E402 (the script's folder)
+from _server import launched, metric, sharing_one_device  # noqa: E402 (the script's folder)
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "mamba2-tiny-pystdlib"
 
@@ -110,9 +110,9 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         storage = a.storage_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="mambaserve-restore-"))
         flags = ["--storage-dir", storage, "--session-persist", "--context-length", str(max(histories) + a.turn + 64),
-                 *(["--device", a.device] if a.device else []), *a.server_args.split()]
-        a_url = stack.enter_context(launched(a.model, flags))
-        b_url = stack.enter_context(launched(a.model, flags))
+                 *(["--device", a.device] if a.device else [])]
+        a_url, b_url = (stack.enter_context(launched(a.model, flags + sharing_one_device(i) + a.server_args.split()))
+                        for i in range(2))
         rows = run(a_url, b_url, histories, a.turn, a.repeat, a.vocab, a.seed)
     print(f"{a.model}: a session's next turn ({a.turn} new tokens) on a second server, its state loaded from storage, "
           f"against the same number of tokens recomputed there (median of {a.repeat})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -306,7 +307,7 @@ class Engine:
                                                      keep_stop=params.include_stop_str_in_output),
                   constraint=self._constraint(params, grammar),
                   stream=stream,
-                  emit=lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
+                  emit=functools.partial(self.scheduler.outbox.post, loop, q.put_nowait),
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                   logprob_start_len=logprob_start_len if return_logprob else -1,
                   stop_token_ids=frozenset(stop_ids), session_id=session_id,

@@ -38,6 +38,7 @@ from mambaserve.server.config import ServerConfig
 from mambaserve.server.engine.admission import Admission
 from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
+from mambaserve.server.engine.outbox import Outbox
 from mambaserve.server.engine.output import OutputProcessor
 from mambaserve.server.engine.request import BadRequest, FinishReason, Req, RequestQueues, fit_to_context
 from mambaserve.server.engine.rolling_snapshots import RollingSnapshots
@@ -64,6 +65,7 @@ class Scheduler:
         self.slots = runner.pool.allocator
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.calls: collections.deque = collections.deque()  # (fn, future) taken from the inbox, not run yet
+        self.outbox = Outbox()  # requests' outputs, handed to their event loops once per pass of the loop
         page_size = cfg.page_size or 1
         host = HostTier(runner.host_pool.capacity, page_size) if runner.host_pool is not None else None
         # hybrid models: KV pages, reserved per request at admission and released at its end (the page-aligned
@@ -155,11 +157,20 @@ class Scheduler:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
+        self.outbox.owner = threading.get_ident()
+        try:
+            self._run()
+        finally:
+            self.outbox.owner = None
+            self.outbox.flush()
+
+    def _run(self) -> None:
         while not self._stop.is_set():
             busy = self.queues.running or self.inflight
             # requests held for their prefix from storage only: wait for the read (it posts to the inbox)
             self._drain_inbox(block=not (busy or self.queues.waiting) or (not busy and self._all_held()),
                               timeout=0.01 if self.queues.waiting else 0.5)
+            self.outbox.flush()  # refusals, calls' answers
             self.step_started = time.monotonic()
             try:
                 self.step()
@@ -169,6 +180,7 @@ class Scheduler:
                 self.output.fail_running("internal error; the server log has the details")
                 self._reclaim()
             finally:
+                self.outbox.flush()
                 self.step_started, self.last_step_ended = None, time.monotonic()
         if self.inflight is not None:  # stopping: read the last launched step's tokens
             self.output.read(self.inflight)

@@ -137,3 +137,35 @@ def test_a_large_n_request_takes_turns_with_a_newer_one(tiny_ckpt):
     assert ended <= 4, ended
     assert len(done) == 12 and all(o.completion_tokens == 24 for o in done)
     assert_idle(acc)
+
+
+def test_a_short_remainder_runs_right_after_an_extend_a_long_one_waits_for_the_decoders(tiny_ckpt, monkeypatch):
+    """With another request decoding, a prompt's first chunk (16 tokens here) is followed at once by its last 4
+    (a quarter of the chunk: policy.next_mode_is_decode), while a remainder of 8 waits for a decode step first."""
+    engine = make_engine(tiny_ckpt, disable_radix_cache=True)
+    steps = []
+    forward = engine.scheduler.runner.forward
+    monkeypatch.setattr(engine.scheduler.runner, "forward",
+                        lambda b: steps.append((b.mode.name, b.num_tokens)) or forward(b))
+
+    async def go(c, length):
+        del steps[:]
+        body = {"input_ids": _prompt(5, 1), "sampling_params": {"max_new_tokens": 200, **GREEDY}}
+        decoder = asyncio.create_task(c.post("/generate", json=body))
+        while ("DECODE", 1) not in steps:  # it decodes: send the prompt beside it
+            await asyncio.sleep(0.002)
+        mark = len(steps)
+        other = {"input_ids": _prompt(length, 2), "sampling_params": {"max_new_tokens": 2, **GREEDY}}
+        assert (await c.post("/generate", json=other)).status_code == 200
+        assert (await decoder).status_code == 200
+        return steps[mark:]
+
+    async def both():
+        async with serving(engine) as c:
+            return await go(c, 20), await go(c, 24)
+
+    short, long = run(both())
+    first = short.index(("EXTEND", 16))
+    assert short[first + 1] == ("EXTEND", 4) and short[first + 2][0] == "DECODE", short
+    first = long.index(("EXTEND", 16))
+    assert long[first + 1][0] == "DECODE" and long[first + 2] == ("EXTEND", 8), long

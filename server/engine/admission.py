@@ -57,9 +57,8 @@ class Admission:
         ``inflight``: the launched step whose samples are still on the device."""
         running, waiting = self.queues.running, self.queues.waiting
         decode = [r for r in running if r.prefill_done]
-        prefill_tokens = (sum(r.prefill_len - r.in_state for r in running if not r.prefill_done)
-                          + sum(max(1, r.prefill_len - r.expected_cached) for r in waiting))
-        if next_mode_is_decode(prefill_tokens, bool(decode), self.extends_in_a_row, self.chunk // SHORT_PREFILL):
+        short = self.chunk // SHORT_PREFILL
+        if next_mode_is_decode(self._prefill_left(short), bool(decode), self.extends_in_a_row, short):
             return self._decode_batch(decode, inflight)
         cands = [PrefillCandidate(r, r.prefill_len - r.in_state, False) for r in running if not r.prefill_done]
         now = time.monotonic()
@@ -92,6 +91,21 @@ class Admission:
         if chunks:
             return self._extend_batch(chunks), chunks
         return self._decode_batch([r for r in running if r.prefill_done], inflight)
+
+    def _prefill_left(self, cap: int) -> int:
+        """Prompt tokens left to prefill (running and waiting requests; a waiting one has at least its last token),
+        counted until they pass ``cap``: the policy asks no more, and the queue can hold a thousand."""
+        total = 0
+        for r in self.queues.running:
+            if not r.prefill_done:
+                total += r.prefill_len - r.in_state
+                if total > cap:
+                    return total
+        for r in self.queues.waiting:
+            total += max(1, r.prefill_len - r.expected_cached)
+            if total > cap:
+                return total
+        return total
 
     def _decode_batch(self, decode: list[Req], inflight: Launched | None) -> tuple[ForwardBatch | None, Plan]:
         if not decode:

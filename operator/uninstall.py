@@ -16,7 +16,6 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-
 from mambaserve.operator.kube import ApiError, Kube, command_line_credentials
 from mambaserve.operator.settings import GROUP
 

@@ -14,6 +14,7 @@ measured device copy bandwidth.
   python benchmarks/hybrid_step.py --shape granite-4.0-h-tiny --batches 1,64,256
   python benchmarks/hybrid_step.py --shape nemotron-h-8b --batches 1,64 --context 2048
   python benchmarks/hybrid_step.py --shape nemotron-h-8b --batches 1,8,64,256 --reps 50   # graphs on vs off
+  python benchmarks/hybrid_step.py --batches 1 --reps 50 --variants '[{"fuse_norm_linear": false}]'  # A/B configs
   python benchmarks/hybrid_step.py --shape tiny --device cpu          # a smoke run
 """
 
@@ -148,6 +149,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-graphs", action="store_true", help="time decode eagerly only")
+    ap.add_argument("--variants", type=json.loads, default=[],
+                    help='JSON list of kernels.KernelConfig overrides, each timed on the decode graphs (captured again), '
+                         'e.g. \'[{"fuse_norm_linear": false}, {"linear_tiles": {"1536": {"BLOCK_N": 8}}}]\'')
     ap.add_argument("--profile", action="store_true",
                     help="the kernels of one graph-replayed decode step per batch size (torch profiler), and of a prefill")
     a = ap.parse_args()
@@ -198,6 +202,17 @@ def main() -> None:
         if a.profile:
             for name, step in [*((f"decode b={b}", steps[b]) for b in batches), ("prefill", prefill)]:
                 _profile(name, lambda: runner.forward(step))
+        if a.variants:
+            from decode_step import apply_variant  # (not at the top: decode_step imports e2e, which imports this)
+        for v in a.variants:  # the same steps under another kernel config, its graphs captured again
+            undo = apply_variant(model, v)
+            runner.enable_cuda_graphs(max(batches), a.prefill, 1, context_length=per_row * a.page_size)
+            times = {b: timed(lambda: runner.forward(steps[b]), device, a.reps) * 1e3 for b in batches}
+            out.setdefault("variants", []).append({"variant": v, "step_ms_graph": times})
+            print("# variant " + json.dumps(v) + ": " + ", ".join(
+                f"b={b} {t:.3f} ms ({t / r['step_ms_graph']:.3f}x default)" for (b, t), r in zip(times.items(),
+                                                                                          out["decode"])), flush=True)
+            undo()
     print(json.dumps(out, indent=1))
 
 

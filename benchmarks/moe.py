@@ -35,8 +35,10 @@ from mambaserve.server.model.registry import ARCHITECTURES
 # published: H100 SXM5 3.35 TB/s and 989 dense bf16 TFLOP/s (PCIe 2.0 TB/s, 756; H200 4.8 TB/s, 989)
 PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12}
 # tile candidates of --sweep: the up and down kernels are timed separately (the whole op with one varied)
-SWEEP_BLOCK_M = (16, 32, 64)
-SWEEP_KERNEL = [dict(block_n=n, block_k=k, warps=4, stages=s) for n in (32, 64, 128) for k in (64, 128) for s in (3, 5)]
+SWEEP_BLOCK_M = (16, 32, 64, 128)
+SWEEP_KERNEL = [dict(block_n=n, block_k=k, warps=4, stages=s) for n in (16, 32, 64, 128) for k in (64, 128)
+                for s in (3, 5)]
+SWEEP_KERNEL += [dict(block_n=n, block_k=256, warps=2, stages=4) for n in (16, 32)]
 SWEEP_KERNEL += [dict(block_n=128, block_k=64, warps=8, stages=3), dict(block_n=64, block_k=128, warps=8, stages=4)]
 
 
@@ -96,13 +98,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def sweep(x, ids, wts, w1, w2, calls, E):
+def sweep(x, ids, wts, w1, w2, calls, E, block_ms=SWEEP_BLOCK_M):
     """The best tiles for this token count: per BLOCK_M, the up kernel's candidates with the down kernel at its
     default, then the down kernel's with the best up; prints the winner and how far the default is from it."""
     default = moe.moe_tiles(ids.numel(), E)
     time_of = lambda tiles: graph_time(lambda i: moe.moe_experts(x, ids, wts, w1[i], w2[i], tiles=tiles), calls)
     best, best_t = dict(default), time_of(default)
-    for bm in SWEEP_BLOCK_M:
+    for bm in block_ms:
         cur = {**default, "block_m": bm}
         for part in ("up", "down"):
             results = []
@@ -127,6 +129,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,64,256,2048,8192")
     ap.add_argument("--layers", type=int, default=8, help="copies of the weights the calls cycle through")
     ap.add_argument("--sweep", action="store_true", help="also search tiles per token count")
+    ap.add_argument("--sweep-block-m", default=",".join(map(str, SWEEP_BLOCK_M)), help="BLOCK_M values the sweep tries")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     a = ap.parse_args()
@@ -176,7 +179,8 @@ def main() -> None:
                "bound_us": bound * 1e6, "loop_over_kernel": t_loop / t_kernel, "kernel_over_bound": t_kernel / bound,
                "GB_s": nbytes / t_kernel / 1e9, "TFLOP_s": flops / t_kernel / 1e12}
         if a.sweep and cuda:
-            best, best_t = sweep(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E)
+            best, best_t = sweep(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E,
+                                 [int(b) for b in a.sweep_block_m.split(",")])
             row.update(sweep_best=best, sweep_us=best_t * 1e6)
         rows.append(row)
         print("# " + json.dumps({r: (round(v, 4) if isinstance(v, float) else v) for r, v in row.items()}), flush=True)

@@ -151,17 +151,24 @@ ALIGN_ONE_PROGRAM_MAX_PAIRS = 256
 # Tiles by the mean rows per expert (T * k / E), first match. One BLOCK_M for both GEMMs (they walk the same
 # blocks). Decode (a few rows an expert) is bound by reading the experts' weights: 16-row blocks (the smallest
 # tl.dot tile) and narrow column tiles, so that the few experts of a small batch still spread over every SM.
-# Not yet swept on a GPU: ``benchmarks/moe.py --sweep`` prints the candidates. An override's ``"direct"`` (default:
-# one token) skips the align step, a block per pair: right for any routing, cheapest where no two pairs share an
-# expert.
+# Each row is the best of ``benchmarks/moe.py --sweep`` at granite-4.0-h-tiny's shape on an H200 (2026-11-28;
+# benchmarks/README.md has the times) at 1, 64, 256, 2,048 and 8,192 tokens; the row of 96 is not swept. An
+# override's ``"direct"`` (default: one token) skips the align step, a block per pair: right for any routing,
+# cheapest where no two pairs share an expert.
 MOE_TILES = (
+    # a few tokens: long K steps in two warps, so that each program keeps a deep stream of its experts' rows
+    (1, {"block_m": 16, "up_block_n": 32, "up_block_k": 256, "up_warps": 2, "up_stages": 4,
+         "down_block_n": 32, "down_block_k": 256, "down_warps": 2, "down_stages": 4}),
     (12, {"block_m": 16, "up_block_n": 32, "up_block_k": 128, "up_warps": 4, "up_stages": 4,
           "down_block_n": 64, "down_block_k": 128, "down_warps": 4, "down_stages": 4}),
-    (48, {"block_m": 32, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 4,
-          "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 4}),
-    # prefill: 64-row blocks (one warpgroup's wgmma height), vLLM's default shape for many rows an expert
-    (None, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
-            "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
+    (48, {"block_m": 64, "up_block_n": 32, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
+          "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
+    # short prefills: 64-row blocks (one warpgroup's wgmma height)
+    (96, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
+          "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
+    # prefill: 128 x 128 tiles over two warpgroups
+    (None, {"block_m": 128, "up_block_n": 128, "up_block_k": 64, "up_warps": 8, "up_stages": 3,
+            "down_block_n": 128, "down_block_k": 64, "down_warps": 8, "down_stages": 3}),
 )
 # Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still cross several tiles.
 _INTERPRET_TILES = {"block_m": 16, "up_block_n": 16, "up_block_k": 16, "up_warps": 1, "up_stages": 1,
@@ -306,16 +313,25 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         TOP_K=k, GATED=gated, ACT=ACTIVATIONS.index(act), EVEN_K=H % cfg["up_block_k"] == 0, BLOCK_M=BM,
         BLOCK_N=cfg["up_block_n"], BLOCK_K=cfg["up_block_k"], DOT_T=dot_t, PREC=prec, DIRECT=direct,
         num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **pdl)
-    out = torch.empty(N, H, dtype=torch.float32, device=x.device)
-    wts = topk_weights.reshape(-1).contiguous()
+    out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(H, cfg["down_block_n"]))](
-        h, w2, out, pairs, bexp, wts, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
+        h, w2, out, pairs, bexp, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
         EVEN_K=I % cfg["down_block_k"] == 0, BLOCK_M=BM, BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
         DOT_T=dot_t, PREC=prec, DIRECT=direct, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **pdl)
-    y = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    return _weighted_sum(out, topk_weights, add, residual, scale, x.dtype)
+
+
+def _weighted_sum(src: torch.Tensor, topk_weights: torch.Tensor, add, residual, scale: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``_moe_sum_kernel``: each token's k rows of ``src`` (pair i's at row i) times their routing weights, summed
+    with the epilogue."""
+    T, k = topk_weights.shape
+    wts = topk_weights.reshape(-1).contiguous()
+    H = src.shape[1]
+    y = torch.empty(T, H, dtype=dtype, device=src.device)
     BLOCK = min(1024, next_pow2(H))
     a, r = (add if add is not None else y), (residual if residual is not None else y)  # (placeholders when absent)
-    _moe_sum_kernel[(T, triton.cdiv(H, BLOCK))](out, y, a, r, float(scale), H, out.stride(0), y.stride(0), a.stride(0),
-                                              r.stride(0), TOP_K=k, HAS_ADD=add is not None,
-                                              HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=4, **pdl)
+    _moe_sum_kernel[(T, triton.cdiv(H, BLOCK))](
+        src, y, a, r, wts, float(scale), H, src.stride(0), y.stride(0), a.stride(0), r.stride(0), TOP_K=k,
+        HAS_ADD=add is not None, HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=4, **pdl_args(src))
     return y

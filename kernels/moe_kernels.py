@@ -20,9 +20,11 @@ projection reads its rows contiguously; only the up projection gathers token row
                                           projection; GATED reads the gate columns n and the up columns
                                           I + n in the same K loop (two accumulators) and stores
                                           ``act(gate) * up``; otherwise ``act(h)`` (relu2: Nemotron-H)
-  _moe_down_kernel    [blocks, H/BLOCK_N] the intermediate rows times expert e's second projection, times
-                                          the pair's routing weight, stored fp32 at the pair's row
-  _moe_sum_kernel     [T, H/BLOCK]        each token's k weighted rows summed in order (fp32), cast to the
+  _moe_down_kernel    [blocks, H/BLOCK_N] the intermediate rows times expert e's second projection, stored
+                                          at the pair's row in the activations' dtype (half the traffic
+                                          of fp32, and the reference's rounding)
+  _moe_sum_kernel     [T, H/BLOCK]        each token's k rows times their routing weights summed in order
+                                          (fp32), cast to the
                                           output dtype: deterministic, no atomics; with the block's epilogue
                                           (a shared expert's output added, a scaled residual add) in the same pass
 
@@ -201,12 +203,13 @@ if HAS_TRITON:
                  mask=valid[:, None] & mn[None, :])
 
     @triton.jit(do_not_specialize=["N"])
-    def _moe_down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, bexp_ptr, wts_ptr, N, I, H,
+    def _moe_down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, bexp_ptr, N, I, H,
                          h_p, h_i, w_e, w_n, w_k, o_p, o_h, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_T: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr = False,
                          USE_PDL: tl.constexpr = False):
-        """Grid (blocks, cdiv(H, BLOCK_N)): ``out[pair(p), n] = weight[pair(p)] * (h[p] . w[e, n])`` (fp32)."""
+        """Grid (blocks, cdiv(H, BLOCK_N)): ``out[pair(p), n] = h[p] . w[e, n]``, rounded to out's dtype (as the
+        reference's per-expert ``F.linear``); the routing weight is applied in the sum."""
         pdl_start(USE_PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e, rows, pair = _row_block(pid_m, pairs_ptr, bexp_ptr, N, BLOCK_M, DIRECT)
@@ -230,23 +233,25 @@ if HAS_TRITON:
             acc = tl.dot(a.to(DOT_T), b.to(DOT_T), acc, input_precision=PREC)
             a_ptrs += BLOCK_K * h_i
             b_ptrs += BLOCK_K * w_k
-        wt = tl.load(wts_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        acc = acc * wt[:, None]
-        tl.store(out_ptr + pair[:, None].to(tl.int64) * o_p + n[None, :] * o_h, acc, mask=valid[:, None] & mn[None, :])
+        tl.store(out_ptr + pair[:, None].to(tl.int64) * o_p + n[None, :] * o_h, acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & mn[None, :])
 
     @triton.jit
-    def _moe_sum_kernel(src_ptr, out_ptr, add_ptr, res_ptr, scale, H, s_p, o_t, a_t, r_t, TOP_K: tl.constexpr,
+    def _moe_sum_kernel(src_ptr, out_ptr, add_ptr, res_ptr, wts_ptr, scale, H, s_p, o_t, a_t, r_t, TOP_K: tl.constexpr,
                         HAS_ADD: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
                         USE_PDL: tl.constexpr = False):
-        """Grid (T, cdiv(H, BLOCK)): ``out[t] = res[t] + scale * (sum_j src[t * TOP_K + j] + add[t])``, j in order,
-        in fp32 and rounded once (``add`` and ``res`` where given: the block's epilogue)."""
+        """Grid (T, cdiv(H, BLOCK)): ``out[t] = res[t] + scale * (sum_j wts[i] * src[i] + add[t])`` over the
+        token's pairs ``i = t * TOP_K + j``, j in order, in fp32 and rounded once (``add`` and ``res`` where given:
+        the block's epilogue)."""
         pdl_start(USE_PDL)
         t, pb = tl.program_id(0).to(tl.int64), tl.program_id(1)
         n = pb * BLOCK + tl.arange(0, BLOCK)
         m = n < H
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            acc += tl.load(src_ptr + (t * TOP_K + j) * s_p + n, mask=m, other=0.0)
+            i = t * TOP_K + j
+            wt = tl.load(wts_ptr + i).to(tl.float32)
+            acc += tl.load(src_ptr + i * s_p + n, mask=m, other=0.0).to(tl.float32) * wt
         if HAS_ADD:
             acc += tl.load(add_ptr + t * a_t + n, mask=m, other=0.0).to(tl.float32)
         acc = acc * scale

@@ -208,10 +208,13 @@ def main() -> None:
             undo = apply_variant(model, v)
             runner.enable_cuda_graphs(max(batches), a.prefill, 1, context_length=per_row * a.page_size)
             times = {b: timed(lambda: runner.forward(steps[b]), device, a.reps) * 1e3 for b in batches}
-            out.setdefault("variants", []).append({"variant": v, "step_ms_graph": times})
+            tok_s = a.prefill / timed(lambda: runner.forward(prefill), device, max(1, a.reps // 5))
+            out.setdefault("variants", []).append({"variant": v, "step_ms_graph": times, "prefill_tok_s_graph": tok_s})
             print("# variant " + json.dumps(v) + ": " + ", ".join(
                 f"b={b} {t:.3f} ms ({t / r['step_ms_graph']:.3f}x default)" for (b, t), r in zip(times.items(),
-                                                                                          out["decode"])), flush=True)
+                                                                                          out["decode"]))
+                  + f", prefill {tok_s / 1e3:.1f}k tok/s ({tok_s / out.get('prefill_tok_s_graph', tok_s):.3f}x)",
+                  flush=True)
             undo()
     print(json.dumps(out, indent=1))
 
@@ -226,7 +229,7 @@ def _profile(name: str, fn) -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in kernels)
     print(f"# {name}: {len(kernels)} kernels, {total / 1e3:.3f} ms of device time", flush=True)
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=15), flush=True)
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=25), flush=True)
 
 
 if __name__ == "__main__":

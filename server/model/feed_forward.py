@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.kernels import moe
+from mambaserve.kernels.swiglu import silu_mul
 from mambaserve.kernels.topk_softmax import topk_softmax
 from mambaserve.server.model.hybrid_config import MlpDims, MoEDims
 from mambaserve.server.model.parallel import FIRST, SINGLE, TP, column, gated_column
@@ -93,8 +94,17 @@ class FusedSwiGLU(nn.Module):
             "output_linear.weight": column(tp, m.intermediate_size, "", dim=1)}, False, "")
 
     def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
-        gate, up = self.input_linear(x).chunk(2, dim=-1)
-        y = self.output_linear(self.act(gate) * up)
+        return self.finish(self.input_linear(x), partial)
+
+    def finish(self, gate_up: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """The block after its input projection ``gate_up`` ``[T, 2n]`` (a caller may compute it in one GEMM with
+        another projection of the same rows: Granite's router)."""
+        if self.act is F.silu:
+            h = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        y = self.output_linear(h)
         return y if partial else self.tp.all_reduce(y)
 
 
@@ -208,11 +218,11 @@ class GraniteMoE(nn.Module):
         activation(m.act)  # refuses an activation this module does not implement
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                scale: float = 1.0) -> torch.Tensor:
+                scale: float = 1.0, logits: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' weighted sum, and the layer's epilogue in the same pass: ``residual + scale * (sum + add)``
         (``kernels.moe.moe_experts``), summed over the ranks: ``add`` is a rank's partial (a shared MLP's), and
-        rank 0 alone adds ``residual``."""
-        idx, w = self.router(x)
+        rank 0 alone adds ``residual``. ``logits``: the router's output where the caller computed it already."""
+        idx, w = self.router(x) if logits is None else topk_softmax(logits, self.m.top_k, x.dtype)
         if self.tp.rank:
             residual = None
         return self.tp.all_reduce(moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight,

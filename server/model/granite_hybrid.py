@@ -8,6 +8,7 @@ RoPE only where ``position_embedding_type`` is ``rope`` (Granite 4.0-H ships wit
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mambaserve import kernels
@@ -44,8 +45,22 @@ class GraniteHybridLayer(nn.Module):
         # scaled residual in another: granite-4.0-h-tiny's decode step is ~23 launches a layer
         h, x = kernels.rmsnorm(h, x, self.post_attention_layernorm.weight, self.eps, scale=self.mult)
         if hasattr(self, "block_sparse_moe"):  # one sum over the ranks for both (tensor parallel)
-            return self.block_sparse_moe(h, add=self.shared_mlp(h, partial=True), residual=x, scale=self.mult)
+            E = self.block_sparse_moe.m.num_experts
+            both = F.linear(h, self.router_and_shared)
+            return self.block_sparse_moe(h, add=self.shared_mlp.finish(both[:, E:], partial=True), residual=x,
+                                         scale=self.mult, logits=both[:, :E])
         return x + self.shared_mlp(h) * self.mult
+
+    def refresh_derived(self) -> None:
+        """MoE layers: the router and the shared MLP's gate/up projection read the same normed rows, so their
+        weights live in one tensor (the two parameters are views of it) and run as one GEMM: a launch fewer a
+        layer (at batch 1 the router's own GEMM took 4.4 us on an H200 for its 0.2 MB)."""
+        if not hasattr(self, "block_sparse_moe"):
+            return
+        router, shared = self.block_sparse_moe.router.layer.weight, self.shared_mlp.input_linear.weight
+        fused = torch.cat([router.detach(), shared.detach()])
+        router.data, shared.data = fused[:router.shape[0]], fused[router.shape[0]:]
+        self.register_buffer("router_and_shared", fused, persistent=False)
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):

@@ -158,8 +158,12 @@ class HybridForCausalLM(nn.Module):
         return layer.warm_up_experts(max_tokens) if layer is not None else 0
 
     def refresh_derived(self) -> None:
+        """What the forward computes from the weights once they are in place (after a load)."""
         for m in self.mixers():
             m.refresh_A()
+        for layer in self.layers:
+            if hasattr(layer, "refresh_derived"):
+                layer.refresh_derived()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         state = self.checkpoint_state(dict(state))

@@ -121,11 +121,12 @@ def test_chunked_and_whole_prefill_agree_on_state_and_pages(ckpt):
     for s, e in [(0, 5), (5, 12), (12, 23)]:
         alloc.ensure("parts", e)
         part = runner.forward(ForwardBatch(ForwardMode.EXTEND, p[s:e], [e - s], [s], [2], pages=[alloc.pages("parts")]))
-    torch.testing.assert_close(part.logits, whole.logits, atol=1e-5, rtol=0)
+    # fp32 GEMMs of 23 rows and of 5, 7, 11 rows sum in different orders (the CPU BLAS blocks by shape): ~1e-5 apart
+    torch.testing.assert_close(part.logits, whole.logits, atol=2e-5, rtol=0)
     torch.testing.assert_close(runner.pool.ssm[:, 2], runner.pool.ssm[:, 1], atol=1e-5, rtol=0)
     ps = kv.page_size
     for k in (kv.k, kv.v):
         mine = k[:, alloc.pages("whole")].reshape(k.shape[0], -1, *k.shape[3:])[:, :len(p)]
         theirs = k[:, alloc.pages("parts")].reshape(k.shape[0], -1, *k.shape[3:])[:, :len(p)]
         assert ps * len(alloc.pages("parts")) >= len(p)
-        torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
+        torch.testing.assert_close(theirs, mine, atol=2e-5, rtol=0)

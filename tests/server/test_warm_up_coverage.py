@@ -128,6 +128,7 @@ def _meta_runner(shape, slots: int, pages: int) -> ModelRunner:
     dev = torch.device("meta")
     with dev:
         model = arch.model_class(dims).to(torch.bfloat16)
+    model.refresh_derived()  # as a load does once the weights are in place
     s, a = dims.mamba, dims.attention
     pool = MambaStatePool(s.num_layers, slots, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
                           torch.bfloat16, torch.float32, dev)

@@ -175,11 +175,32 @@ _INTERPRET_TILES = {"block_m": 16, "up_block_n": 16, "up_block_k": 16, "up_warps
                     "down_block_n": 16, "down_block_k": 16, "down_warps": 1, "down_stages": 1}
 
 
-def moe_tiles(pairs: int, num_experts: int, on_gpu: bool = True, overrides: dict | None = None) -> dict:
-    """The launch tiles for ``pairs`` (token, expert) pairs over ``num_experts`` experts."""
+# Shared memory the staged tiles of one program may take (an H100 block has 227 KB; the rest is left to the
+# compiler's layout conversions).
+STAGED_BYTES = 200 * 1024
+
+
+def _fit_shared_memory(tiles: dict, elsize: int) -> dict:
+    """Fewer pipeline stages, then shorter K steps, until each GEMM's staged tiles (A and, gated, two B tiles a
+    stage) fit ``STAGED_BYTES``: the tiles are sized for bf16, and fp32 weights take twice the room."""
+    for part, b_tiles in (("up", 2), ("down", 1)):
+        n, k, st = f"{part}_block_n", f"{part}_block_k", f"{part}_stages"
+        while (tiles["block_m"] + b_tiles * tiles[n]) * tiles[k] * elsize * tiles[st] > STAGED_BYTES:
+            if tiles[st] > 2:
+                tiles[st] -= 1
+            else:
+                tiles[k] //= 2
+    return tiles
+
+
+def moe_tiles(pairs: int, num_experts: int, on_gpu: bool = True, overrides: dict | None = None,
+              elsize: int = 2) -> dict:
+    """The launch tiles for ``pairs`` (token, expert) pairs over ``num_experts`` experts with weights of ``elsize``
+    bytes."""
     if on_gpu:
         per_expert = pairs / max(1, num_experts)
-        tiles = dict(next(t for bound, t in MOE_TILES if bound is None or per_expert <= bound))
+        tiles = _fit_shared_memory(dict(next(t for bound, t in MOE_TILES if bound is None or per_expert <= bound)),
+                                   elsize)
     else:
         tiles = dict(_INTERPRET_TILES)
     tiles.update(overrides or {})
@@ -216,10 +237,11 @@ def align_launch(pairs: int, num_experts: int, block_m: int) -> dict | None:
     return {"EP": EP, "CHUNK": chunk, "FILL": min(1024, next_pow2(P)), "num_warps": 8 if chunk * EP > 4096 else 4}
 
 
-def launch_variant(tokens: int, top_k: int, num_experts: int, tg: Target, tiles: dict | None = None) -> tuple:
+def launch_variant(tokens: int, top_k: int, num_experts: int, tg: Target, tiles: dict | None = None,
+                   elsize: int = 2) -> tuple:
     """What ``moe_experts`` launches for ``tokens`` tokens (tiles, the direct path, the align step's program): a
     pure function of the shapes, each value one set of compiles (``moe_warm_up`` runs one batch per value)."""
-    cfg = moe_tiles(tokens * top_k, num_experts, tg.compiled, tiles)
+    cfg = moe_tiles(tokens * top_k, num_experts, tg.compiled, tiles, elsize)
     direct = cfg.get("direct", tokens == 1)
     align = None if direct else align_launch(tokens * top_k, num_experts, cfg["block_m"])
     return tuple(sorted(cfg.items())), direct, tuple(sorted((align or {}).items()))
@@ -239,7 +261,7 @@ def moe_warm_up(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int,
     tg = target(w1)
     first: dict[tuple, int] = {}
     for T in range(1, max_tokens + 1):
-        first.setdefault(launch_variant(T, top_k, E, tg), T)
+        first.setdefault(launch_variant(T, top_k, E, tg, elsize=w1.element_size()), T)
     for T in first.values():
         ids = torch.arange(T * top_k, device=w1.device).remainder(E).view(T, top_k).to(ids_dtype)
         wts = torch.full((T, top_k), 1.0 / top_k, device=w1.device, dtype=weights_dtype or w1.dtype)
@@ -295,7 +317,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if T == 0 or k == 0:
         return _epilogue(torch.zeros(T, H, dtype=torch.float32, device=x.device), add, residual, scale, x.dtype)
     N = T * k
-    cfg = moe_tiles(N, E, target(x).compiled, tiles)
+    cfg = moe_tiles(N, E, target(x).compiled, tiles, w1.element_size())
     BM = cfg["block_m"]
     direct = cfg.get("direct", T == 1)  # one block per pair, no align step (moe_kernels' docstring)
     if direct:

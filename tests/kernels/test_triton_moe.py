@@ -169,3 +169,17 @@ def _interpreter():
     from mambaserve.kernels._dispatch import Target
 
     return Target(compiled=False)
+
+
+def test_tiles_fit_shared_memory_for_fp32_weights():
+    """The GPU tiles are sized for bf16; fp32 weights (a model served in float32) take twice the room, so their
+    stages or K steps shrink until a program's staged tiles fit (an sm_90 block would refuse them otherwise)."""
+    from mambaserve.kernels.moe import STAGED_BYTES
+
+    for bound, row in MOE_TILES:
+        pairs = 64 * int(bound or 200)
+        assert moe_tiles(pairs, 64) == row  # bf16: as swept
+        t = moe_tiles(pairs, 64, elsize=4)
+        for part, b in (("up", 2), ("down", 1)):
+            staged = (t["block_m"] + b * t[f"{part}_block_n"]) * t[f"{part}_block_k"] * 4 * t[f"{part}_stages"]
+            assert staged <= STAGED_BYTES and t[f"{part}_stages"] >= 2

@@ -290,9 +290,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     Q = triton.cdiv(N, chunk)
     local = torch.empty(Q, EP, dtype=torch.int32, device=ids.device)
     start = torch.empty(EP, dtype=torch.int32, device=ids.device)
-    _moe_count_kernel[(Q,)](ids, local, N, EP=EP, CHUNK=chunk, num_warps=4, **pdl)
-    _moe_runs_kernel[(1,)](local, start, sorted_pairs, block_expert, N, P, NB, Q, BLOCK_M=block_m, EP=EP,
-                           CHUNK=chunk, FILL=1024, QB=max(1, 4096 // EP), num_warps=4, **pdl)
+    _moe_count_kernel[(Q,)](ids, local, sorted_pairs, N, P, triton.cdiv(P, Q), EP=EP, CHUNK=chunk, FILL=128,
+                            num_warps=4, **pdl)
+    _moe_runs_kernel[(1,)](local, start, block_expert, NB, Q, BLOCK_M=block_m, EP=EP,
+                           CHUNK=chunk, QB=max(1, 4096 // EP), num_warps=4, **pdl)
     _moe_scatter_kernel[(Q,)](ids, local, start, sorted_pairs, N, EP=EP, CHUNK=chunk, num_warps=4, **pdl)
     return MoeAlignment(sorted_pairs, block_expert, block_m)
 

@@ -13,9 +13,10 @@ projection reads its rows contiguously; only the up projection gathers token row
                                           position = its expert's offset + its rank among the earlier
                                           pairs of that expert (a cumsum over a [CHUNK, experts] one-hot),
                                           so pairs keep their order within an expert (stable, deterministic)
-  _moe_count_kernel,  [N/CHUNK], [1],     the same in three launches for many pairs: each program's counts;
-  _moe_runs_kernel,   [N/CHUNK]           one program turns them into each program's offsets and lays out
-  _moe_scatter_kernel                     the runs; each program scatters its pairs (still stable)
+  _moe_count_kernel,  [N/CHUNK], [1],     the same in three launches for many pairs: each program's counts
+  _moe_runs_kernel,   [N/CHUNK]           (and its share of the sentinel fill); one program turns them into
+  _moe_scatter_kernel                     each program's offsets and lays out the runs; each program
+                                          scatters its pairs (still stable)
   _moe_up_kernel      [blocks, I/BLOCK_N] rows of ``x`` gathered by token, times expert e's first
                                           projection; GATED reads the gate columns n and the up columns
                                           I + n in the same K loop (two accumulators) and stores
@@ -44,16 +45,19 @@ from mambaserve.kernels._dispatch import HAS_TRITON, pdl_start, tl, triton
 if HAS_TRITON:
 
     @triton.jit
-    def _runs(counts, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-              FILL: tl.constexpr):
-        """From the per-expert pair counts [EP]: every position of ``pairs`` set to the padding sentinel N, each
-        block's expert (-1 past the last run) in ``bexp``; returns each expert's run start."""
+    def _fill(pairs_ptr, N, lo, hi, FILL: tl.constexpr):
+        """Positions [lo, hi) of ``pairs`` set to the padding sentinel N, FILL a step."""
+        for p0 in range(lo, hi, FILL):
+            p = p0 + tl.arange(0, FILL)
+            tl.store(pairs_ptr + p, tl.zeros([FILL], dtype=tl.int32) + N, mask=p < hi)
+
+    @triton.jit
+    def _runs(counts, bexp_ptr, NB, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+        """From the per-expert pair counts [EP]: each block's expert (-1 past the last run) in ``bexp``; returns
+        each expert's run start."""
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         pad_end = tl.cumsum(padded, 0)
         total = tl.sum(padded, 0)
-        for p0 in range(0, P, FILL):
-            p = p0 + tl.arange(0, FILL)
-            tl.store(pairs_ptr + p, tl.zeros([FILL], dtype=tl.int32) + N, mask=p < P)
         c = tl.arange(0, CHUNK)
         for b0 in range(0, NB, CHUNK):
             b = b0 + c
@@ -88,7 +92,8 @@ if HAS_TRITON:
             i = i0 + c
             ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
             counts += tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0)
-        pad_start = _runs(counts, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M, CHUNK, FILL)
+        _fill(pairs_ptr, N, 0, P, FILL)
+        pad_start = _runs(counts, bexp_ptr, NB, BLOCK_M, CHUNK)
         tl.debug_barrier()  # the sentinel fill above lands before the scatter below overwrites part of it
         seen = tl.zeros([EP], dtype=tl.int32)
         for i0 in range(0, N, CHUNK):
@@ -102,18 +107,22 @@ if HAS_TRITON:
         i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         return i, tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
 
-    @triton.jit(do_not_specialize=["N"])
-    def _moe_count_kernel(ids_ptr, local_ptr, N, EP: tl.constexpr, CHUNK: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
-        """Grid (cdiv(N, CHUNK),): program q's pairs per expert -> ``local[q]`` [EP]."""
+    @triton.jit(do_not_specialize=["N", "P", "SPAN"])
+    def _moe_count_kernel(ids_ptr, local_ptr, pairs_ptr, N, P, SPAN, EP: tl.constexpr, CHUNK: tl.constexpr,
+                          FILL: tl.constexpr, USE_PDL: tl.constexpr = False):
+        """Grid (cdiv(N, CHUNK),): program q's pairs per expert -> ``local[q]`` [EP], and positions [q * SPAN,
+        (q + 1) * SPAN) of ``pairs`` set to the sentinel (one program filling all P of them took ~20 us at 8,192
+        tokens)."""
         pdl_start(USE_PDL)
         _, ids = _program_pairs(ids_ptr, N, CHUNK)
         ex = tl.arange(0, EP)
         tl.store(local_ptr + tl.program_id(0) * EP + ex, tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0))
+        lo = tl.program_id(0) * SPAN
+        _fill(pairs_ptr, N, lo, tl.minimum(lo + SPAN, P), FILL)
 
-    @triton.jit(do_not_specialize=["N", "P", "NB", "Q"])
-    def _moe_runs_kernel(local_ptr, start_ptr, pairs_ptr, bexp_ptr, N, P, NB, Q, BLOCK_M: tl.constexpr,
-                         EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, QB: tl.constexpr,
+    @triton.jit(do_not_specialize=["NB", "Q"])
+    def _moe_runs_kernel(local_ptr, start_ptr, bexp_ptr, NB, Q, BLOCK_M: tl.constexpr,
+                         EP: tl.constexpr, CHUNK: tl.constexpr, QB: tl.constexpr,
                          USE_PDL: tl.constexpr = False):
         """Grid (1,): ``local[q]`` becomes the pairs of each expert in the Q programs before q (in place), QB
         programs' rows a step (an exclusive cumsum down a [QB, EP] tile: one row a step took 23 us at 192 rows on
@@ -128,7 +137,7 @@ if HAS_TRITON:
             n = tl.load(local_ptr + rows, mask=m, other=0)
             tl.store(local_ptr + rows, tl.cumsum(n, 0) - n + seen[None, :], mask=m)
             seen += tl.sum(n, 0)
-        tl.store(start_ptr + ex, _runs(seen, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M, CHUNK, FILL))
+        tl.store(start_ptr + ex, _runs(seen, bexp_ptr, NB, BLOCK_M, CHUNK))
 
     @triton.jit(do_not_specialize=["N"])
     def _moe_scatter_kernel(ids_ptr, local_ptr, start_ptr, pairs_ptr, N, EP: tl.constexpr, CHUNK: tl.constexpr,

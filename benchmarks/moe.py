@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="copies of the weights the calls cycle through")
     ap.add_argument("--sweep", action="store_true", help="also search tiles per token count")
     ap.add_argument("--sweep-block-m", default=",".join(map(str, SWEEP_BLOCK_M)), help="BLOCK_M values the sweep tries")
+    ap.add_argument("--tiles", type=json.loads, default=[], help="JSON list of tile overrides, each timed too")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     a = ap.parse_args()
@@ -178,6 +179,15 @@ def main() -> None:
                "eager_us": t_eager * 1e6, "align_us": t_align * 1e6, "align_torch_us": t_align_torch * 1e6, "loop_us": t_loop * 1e6,
                "bound_us": bound * 1e6, "loop_over_kernel": t_loop / t_kernel, "kernel_over_bound": t_kernel / bound,
                "GB_s": nbytes / t_kernel / 1e9, "TFLOP_s": flops / t_kernel / 1e12}
+        if cuda and T > 1:  # the weight (and intermediate) tiles through TMA descriptors instead
+            tma = lambda i: moe.moe_experts(x, ids, wts, w1[i % L], w2[i % L], tiles={"tma": True})  # noqa: E731
+            row.update(tma_err=rel_err(tma(0), loop(0)), tma_us=graph_time(tma, L) * 1e6)
+        for j, tiles in enumerate(a.tiles if cuda else []):  # --tiles: each override set timed
+            fn = lambda i: moe.moe_experts(x, ids, wts, w1[i % L], w2[i % L], tiles=tiles)  # noqa: E731
+            try:
+                row[f"tiles_{j}_us"] = graph_time(fn, L) * 1e6
+            except Exception as e:  # a tile set that does not fit: say so, go on
+                row[f"tiles_{j}_us"] = f"{type(e).__name__}"
         if a.sweep and cuda:
             best, best_t = sweep(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E,
                                  [int(b) for b in a.sweep_block_m.split(",")])

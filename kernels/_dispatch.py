@@ -188,6 +188,22 @@ def use_pdl(t: torch.Tensor) -> bool:
     return target(t).pdl
 
 
+def tma_descriptor(t: torch.Tensor, rows: int, cols: int, row_stride: int, block: list[int]):
+    """A 2-D TMA tensor descriptor [rows, cols] over ``t``'s storage (columns contiguous), or None where
+    the layout does not allow one (16-byte aligned base and row stride) or TMA is unavailable. Loads through
+    it read zeros past the bounds."""
+    tg = target(t)
+    if not HAS_TRITON or not (tg.hopper if tg.compiled else interpreting()):
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - Triton < 3.4
+        return None
+    if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16 or block[-1] * t.element_size() < 16:
+        return None
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], block)
+
+
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel that calls ``pdl_start``: PDL on where ``use_pdl`` says so."""
     return {"USE_PDL": True, "launch_pdl": True} if use_pdl(t) else {}

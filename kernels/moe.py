@@ -33,7 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import HAS_TRITON, Target, next_pow2, pdl_args, target, tl, triton, use_triton
+from mambaserve.kernels._dispatch import (HAS_TRITON, Target, next_pow2, pdl_args, target, tl, tma_descriptor, triton,
+                                          use_triton)
 
 if HAS_TRITON:
     from mambaserve.kernels.moe_kernels import (_moe_align_kernel, _moe_count_kernel, _moe_down_kernel,
@@ -166,9 +167,10 @@ MOE_TILES = (
     # short prefills: 64-row blocks (one warpgroup's wgmma height)
     (96, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
           "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
-    # prefill: 128 x 128 tiles over two warpgroups
+    # prefill: 128 x 128 tiles over two warpgroups, the weight tiles (and the down projection's rows) through TMA
+    # descriptors on Hopper (5-8% faster at 2,048-8,192 tokens on an H200)
     (None, {"block_m": 128, "up_block_n": 128, "up_block_k": 64, "up_warps": 8, "up_stages": 3,
-            "down_block_n": 128, "down_block_k": 64, "down_warps": 8, "down_stages": 3}),
+            "down_block_n": 128, "down_block_k": 64, "down_warps": 8, "down_stages": 3, "tma": True}),
 )
 # Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still cross several tiles.
 _INTERPRET_TILES = {"block_m": 16, "up_block_n": 16, "up_block_k": 16, "up_warps": 1, "up_stages": 1,
@@ -331,17 +333,33 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     dot_t, prec = _dot_types(x, w1)
     pdl = pdl_args(x)
     h = torch.empty(blocks * BM, I, dtype=x.dtype, device=x.device)
+    descs = _descriptors(cfg, w1, w2, h) if cfg.get("tma") and not direct else None
+    w1_desc, h_desc, w2_desc = descs or (w1, h, w2)
     _moe_up_kernel[(blocks, triton.cdiv(I, cfg["up_block_n"]))](
-        x, w1, h, pairs, bexp, N, H, I, *x.stride(), *w1.stride(), *h.stride(),
+        x, w1, w1_desc, h, pairs, bexp, N, H, I, *x.stride(), *w1.stride(), *h.stride(),
         TOP_K=k, GATED=gated, ACT=ACTIVATIONS.index(act), EVEN_K=H % cfg["up_block_k"] == 0, BLOCK_M=BM,
         BLOCK_N=cfg["up_block_n"], BLOCK_K=cfg["up_block_k"], DOT_T=dot_t, PREC=prec, DIRECT=direct,
-        num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **pdl)
+        TMA=descs is not None, num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **pdl)
     out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(H, cfg["down_block_n"]))](
-        h, w2, out, pairs, bexp, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
+        h, w2, h_desc, w2_desc, out, pairs, bexp, N, I, H, *h.stride(), *w2.stride(), *out.stride(),
         EVEN_K=I % cfg["down_block_k"] == 0, BLOCK_M=BM, BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
-        DOT_T=dot_t, PREC=prec, DIRECT=direct, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **pdl)
+        DOT_T=dot_t, PREC=prec, DIRECT=direct, TMA=descs is not None, num_warps=cfg["down_warps"],
+        num_stages=cfg["down_stages"], **pdl)
     return _weighted_sum(out, topk_weights, add, residual, scale, x.dtype)
+
+
+def _descriptors(cfg: dict, w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor) -> tuple | None:
+    """TMA descriptors of the up projection's weights (``w1`` as [E * F, H]), the intermediate rows and the down
+    projection's weights (``w2`` as [E * H, I]) in the tiles' blocks; None where one cannot be made (not Hopper,
+    a layout TMA cannot read)."""
+    if not (w1.is_contiguous() and w2.is_contiguous()):
+        return None
+    (E, F_, H), I = w1.shape, w2.shape[2]
+    descs = (tma_descriptor(w1, E * F_, H, H, [cfg["up_block_n"], cfg["up_block_k"]]),
+             tma_descriptor(h, h.shape[0], I, I, [cfg["block_m"], cfg["down_block_k"]]),
+             tma_descriptor(w2, E * H, I, I, [cfg["down_block_n"], cfg["down_block_k"]]))
+    return None if any(d is None for d in descs) else descs
 
 
 def _weighted_sum(src: torch.Tensor, topk_weights: torch.Tensor, add, residual, scale: float,

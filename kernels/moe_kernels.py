@@ -170,14 +170,22 @@ if HAS_TRITON:
             pair = tl.load(pairs_ptr + rows)
         return e, rows, pair
 
+    @triton.jit
+    def _weight_tile(w_desc, row, k0):
+        """Rows [row, row + BLOCK_N) of a 2-D view of stacked weights at columns [k0, k0 + BLOCK_K), through its
+        TMA descriptor, as the [BLOCK_K, BLOCK_N] operand of a dot (rows past an expert's are the next
+        expert's: their output columns are masked on store; columns past K read 0)."""
+        return tl.trans(w_desc.load([row, k0]))
+
     @triton.jit(do_not_specialize=["N"])
-    def _moe_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, bexp_ptr, N, K, I,
+    def _moe_up_kernel(x_ptr, w_ptr, w_desc, h_ptr, pairs_ptr, bexp_ptr, N, K, I,
                        x_t, x_k, w_e, w_n, w_k, h_p, h_i,
                        TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_T: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr = False,
-                       USE_PDL: tl.constexpr = False):
-        """Grid (blocks, cdiv(I, BLOCK_N)): ``h[p, n] = act(x[tok(p)] . w[e, n]) (* x[tok(p)] . w[e, I + n])``."""
+                       TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        """Grid (blocks, cdiv(I, BLOCK_N)): ``h[p, n] = act(x[tok(p)] . w[e, n]) (* x[tok(p)] . w[e, I + n])``.
+        TMA: the weight tiles through ``w_desc`` (``w`` as [E * F, K]); the token rows stay a gather."""
         pdl_start(USE_PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e, rows, pair = _row_block(pid_m, pairs_ptr, bexp_ptr, N, BLOCK_M, DIRECT)
@@ -192,18 +200,25 @@ if HAS_TRITON:
         g_ptrs = w_ptr + e.to(tl.int64) * w_e + n[None, :] * w_n + kk[:, None] * w_k  # [BLOCK_K, BLOCK_N]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        row = e * (2 * I if GATED else I) + pid_n * BLOCK_N  # (TMA) the gate tile's first row in w as [E * F, K]
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                g = tl.load(g_ptrs, mask=mn[None, :], other=0.0)
             else:
                 mk = (k0 + kk) < K
                 a = tl.load(a_ptrs, mask=valid[:, None] & mk[None, :], other=0.0)
+            if TMA:
+                g = _weight_tile(w_desc, row, k0)
+            elif EVEN_K:
+                g = tl.load(g_ptrs, mask=mn[None, :], other=0.0)
+            else:
                 g = tl.load(g_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
             a = a.to(DOT_T)
             acc_g = tl.dot(a, g.to(DOT_T), acc_g, input_precision=PREC)
             if GATED:
-                if EVEN_K:
+                if TMA:
+                    u = _weight_tile(w_desc, row + I, k0)
+                elif EVEN_K:
                     u = tl.load(g_ptrs + I * w_n, mask=mn[None, :], other=0.0)
                 else:
                     u = tl.load(g_ptrs + I * w_n, mask=mk[:, None] & mn[None, :], other=0.0)
@@ -217,13 +232,14 @@ if HAS_TRITON:
                  mask=valid[:, None] & mn[None, :])
 
     @triton.jit(do_not_specialize=["N"])
-    def _moe_down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, bexp_ptr, N, I, H,
+    def _moe_down_kernel(h_ptr, w_ptr, h_desc, w_desc, out_ptr, pairs_ptr, bexp_ptr, N, I, H,
                          h_p, h_i, w_e, w_n, w_k, o_p, o_h, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_T: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr = False,
-                         USE_PDL: tl.constexpr = False):
+                         TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False):
         """Grid (blocks, cdiv(H, BLOCK_N)): ``out[pair(p), n] = h[p] . w[e, n]``, rounded to out's dtype (as the
-        reference's per-expert ``F.linear``); the routing weight is applied in the sum."""
+        reference's per-expert ``F.linear``); the routing weight is applied in the sum. TMA: h's rows and the weight
+        tiles (``w`` as [E * H, I]) through their descriptors."""
         pdl_start(USE_PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e, rows, pair = _row_block(pid_m, pairs_ptr, bexp_ptr, N, BLOCK_M, DIRECT)
@@ -237,7 +253,10 @@ if HAS_TRITON:
         b_ptrs = w_ptr + e.to(tl.int64) * w_e + n[None, :] * w_n + kk[:, None] * w_k  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            if EVEN_K:
+            if TMA:  # the block's rows of h are contiguous positions (padding rows' products are never stored)
+                a = h_desc.load([pid_m * BLOCK_M, k0])
+                b = _weight_tile(w_desc, e * H + pid_n * BLOCK_N, k0)
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=mn[None, :], other=0.0)
             else:

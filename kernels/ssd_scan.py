@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, Target, interpreting, next_pow2, seq_block, target, tl, triton,
-                                          use_triton)
+from mambaserve.kernels._dispatch import (HAS_TRITON, Target, interpreting, next_pow2, seq_block, target, tl,
+                                          tma_descriptor, triton, use_triton)
 from mambaserve.kernels.config import DEFAULT, KernelConfig
 
 if HAS_TRITON:
@@ -222,21 +222,6 @@ SCAN_CONFIG = {"chunk": 128, "block_m": 64, "block_k": 64, "block_p": 64, "block
                "cb_tile": 64, "cb_warps": 4, "prep_heads": 16, "tma": True, "state_tma": True, "tma_min_tokens": 4096}
 
 
-def _descriptor(t: torch.Tensor, rows: int, cols: int, row_stride: int, block: list[int]):
-    """A 2-D TMA tensor descriptor [rows, cols] over ``t``'s storage (columns contiguous), or None where
-    the layout does not allow one (16-byte aligned base and row stride) or TMA is unavailable."""
-    tg = target(t)
-    if not HAS_TRITON or not (tg.hopper if tg.compiled else interpreting()):
-        return None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # pragma: no cover - Triton < 3.4
-        return None
-    if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16 or block[-1] * t.element_size() < 16:
-        return None
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], block)
-
-
 def _rows_of(t: torch.Tensor, inner: int):
     """[T, A, inner] with the last two dims packed (stride inner, 1): its row stride, else None."""
     return t.stride(0) if t.stride(2) == 1 and t.stride(1) == inner else None
@@ -340,8 +325,8 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
     # TMA descriptors only where the GPU work is big (SCAN_CONFIG's note: short prompts' TTFT)
     tma_ok = (least := tma_tokens(tg, overrides)) is not None and T >= least
     if tma_ok and cfg["state_tma"] and x_rows and B_rows and P % SBP == 0 and N % SBN == 0:
-        sx_desc = _descriptor(x, T, H * P, x_rows, [SBK, SBP])
-        sB_desc = _descriptor(B, T, G * N, B_rows, [SBK, SBN])
+        sx_desc = tma_descriptor(x, T, H * P, x_rows, [SBK, SBP])
+        sB_desc = tma_descriptor(B, T, G * N, B_rows, [SBK, SBN])
     state_tma = sx_desc is not None and sB_desc is not None
     _ssd_states_kernel[(triton.cdiv(P, SBP) * triton.cdiv(N, SBN), H, S)](
         x, B, sx_desc if state_tma else x, sB_desc if state_tma else B, ws, cs, dtp, cu_seqlens, pos, state_indices,
@@ -363,9 +348,9 @@ def _ssd_scan_triton(x, dt, A, B, C, *, chunk_size, cu_seqlens, ssm_state, state
         PREC=prec, DOT_T=dot_t, num_warps=cfg["cb_warps"])
     descs = None
     if tma_ok and cfg["tma"] and x_rows and C_rows and P % OBP == 0 and N % OBN == 0:
-        descs = [_descriptor(x, T, H * P, x_rows, [BK, OBP]), _descriptor(x, T, H * P, x_rows, [BM, OBP]),
-                 _descriptor(C, T, G * N, C_rows, [BM, OBN]), _descriptor(cb, NC * G * QI, QI, QI, [BM, BK]),
-                 _descriptor(start, NC * H * P, N, N, [OBP, OBN])]
+        descs = [tma_descriptor(x, T, H * P, x_rows, [BK, OBP]), tma_descriptor(x, T, H * P, x_rows, [BM, OBP]),
+                 tma_descriptor(C, T, G * N, C_rows, [BM, OBN]), tma_descriptor(cb, NC * G * QI, QI, QI, [BM, BK]),
+                 tma_descriptor(start, NC * H * P, N, N, [OBP, OBN])]
         if any(d is None for d in descs):
             descs = None
     _ssd_chunk_scan_kernel[(H * triton.cdiv(P, OBP) * NC * (QI // BM),)](

@@ -183,3 +183,17 @@ def test_tiles_fit_shared_memory_for_fp32_weights():
         for part, b in (("up", 2), ("down", 1)):
             staged = (t["block_m"] + b * t[f"{part}_block_n"]) * t[f"{part}_block_k"] * 4 * t[f"{part}_stages"]
             assert staged <= STAGED_BYTES and t[f"{part}_stages"] >= 2
+
+
+@pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)])
+@pytest.mark.parametrize("T,k,E,H,I,kind", [(37, 2, 6, 32, 48, "crowded"), (9, 3, 7, 40, 20, "spread")])
+def test_tma_weight_tiles_match_reference(dev, act, gated, T, k, E, H, I, kind):
+    """Prefill's tiles read the weights (and the down projection its rows) through TMA descriptors: a tile past an
+    expert's rows reads the next expert's (masked on store), past K zeros; widths here cross both."""
+    from mambaserve.kernels.moe import _descriptors
+
+    x, ids, wts, w1, w2 = _case(T, k, E, H, I, gated, kind, torch.float32, dev, seed=T + H)
+    tiles = {**moe_tiles(T * k, E, dev == "cuda", elsize=4), "tma": True}
+    assert _descriptors(tiles, w1, w2, torch.empty(64, I, device=dev)) is not None
+    out = moe_experts(x, ids, wts, w1, w2, act=act, gated=gated, force_triton=True, tiles=tiles)
+    assert_close(out, moe_experts_ref(x, ids, wts, w1, w2, act=act, gated=gated), TOL[torch.float32])

@@ -39,7 +39,7 @@ from mambaserve.server.model.hub import resolve as resolve_checkpoint
 from mambaserve.server.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
 from mambaserve.server.model.parallel import SINGLE, TP
 from mambaserve.server.model.registry import resolve
-from mambaserve.server.model.tokenizer import load_tokenizer, render_chat
+from mambaserve.server.model.tokenizer import encode, load_tokenizer, render_chat
 from mambaserve.server.sessions import snapshot as session_snapshot
 from mambaserve.server.sessions.snapshot_store import SnapshotStore
 from mambaserve.server.sessions.table import Caller, SessionError, TurnParams
@@ -240,7 +240,7 @@ class Engine:
         return f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode(self.tokenizer, text)
 
     async def tokenize(self, text: str) -> list[int]:
         """``encode`` on a worker thread: a long prompt must not stall the event loop (health checks, streams)."""
@@ -274,7 +274,9 @@ class Engine:
 
     def check_token_ids(self, ids: Iterable[int], what: str = "token ids") -> None:
         """BadRequest naming the first few of ``ids`` outside the model's vocabulary."""
-        vocab = self.dims.vocab_size
+        vocab, ids = self.dims.vocab_size, list(ids)
+        if not ids or 0 <= min(ids) and max(ids) < vocab:  # (a prompt's thousands of ids: at C speed)
+            return
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"{what} out of range [0, {vocab}): {bad[:5]}")

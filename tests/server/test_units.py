@@ -236,3 +236,19 @@ def test_config_refuses_bad_values_before_anything_loads(bad, needle):
 
     with pytest.raises(ValueError, match=needle):
         ServerConfig(model="/nonexistent", **bad)
+
+
+def test_encode_through_the_backend_gives_the_tokenizers_ids():
+    """``model.tokenizer.encode`` (the Rust backend, the interpreter lock released) equals transformers' encode: special
+    tokens, unicode, whitespace; a backend set to truncate goes through transformers, which turns that off."""
+    from pathlib import Path
+
+    from mambaserve.server.model.tokenizer import encode, load_tokenizer, render_chat
+
+    tok = load_tokenizer(Path(__file__).resolve().parents[2] / "models" / "mamba2-tiny-pystdlib")
+    chat = render_chat(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):\n\treturn x"}])
+    for text in (chat, "héllo wörld ✓ 日本語 \U0001F600", "", "  \n\t x", "<|endoftext|><|endoftext|>abc<|system|>",
+                 json.__doc__):
+        assert encode(tok, text) == tok.encode(text, add_special_tokens=False), text
+    tok.backend_tokenizer.enable_truncation(max_length=3)
+    assert len(encode(tok, chat)) > 3

@@ -6,11 +6,11 @@ import contextlib
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api.ownership import session_headers, turn_with_caller
 from mambaserve.server.api.protocol import AbortRequest, GenerateRequest
-from mambaserve.server.api.responses import admitted_all, collect, error_response, finish_info, merged, sse
+from mambaserve.server.api.responses import (DONE, SSEResponse, admitted_all, collect, error_response, finish_info,
+                                               merged, sse)
 from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse, Load, ModelInfo, ServerInfo,
                                            Success, streamed)
 from mambaserve.server.cache.radix_tree import CacheBusyError
@@ -81,8 +81,7 @@ def native_routes(engine: Engine) -> APIRouter:
         payload = _Payload(engine.tokenizer if body.return_text_in_logprobs else None, body.return_logprob, n)
         if body.stream:
             streams = await admitted_all(request, gens)
-            return StreamingResponse(_native_stream(streams, payload, many), media_type="text/event-stream",
-                                     headers=session_headers(turn, gens))
+            return SSEResponse(_native_stream(streams, payload, many), session_headers(turn, gens))
         results = await collect(request, *gens)
         response.headers.update(session_headers(turn, gens))
         answers = [payload(outs, results, i) for i, outs in enumerate(results)]
@@ -136,4 +135,4 @@ async def _native_stream(streams: list[AsyncIterator[StepOutput]], payload: _Pay
             if many:
                 answer["index"] = i
             yield sse(answer)
-    yield sse("[DONE]")
+    yield DONE

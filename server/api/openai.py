@@ -8,12 +8,11 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 
 from mambaserve.server.api import tool_calls
 from mambaserve.server.api.ownership import session_headers, turn_with_caller
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest, NamedToolChoice
-from mambaserve.server.api.responses import admitted_all, collect, ended_early, merged, sse
+from mambaserve.server.api.responses import DONE, Last, SSEResponse, admitted_all, collect, ended_early, merged, sse
 from mambaserve.server.api.schemas import (ERRORS, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
                                            streamed)
 from mambaserve.server.engine.engine import Engine
@@ -213,9 +212,9 @@ def openai_routes(engine: Engine) -> APIRouter:
                 if body.include_usage:
                     yield sse({"id": cid, "object": "text_completion", "created": created, "model": engine.model_name,
                                "choices": [], "usage": _usage([o[-1] if o else None for o in outs], n)})
-                yield sse("[DONE]")
+                yield DONE
 
-            return StreamingResponse(events(), media_type="text/event-stream", headers=session_headers(turn, gens))
+            return SSEResponse(events(), session_headers(turn, gens))
 
         results = await collect(request, *gens)
         response.headers.update(session_headers(turn, gens))
@@ -286,8 +285,15 @@ def openai_routes(engine: Engine) -> APIRouter:
         if body.stream:
             streams = await admitted_all(request, gens)
 
+            def end() -> str:
+                usage = sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
+                             "choices": [], "usage": _usage(lasts, n)}) if body.include_usage else ""
+                return Last(usage + DONE)
+
+            lasts: list[StepOutput | None] = [None] * n
+
             async def events():
-                lasts: list[StepOutput | None] = [None] * n
+                live = n
                 async with contextlib.aclosing(merged(streams)) as it:
                     async for i, out in it:
                         first = lasts[i] is None
@@ -310,13 +316,14 @@ def openai_routes(engine: Engine) -> APIRouter:
                                  "model": engine.model_name, "choices": [choice_]}
                         if out.input_logprobs is not None and prompt_lp:
                             chunk["prompt_logprobs"] = prompt_logprobs(out, body.prompt_logprobs)
+                        live -= 1 if out.finished else 0
+                        if not live:  # the last chunk, the usage, [DONE] and the body's end: one write
+                            yield Last(sse(persisted(chunk, out)) + end())
+                            return
                         yield sse(persisted(chunk, out))
-                if body.include_usage:
-                    yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                               "model": engine.model_name, "choices": [], "usage": _usage(lasts, n)})
-                yield sse("[DONE]")
+                yield end()
 
-            return StreamingResponse(events(), media_type="text/event-stream", headers=session_headers(turn, gens))
+            return SSEResponse(events(), session_headers(turn, gens))
         results = await collect(request, *gens)
         response.headers.update(session_headers(turn, gens))
         choices = []

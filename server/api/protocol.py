@@ -17,6 +17,8 @@ from mambaserve.server.sessions.table import OpenParams, TurnParams
 
 def _check_text(value: Any, where: str) -> None:
     if isinstance(value, str):
+        if value.isascii():  # (a flag of the string: no copy)
+            return
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -36,10 +38,15 @@ class _Body(BaseModel):
 
     @model_validator(mode="after")
     def _well_formed_text(self):
-        # a string the tokenizer cannot encode must be a 4xx here, not an exception in a handler
-        for name in type(self).model_fields:
-            _check_text(getattr(self, name), name)
+        # a string the tokenizer cannot encode must be a 4xx here, not an exception in a handler (each nested
+        # model checks its own fields; __dict__ holds the fields' values, read once per request on the event loop)
+        for name, value in self.__dict__.items():
+            if value is not None and not isinstance(value, _NO_TEXT):
+                _check_text(value, name)
         return self
+
+
+_NO_TEXT = (bool, int, float, BaseModel)
 
 
 # Fields other servers implement and this one does not: a request that sets one (to anything but its

@@ -9,7 +9,7 @@ import json
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from mambaserve.server.engine.request import BadRequest, FinishReason, StepOutput
 
@@ -25,6 +25,55 @@ def error_response(status: int, message: str, code: str = "invalid_request",
 
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class Last(str):
+    """A stream's last events (e.g. its last chunk, the usage and ``[DONE]``): ``SSEResponse`` writes them with
+    the end of the body, one write where each was one (a socket write, and h11's framing, each)."""
+
+
+DONE = Last(sse("[DONE]"))
+
+
+class SSEResponse(Response):
+    """A streamed answer (``text/event-stream``) from an async iterator of events, each written as it comes; a
+    ``Last`` ends the body with it. Starlette's StreamingResponse does the same but watches for the client's
+    disconnect in an anyio task group (two tasks and cancel scopes per response, on the event loop that the
+    scheduler shares the interpreter lock with); here one task waits for the disconnect and cancels the writer.
+    Either way a client gone closes ``events`` (which aborts its requests) and the response ends quietly."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None):
+        self.events, self.status_code, self.background = events, 200, None
+        self.init_headers(headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        writer, gone = asyncio.current_task(), False
+
+        async def watch():
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            writer.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            async with contextlib.aclosing(self.events) as events:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                async for event in events:
+                    last = isinstance(event, Last)
+                    await send({"type": "http.response.body", "body": event.encode(), "more_body": not last})
+                    if last:
+                        return
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            writer.uncancel()  # (the client went away: nothing more to write, nothing to report)
+        finally:
+            watcher.cancel()
 
 
 def _raise_refusal(first: StepOutput) -> None:

@@ -20,10 +20,13 @@ class StageTimer:
         token = timeline.current.set(tl)
 
         async def timed_send(message):
-            if message["type"] == "http.response.body" and "first_byte" not in tl.marks:
-                tl.mark("first_byte")
+            if message["type"] != "http.response.body" or "first_byte" in tl.marks:
+                return await send(message)
+            tl.mark("first_byte")
+            try:
+                await send(message)
+            finally:  # (after the write: the first byte does not wait for the histograms)
                 timeline.observe(tl, self.histogram)
-            await send(message)
 
         try:
             await self.app(scope, receive, timed_send)

@@ -35,9 +35,8 @@ def encode(tokenizer, text: str) -> list[int]:
     which releases the interpreter lock while it tokenizes. Through transformers' wrapper a thread spinning beside
     it lost 1.26 ms per call on a 1,100-token prompt (1.17 ms a call: the lock held throughout), through the backend
     0.52 ms (2 cores); the scheduler thread waits for the lock the same way. The backend is used as transformers
-    leaves it (its special tokens
-    matched, ``split_special_tokens`` set at load); one that a tokenizer.json set to truncate or pad goes through
-    the wrapper, which turns both off."""
+    leaves it (its special tokens matched, ``split_special_tokens`` set at load); one that a tokenizer.json set to
+    truncate or pad goes through the wrapper, which turns both off."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     fast = getattr(backend, "encode_batch_fast", None)
     if fast is None or backend.truncation is not None or backend.padding is not None:

@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-graphs", action="store_true", help="time decode eagerly only")
     ap.add_argument("--variants", type=json.loads, default=[],
-                    help='JSON list of kernels.KernelConfig overrides, each timed on the decode graphs (captured again), '
+                    help='JSON list of kernels.KernelConfig overrides, each timed on the graphs (captured again), '
                          'e.g. \'[{"fuse_norm_linear": false}, {"linear_tiles": {"1536": {"BLOCK_N": 8}}}]\'')
     ap.add_argument("--profile", action="store_true",
                     help="the kernels of one graph-replayed decode step per batch size (torch profiler), and of a prefill")

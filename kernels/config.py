@@ -34,9 +34,12 @@ class KernelConfig:
     state_update_small_tiles: tuple[int, int] = (4, 1)
     # Overrides of the chunked scan's tiles (keys of ssd_scan.SCAN_CONFIG, which has the defaults).
     scan_tiles: Mapping[str, object] = field(default_factory=dict)
-    # Tiles of the varlen causal conv (prefill): the best of 10 on an H100 at mamba2-2.7b dims.
+    # Tiles of the varlen causal conv (prefill). A program walks its BLOCK_T tokens one after another: short blocks
+    # (H200, benchmarks/mixer_prefill.py, granite's, nemotron-h-8b's and mamba2-2.7b's widths): 16 against 64 took
+    # 0.46-0.60x the time for a hit's 8 x 64 new tokens, 0.63-0.85x for 1 x 2,048 and 0.91-0.99x for 8 x 2,048,
+    # within 6% of the best of 8 / 16 / 32 but on the hit (8 took 6-17% less there).
     conv_varlen_tiles: Mapping[str, int] = field(
-        default_factory=lambda: {"BLOCK_T": 64, "BLOCK_D": 512, "num_warps": 4, "STAGES": 3})
+        default_factory=lambda: {"BLOCK_T": 16, "BLOCK_D": 512, "num_warps": 4, "STAGES": 3})
 
 
 DEFAULT = KernelConfig()  # what a launcher called with config=None runs

@@ -167,11 +167,11 @@ def _profile_tables(prof, a, mode: str) -> None:
     avg = prof.key_averages()
     for key in ("self_device_time_total", "self_cuda_time_total"):
         try:
-            print(avg.table(sort_by=key, row_limit=a.profile_rows), flush=True)
+            print(avg.table(sort_by=key, row_limit=a.profile_rows, max_name_column_width=70), flush=True)
             break
         except (AttributeError, KeyError, ValueError):
             continue
-    print(avg.table(sort_by="self_cpu_time_total", row_limit=a.profile_rows), flush=True)
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=a.profile_rows, max_name_column_width=70), flush=True)
     if a.trace:
         raw = Path(tempfile.mkdtemp()) / "trace.json"
         prof.export_chrome_trace(str(raw))

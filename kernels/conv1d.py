@@ -286,7 +286,7 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, cu_seqlens, state_indices,
                          config: KernelConfig | None = None):
     """Prefill conv: see the module docstring. Mutates ``conv_state`` in place. Two launches (the
     state write-back must follow every read of the old state); no host synchronisation. Tiles from
-    ``config.conv_varlen_tiles`` (the default: the best of 10 on an H100 at mamba2-2.7b dims).
+    ``config.conv_varlen_tiles`` (the default: KernelConfig says how it was chosen).
 
     ``snap_slots`` ``[S]``: where to write each sequence's conv state *before its last token* (the
     radix cache's snapshot of the prompt minus its last token, taken in the same pass); -1: none. ``snap_len``

@@ -1,6 +1,6 @@
 """The Mamba mixer's prefill kernels (the causal conv and the chunked scan) at the shapes of a cache hit's extend
 step and of prompts, under tile variants: each kernel's device time (torch profiler) and the whole call's (CUDA
-graph), beside the bytes the call must move at the measured copy bandwidth.
+graph), beside the bytes the call must move at the measured copy bandwidth. Needs a CUDA device.
 
 A hit's extend step is short sequences that start from cached states (8 x 64 new tokens after 1,088 cached:
 granite's multi-turn round), where a kernel's serial walk over its tokens, not bandwidth, sets the time.
@@ -46,7 +46,8 @@ def inputs(S: int, L: int, cached: int, device, dtype=torch.bfloat16):
         xbc=r(T, D), w=r(D, m["conv_width"]) * 0.3, bias=r(D), conv_state=r(2 * S, D, m["conv_width"] - 1),
         cu=torch.arange(0, T + 1, L, device=device, dtype=torch.int32), slots=slots,
         init=torch.full((S,), cached > 0, device=device), start=torch.full((S,), cached, device=device),
-        snap=slots + S, snap_len=torch.full((S,), L - L % 16 if L % 16 else L - 16, device=device, dtype=torch.int32),
+        # the snapshot a hybrid keeps: its last page boundary (pages of 16) before the prompt's last token
+        snap=slots + S, snap_len=torch.full((S,), (L - 1) // 16 * 16, device=device, dtype=torch.int32),
         x=r(T, H, P), dt=r(T, H), A=-torch.rand(H, device=device), B=r(T, G, N), C=r(T, G, N),
         D=torch.ones(H, device=device), dt_bias=torch.zeros(H, device=device),
         ssm_state=r(2 * S, H, P, N, dt=torch.float32))

@@ -189,7 +189,11 @@ class GraniteRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(top-k expert ids, their weights in x's dtype)``: a softmax over the k best logits."""
-        return topk_softmax(self.layer(x), self.top_k, x.dtype)
+        return self.route(self.layer(x), x.dtype)
+
+    def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` from logits computed elsewhere (Granite's layer: in one GEMM with the shared MLP's)."""
+        return topk_softmax(logits, self.top_k, dtype)
 
 
 class Stacked(nn.Module):
@@ -222,7 +226,7 @@ class GraniteMoE(nn.Module):
         """The experts' weighted sum, and the layer's epilogue in the same pass: ``residual + scale * (sum + add)``
         (``kernels.moe.moe_experts``), summed over the ranks: ``add`` is a rank's partial (a shared MLP's), and
         rank 0 alone adds ``residual``. ``logits``: the router's output where the caller computed it already."""
-        idx, w = self.router(x) if logits is None else topk_softmax(logits, self.m.top_k, x.dtype)
+        idx, w = self.router(x) if logits is None else self.router.route(logits, x.dtype)
         if self.tp.rank:
             residual = None
         return self.tp.all_reduce(moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight,

@@ -1,5 +1,5 @@
-"""Shared by the kernel benchmarks: ``mambaserve.kernels`` importable from a bare checkout, and the
-CUDA-graph timing of short kernels (launch overhead left out)."""
+"""Shared by the kernel benchmarks: ``mambaserve.kernels`` importable from a bare checkout, the
+CUDA-graph timing of short kernels (launch overhead left out), the device's copy bandwidth."""
 
 from __future__ import annotations
 
@@ -40,3 +40,13 @@ def graph_time(fn, n: int = 20, rep_ms: int = 200, warmup_ms: int = 25) -> float
     t = do_bench(g.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3 / n
     del g
     return t
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write; ``do_bench``'s median)."""
+    import torch
+    from triton.testing import do_bench
+
+    a = torch.empty(1024**3 // 4, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 4 / (do_bench(lambda: b.copy_(a), warmup=5, rep=100, return_mode="median") * 1e-3)

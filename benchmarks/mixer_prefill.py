@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from _cuda_bench import graph_time, import_kernels_from_checkout  # noqa: E402 (the script's folder is on sys.path)
+from _cuda_bench import copy_bandwidth, graph_time, import_kernels_from_checkout  # noqa: E402 (on sys.path)
 
 import_kernels_from_checkout()
 
@@ -91,14 +91,6 @@ def moved_bytes(t, S: int, cached: int) -> dict[str, int]:
             "scan": 2 * x + (t["B"].numel() + t["C"].numel() + t["dt"].numel()) * 2 + ssm * S * (3 if cached else 2)}
 
 
-def copy_bandwidth(device) -> float:
-    from triton.testing import do_bench
-
-    a = torch.empty(1 << 28, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    return 2 * a.numel() * 4 / (do_bench(lambda: b.copy_(a), warmup=5, rep=100, return_mode="median") * 1e-3)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mixer", default="granite-4.0-h-tiny", choices=sorted(MIXERS))
@@ -108,7 +100,7 @@ def main() -> None:
     a = ap.parse_args()
     MIXER.update(MIXERS[a.mixer])
     device = torch.device("cuda")
-    bw = copy_bandwidth(device)
+    bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; mixer {json.dumps(MIXER)}")
     results = []
     for name in a.shapes.split(","):

@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from hybrid_step import SHAPES  # benchmarks/ is the script's folder, so on sys.path
+from _cuda_bench import copy_bandwidth  # benchmarks/ is the script's folder, so on sys.path
+from hybrid_step import SHAPES
 from mambaserve.kernels import moe
 from mambaserve.server.model.registry import ARCHITECTURES
 
@@ -53,14 +54,6 @@ def moe_dims(shape: str):
 def peak_flops() -> float:
     name = torch.cuda.get_device_name().replace(" ", "").lower()
     return next((v for k, v in PEAKS.items() if k.replace(" ", "").lower() in name), PEAKS["H100"])
-
-
-def copy_bandwidth() -> float:
-    from triton.testing import do_bench
-
-    a = torch.empty(1024**3 // 4, dtype=torch.float32, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() * 4 / (do_bench(lambda: b.copy_(a), warmup=5, rep=100, return_mode="median") * 1e-3)
 
 
 def graph_time(fn, calls: int) -> float:

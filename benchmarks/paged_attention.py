@@ -50,13 +50,6 @@ def graph_time(fn, n=20, rep_ms=100) -> float:
     return _cuda_bench.graph_time(fn, n, rep_ms=rep_ms, warmup_ms=10)
 
 
-def measure_copy_bw() -> float:
-    a = torch.empty(1024**3 // 4, dtype=torch.float32, device="cuda").normal_()
-    b = torch.empty_like(a)
-    t = do_bench(lambda: b.copy_(a), warmup=5, rep=100, return_mode="median") * 1e-3
-    return 2 * 1024**3 / t  # read + write
-
-
 def record(kernel, shape, t, *, nbytes=None, flops=None, ref_t=None, sdpa_t=None, note=""):
     _, bw, fl = LIM
     row = dict(kernel=kernel, shape=shape, us=round(t * 1e6, 2))
@@ -250,7 +243,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     LIM = device_limits()
-    COPY_BW = measure_copy_bw()
+    COPY_BW = _cuda_bench.copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}: limits of {LIM[0]}: {LIM[1] / 1e12:.2f} TB/s, "
           f"{LIM[2] / 1e12:.0f} bf16 TFLOP/s; measured copy {COPY_BW / 1e12:.2f} TB/s; torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}")

@@ -75,6 +75,7 @@ def test_scan_page_snapshots_real_shapes(tiles):
     lengths, starts = [64, 80, 17, 300, 2 * Q + 9], [1088, 0, 512, 320, 128]
     snap_len = [48, 64, 16, 288, 512]  # in the last 64-token chunk of every sequence (the smallest tiles' chunk)
     has = torch.tensor([True, False, True, True, False], device="cuda")
+    pos = torch.tensor(starts, device="cuda")
     S = len(lengths)
     x, dt, A, B, C, D, bias = _scan_inputs(sum(lengths), 1, 11)
     pool = torch.randn(2 * S, H, P, N, device="cuda") * 0.1
@@ -82,10 +83,10 @@ def test_scan_page_snapshots_real_shapes(tiles):
     slots = torch.arange(0, 2 * S, 2, device="cuda")
     kw = dict(chunk_size=Q, D=D, dt_bias=bias)
     y, _ = ssd_scan_varlen(x, dt, A, B, C, cu_seqlens=_cu(lengths), ssm_state=pool, state_indices=slots,
-                           has_initial_state=has, seq_start_pos=torch.tensor(starts, device="cuda"), snap_slots=slots + 1,
+                           has_initial_state=has, seq_start_pos=pos, snap_slots=slots + 1,
                            snap_len=torch.tensor(snap_len, dtype=torch.int32, device="cuda"), tiles=tiles, **kw)
     y_ref, _ = ssd_scan_varlen_ref(x, dt, A, B, C, cu_seqlens=_cu(lengths), ssm_state=ref, state_indices=slots,
-                                   has_initial_state=has, seq_start_pos=torch.tensor(starts, device="cuda"), **kw)
+                                   has_initial_state=has, seq_start_pos=pos, **kw)
     assert_close(y, y_ref, 1e-2)
     assert_close(pool[slots], ref[slots], 5e-3)
     cu = _cu(lengths).tolist()
@@ -93,7 +94,7 @@ def test_scan_page_snapshots_real_shapes(tiles):
         one, alone = slice(cu[i], cu[i] + j), before.clone()
         ssd_scan_varlen_ref(x[one], dt[one], A, B[one], C[one], cu_seqlens=_cu([j]), ssm_state=alone,
                             state_indices=slots[i:i + 1], has_initial_state=has[i:i + 1],
-                            seq_start_pos=torch.tensor(starts[i:i + 1], device="cuda"), **kw)
+                            seq_start_pos=pos[i:i + 1], **kw)
         assert_close(pool[slots[i] + 1], alone[slots[i]], 5e-3)
 
 

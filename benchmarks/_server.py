@@ -28,6 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait until the server at ``url`` answers /health with 200 (True), or its process ``proc`` has exited or
+    ``timeout`` seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def launched(model: str, extra: list[str], timeout: float = 300, process: bool = False):
     """Yield the URL of a fresh server on loopback serving ``model`` with ``extra`` CLI flags (with
@@ -48,17 +63,9 @@ def launched(model: str, extra: list[str], timeout: float = 300, process: bool =
     reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                reader.join(timeout=2)
-                raise RuntimeError(f"server did not start: {' '.join(cmd)}: " + " / ".join(tail))
-            time.sleep(0.2)
+        if not healthy(url, proc, timeout):
+            reader.join(timeout=2)
+            raise RuntimeError(f"server did not start: {' '.join(cmd)}: " + " / ".join(tail))
         yield (url, proc) if process else url
     finally:
         proc.terminate()

@@ -143,9 +143,10 @@ async def one_chat(session, url: str, model: str, messages: list[dict], max_toke
 class Server:
     def __init__(self, a: argparse.Namespace, pythonpath: Path | None, label: str):
         import httpx
+        from _server import free_port, healthy  # (here: not in the server's own process, which runs this file)
 
         self.dir = Path(tempfile.mkdtemp(prefix=f"http-overhead-{label}-"))
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if pythonpath is not None:
@@ -154,16 +155,8 @@ class Server:
                "--port", str(port), "--log-level", "warning", *a.server_args.split()]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
         self.snaps = 0
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {' '.join(cmd)}")
-            time.sleep(0.5)
+        if not healthy(self.url, self.proc, 300):
+            raise RuntimeError(f"server did not start: {' '.join(cmd)}")
         self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
 
     async def cpu(self) -> dict[str, float]:
@@ -188,14 +181,6 @@ class Server:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def phase(server: Server, a: argparse.Namespace, max_tokens: int, profile: bool) -> dict:

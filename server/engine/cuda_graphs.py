@@ -43,7 +43,8 @@ PREFILL_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # step
 @torch.inference_mode()
 def capture_all(keys, forward, graphs: dict, outputs: dict, warmups: int, prepare=None) -> None:
     """A graph of ``forward(key)`` per key (largest first: the later ones reuse its memory), captured on a
-    side stream into one memory pool, after ``warmups`` eager runs of each (cuBLAS handles, Triton compiles).
+    side stream into one memory pool, after ``warmups`` eager runs of each (cuBLAS handles, Triton compiles),
+    and replayed once.
     ``prepare(key)`` runs before them, outside the capture (an upload there would be replayed every time)."""
     pool = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()
@@ -57,6 +58,10 @@ def capture_all(keys, forward, graphs: dict, outputs: dict, warmups: int, prepar
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=stream):
                 outputs[key] = forward(key)
+            # The first launch of a graph uploads it to the device: on an H200, 4-5 ms of host time for a
+            # hybrid's prefill graph and more for decode's, on the critical path of the first request that
+            # reaches its bucket. Replayed here once on the inputs captured (padding only), they pay it now.
+            g.replay()
             graphs[key] = g
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()

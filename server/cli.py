@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "spare the first clients the first requests' one-time costs)")
     s.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's sampled tokens before preparing the next (for debugging and A/B timing)")
+    s.add_argument("--burst-hold-ms", type=float, default=10.0,
+                   help="an idle server holds its next step up to this long while requests whose headers have "
+                        "arrived are still being read and checked, so that a client's burst runs as one prefill "
+                        "step (0: launch at once); a lone request never waits")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch replayed from a CUDA graph; larger batches run eagerly")
     s.add_argument("--kernel-cache-dir",
@@ -222,7 +226,7 @@ def serve(cfg: ServerConfig) -> None:
     from mambaserve.server.model.config import ModelLoadError
 
     def load():
-        engine = Engine(cfg)
+        engine = Engine(cfg, arrivals=guard.arrivals)
         return engine, create_app(engine)
 
     shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host

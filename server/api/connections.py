@@ -31,6 +31,9 @@ import time
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from mambaserve.server.api.timing import ARRIVAL, GENERATION_PATHS
+from mambaserve.server.engine.timeline import Arrivals, Timeline
+
 log = logging.getLogger(__name__)
 
 RESERVED_DESCRIPTORS = 1 / 4  # of the limit, kept for files, pipes and connections past the limit
@@ -83,6 +86,7 @@ class ConnectionGuard:
     def __init__(self, max_connections: int, header_timeout: float, body_timeout: float):
         self.max_connections, self.header_timeout, self.body_timeout = max_connections, header_timeout, body_timeout
         self.refused = {"header_timeout": 0, "body_timeout": 0, "too_many_connections": 0}
+        self.arrivals = Arrivals()  # generation requests received and not yet submitted (the engine reads it)
         self.open = lambda: 0  # set once the server exists: its open connections
 
     def over_limit(self) -> str:
@@ -105,6 +109,7 @@ class _GuardedH11Protocol(H11Protocol):
     guard: ConnectionGuard
     _deadline: asyncio.TimerHandle | None = None
     _over_limit = False
+    _arrival: Timeline | None = None  # the timeline of the request this connection is answering
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -117,6 +122,8 @@ class _GuardedH11Protocol(H11Protocol):
             self._arm_headers()  # the first byte of the next request on this connection
         super().data_received(data)
         cycle = self.cycle
+        if cycle is not None and cycle is not before:
+            self._count_arrival(cycle.scope)
         if cycle is not None and cycle is not before and cycle.more_body:
             self._arm(self.guard.body_timeout, "body")  # the headers are in; the body has its own deadline
         elif cycle is not None and not cycle.more_body and not cycle.response_complete:
@@ -124,11 +131,25 @@ class _GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._settle()
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
         self._disarm()  # an answer sent before its body arrived (413, 401): the connection closes anyway
+        self._settle()
         super().on_response_complete()
+
+    def _count_arrival(self, scope: dict) -> None:
+        """A generation request's headers are in: counted as arriving (``timeline.Arrivals``) from now, before
+        the app's task for it runs, so that a scheduler looking at the count sees the whole of a burst whose
+        bytes came in together, not only the requests the event loop has taken into the app so far."""
+        if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+            self._arrival = scope[ARRIVAL] = self.guard.arrivals.arrived()
+
+    def _settle(self) -> None:
+        if self._arrival is not None:
+            self._arrival.settle()
+            self._arrival = None
 
     def _arm_headers(self) -> None:
         self._arm(min(OVER_LIMIT_GRACE_S, self.guard.header_timeout) if self._over_limit

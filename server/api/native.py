@@ -66,6 +66,7 @@ def native_routes(engine: Engine) -> APIRouter:
         ids = [await engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
         params = [engine.check_prompt(i, body.sampling_params.params(), explicit) for i in ids]
         grammar = await engine.compile_grammar(params[0])
+        await engine.before_submit(len(prompts) * n)
         if body.return_logprob and any(body.logprob_start_len >= len(i) for i in ids):
             raise BadRequest(f"logprob_start_len {body.logprob_start_len} is past the prompt's last token "
                              f"(prompts of {min(len(i) for i in ids)} tokens)")

@@ -148,6 +148,7 @@ def openai_routes(engine: Engine) -> APIRouter:
         prompts = [body.truncated(await engine.tokenize(p) if isinstance(p, str) else p) for p in texts]
         params = [engine.check_prompt(ids, base, explicit) for ids in prompts]
         grammar = await engine.compile_grammar(base)
+        await engine.before_submit(len(texts) * n)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         # echo + logprobs, prompt_logprobs: the prompt's own tokens' logprobs (the first is None), as SGLang's
         # logprob_start_len 0
@@ -270,6 +271,7 @@ def openai_routes(engine: Engine) -> APIRouter:
             base = dataclasses.replace(base, skip_special_tokens=False)
         params = engine.check_prompt(ids, base, explicit)
         grammar = await engine.compile_grammar(params)
+        await engine.before_submit(n)
         gens = engine.generate_n(ids, params, n, return_logprob=body.logprobs or prompt_lp,
                                  top_logprobs_num=max(k, body.prompt_logprobs or 0),
                                  logprob_start_len=0 if prompt_lp else -1, session_id=session_id, turn_params=turn,

@@ -1,12 +1,14 @@
 """The HTTP edge of the request timeline (``engine.timeline``): an ASGI middleware that opens a timeline
-when a generation request arrives, makes it current while the app handles the request, and observes
-it when the first byte of the answer is sent."""
+when a generation request arrives (or takes the one the connection opened as its headers arrived,
+``api.connections``), makes it current while the app handles the request, and observes it when the first
+byte of the answer is sent."""
 
 from __future__ import annotations
 
 from mambaserve.server.engine import timeline
 
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+ARRIVAL = "mambaserve.timeline"  # scope key: the timeline the connection opened as the headers arrived
 
 
 class StageTimer:
@@ -16,7 +18,7 @@ class StageTimer:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
-        tl = timeline.Timeline()
+        tl = scope.get(ARRIVAL) or timeline.Timeline()
         token = timeline.current.set(tl)
 
         async def timed_send(message):

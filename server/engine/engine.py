@@ -60,7 +60,9 @@ def tp_refusals(cfg: ServerConfig, hybrid: bool) -> list[str]:
 
 
 class Engine:
-    def __init__(self, cfg: ServerConfig):
+    def __init__(self, cfg: ServerConfig, arrivals: timeline.Arrivals | None = None):
+        """``arrivals``: the HTTP edge's count of generation requests received and not yet submitted (its
+        connections' ``ConnectionGuard.arrivals``), which the scheduler holds an idle step for."""
         ref = hub_id(cfg.model)
         if ref is not None:  # --model org/name[@revision]: its snapshot in the hub's cache, named by the repository
             cfg = dataclasses.replace(cfg, model=str(resolve_checkpoint(cfg.model)),
@@ -141,7 +143,8 @@ class Engine:
                 graph_max_bs=0 if cfg.disable_cuda_graph else min(self.max_running, cfg.cuda_graph_max_bs)))
         self.scheduler = Scheduler(
             cfg, runner, self.metrics, max_running=self.max_running, context_length=self.context_length,
-            track_interval=self.track_interval, storage_compat=self._storage_compat() if cfg.storage_dir else None)
+            track_interval=self.track_interval, storage_compat=self._storage_compat() if cfg.storage_dir else None,
+            arrivals=arrivals)
         self.snapshots = SnapshotStore(Path(cfg.session_snapshot_dir),
                                        session_snapshot.compat_key(self.hf_config, self.dtype, DTYPES[cfg.state_dtype]),
                                        cfg.session_snapshot_max_bytes, cfg.session_snapshot_max_per_session)
@@ -319,6 +322,15 @@ class Engine:
         self.scheduler.submit(req)
         self._active += 1
         return Generation(self, req, q)
+
+    async def before_submit(self, prompts: int) -> None:
+        """Right before submitting ``prompts`` requests: one pass of the event loop, then ``check_load`` again,
+        with nothing between it and the submission. In that pass, requests whose bytes came in meanwhile get
+        their headers parsed and are counted as arriving (``timeline.Arrivals``), so that an idle scheduler holds
+        its step for them instead of launching it for this request alone: a burst's requests reach the server a
+        few tenths of a millisecond apart, and the loop takes longer than that over each."""
+        await asyncio.sleep(0)
+        self.check_load(prompts)
 
     async def compile_grammar(self, params: SamplingParams) -> Compiled | None:
         """``params.constraint`` compiled (or from the cache) on a worker thread; BadRequest if it is not a

@@ -44,6 +44,10 @@ class ServerMetrics:
         self.stages = Histogram("mambaserve_request_stage_seconds",
                                 "Time to first byte by stage: from the stage before to this one (engine.timeline)",
                                 ["stage"], buckets=STAGE_BUCKETS, registry=r)
+        self.burst_hold = Histogram("mambaserve_burst_hold_seconds",
+                                    "How long an idle server held a step for requests still arriving at the HTTP "
+                                    "edge (--burst-hold-ms), so that a burst ran as one step", buckets=STAGE_BUCKETS,
+                                    registry=r)
         self.e2e = Histogram("mambaserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.slots_total = Gauge("mambaserve_state_slots_total", "State slots in the pool", registry=r)

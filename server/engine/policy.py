@@ -12,6 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def burst_hold(idle: bool, waiting: int, arriving: int, held: float, limit: float) -> float:
+    """Seconds an idle scheduler waits (at most; it looks again as requests come in) before launching a step
+    for its ``waiting`` requests, having held ``held`` so far: while others are still ``arriving`` at the HTTP
+    edge, up to ``limit`` in all. A burst then runs as one prefill step, which reads the weights once (every
+    expert of a MoE model), instead of as one step for its first arrivals and another for the rest, which
+    the device runs after the first. 0: launch now (busy, nothing to run, or nothing on its way)."""
+    if not idle or not waiting or arriving <= 0:
+        return 0.0
+    return max(0.0, limit - held)
+
+
 @dataclass(frozen=True)
 class PrefillCandidate:
     key: object  # the request (opaque here)

@@ -40,10 +40,12 @@ from mambaserve.server.engine.metrics import ServerMetrics
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.outbox import Outbox
 from mambaserve.server.engine.output import OutputProcessor
+from mambaserve.server.engine.policy import burst_hold
 from mambaserve.server.engine.request import BadRequest, FinishReason, Req, RequestQueues, fit_to_context
 from mambaserve.server.engine.rolling_snapshots import RollingSnapshots
 from mambaserve.server.engine.sampling import Launched, Sampler
 from mambaserve.server.engine.session_files import SessionFiles
+from mambaserve.server.engine.timeline import Arrivals
 from mambaserve.server.engine.tiering import Prefetcher, SessionPersistence, build_storage_tier
 from mambaserve.server.sessions.manager import SessionManager
 from mambaserve.server.sessions.table import SessionError, SessionTable
@@ -51,6 +53,9 @@ from mambaserve.server.sessions.table import SessionError, SessionTable
 log = logging.getLogger(__name__)
 
 CALLS_BUDGET_S = 0.002  # the scheduler's time for control calls between two steps while requests run
+# A held step looks again at least this often: a request refused at the HTTP edge leaves the arriving count
+# without posting anything to the inbox.
+HOLD_POLL_S = 0.0005
 
 
 def session_slot_limit(fraction: float, capacity: int) -> int:
@@ -60,8 +65,12 @@ def session_slot_limit(fraction: float, capacity: int) -> int:
 
 class Scheduler:
     def __init__(self, cfg: ServerConfig, runner: ModelRunner, metrics: ServerMetrics, *, max_running: int,
-                 context_length: int, track_interval: int = 0, storage_compat: dict | None = None):
+                 context_length: int, track_interval: int = 0, storage_compat: dict | None = None,
+                 arrivals: Arrivals | None = None):
         self.runner, self.metrics = runner, metrics
+        self.arrivals = arrivals or Arrivals()  # requests the HTTP edge has received, not yet submitted
+        self.hold_s = cfg.burst_hold_ms / 1e3
+        self._hold_started: float | None = None  # when the step being held was first held
         self.slots = runner.pool.allocator
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.calls: collections.deque = collections.deque()  # (fn, future) taken from the inbox, not run yet
@@ -171,6 +180,8 @@ class Scheduler:
             self._drain_inbox(block=not (busy or self.queues.waiting) or (not busy and self._all_held()),
                               timeout=0.01 if self.queues.waiting else 0.5)
             self.outbox.flush()  # refusals, calls' answers
+            if self._hold():
+                continue
             self.step_started = time.monotonic()
             try:
                 self.step()
@@ -231,6 +242,23 @@ class Scheduler:
         self._update_gauges()
         if self.debug_invariants:
             self.check_invariants()
+
+    def _hold(self) -> bool:
+        """Hold an idle server's next step while requests are still arriving (``policy.burst_hold``): wait a
+        little for the inbox and return True, for the loop to look again; False: step now."""
+        now = time.monotonic()
+        held = 0.0 if self._hold_started is None else now - self._hold_started
+        idle = not (self.queues.running or self.inflight)
+        left = burst_hold(idle, len(self.queues.waiting), self.arrivals.pending, held, self.hold_s)
+        if left <= 0:
+            if self._hold_started is not None:
+                self.metrics.burst_hold.observe(held)
+                self._hold_started = None
+            return False
+        if self._hold_started is None:
+            self._hold_started = now
+        self._drain_inbox(block=True, timeout=min(left, HOLD_POLL_S))
+        return True
 
     def _all_held(self) -> bool:
         return self.prefetcher is not None and self.prefetcher.all_held()

@@ -29,20 +29,48 @@ _ORDER = {s: i for i, s in enumerate(STAGES)}
 
 
 class Timeline:
-    __slots__ = ("marks",)
+    __slots__ = ("marks", "arrivals")
 
     def __init__(self, received: float | None = None):
         self.marks = {"received": time.monotonic() if received is None else received}
+        self.arrivals: Arrivals | None = None  # counted there until validated (or answered without it)
 
     def mark(self, stage: str) -> None:
         """Stamp ``stage`` now, once: requests sharing a timeline (n > 1, batched prompts) keep the first."""
         if stage not in self.marks:
             self.marks[stage] = time.monotonic()
+            if stage == "validated":
+                self.settle()
+
+    def settle(self) -> None:
+        """No longer on its way to the scheduler: submitted, refused, or its connection gone."""
+        if self.arrivals is not None:
+            self.arrivals.pending -= 1
+            self.arrivals = None
 
     def shares(self) -> list[tuple[str, float]]:
         """(stage, seconds since the stage before it), in the order the stages happened."""
         seq = sorted(self.marks.items(), key=lambda kv: (kv[1], _ORDER[kv[0]]))
         return [(stage, t - prev) for (stage, t), (_, prev) in zip(seq[1:], seq)]
+
+
+class Arrivals:
+    """Generation requests the HTTP edge has received (their headers) and not yet submitted to the scheduler nor
+    answered otherwise. An idle scheduler holds its next step a moment while some are on their way
+    (``policy.burst_hold``), so that a client's burst runs as one prefill step. Written by the event loop only;
+    the scheduler thread reads ``pending``."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending = 0
+
+    def arrived(self) -> Timeline:
+        """The timeline of a request whose headers just arrived, counted until it settles."""
+        tl = Timeline()
+        tl.arrivals = self
+        self.pending += 1
+        return tl
 
 
 current: contextvars.ContextVar[Timeline | None] = contextvars.ContextVar("mambaserve_timeline", default=None)

@@ -147,3 +147,50 @@ def test_past_the_connection_limit_requests_get_503_and_the_server_keeps_serving
         assert r.status_code == 200
         for s in flood + held:
             s.close()
+
+
+def _generate(*ids: int) -> bytes:
+    body = b'{"input_ids": %s, "sampling_params": {"max_new_tokens": 2}}' % str(list(ids)).encode()
+    return b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
+        len(body)) + body
+
+
+def _sent_and_answered(port: int, request: bytes) -> tuple[socket.socket, float]:
+    """A connection sending a whole request, and the seconds to its answer's head (200)."""
+    t = time.monotonic()
+    s = connect(port, request)
+    head = one_response(s)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return s, time.monotonic() - t
+
+
+def test_an_idle_server_holds_its_step_for_requests_still_arriving_and_no_longer(tiny_ckpt):
+    """A request whose headers are in but whose body is not holds an idle server's next step (--burst-hold-ms):
+    the request beside it runs in the same step once the body arrives, at most the hold later; a lone request and
+    one after a connection gone half-sent are not held."""
+    hold = 1.5
+    with served(tiny_ckpt, "--burst-hold-ms", str(hold * 1e3), "--log-level", "debug") as (port, log):
+        assert _sent_and_answered(port, _generate(5, 6, 7))[1] < hold / 2
+
+        # a burst: A's headers are in, its body follows B by 0.4 s; B waits for it and both make one step
+        a = connect(port, _generate(8, 9, 10)[:-10])
+        time.sleep(0.2)
+        threading.Timer(0.4, a.sendall, [_generate(8, 9, 10)[-10:]]).start()
+        waited = _sent_and_answered(port, _generate(11, 12, 13))[1]
+        assert 0.3 < waited < hold, waited
+        assert one_response(a).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 5  # (the log arrives through a pipe)
+        while not any("EXTEND, 2 rows" in line for line in log) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [line for line in log if "EXTEND, 2 rows" in line], [line for line in log if "launched at" in line]
+
+        # an arrival that never completes holds a step for --burst-hold-ms at most
+        stuck = connect(port, _generate(14, 15)[:-10])
+        time.sleep(0.2)
+        assert hold - 0.1 < _sent_and_answered(port, _generate(16, 17))[1] < hold + 1.5
+        stuck.close()  # gone half-sent: no longer counted
+        time.sleep(0.2)
+        assert _sent_and_answered(port, _generate(18, 19))[1] < hold / 2
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert "mambaserve_burst_hold_seconds_count 2.0" in metrics
+        assert not [line for line in log if "Traceback" in line]

@@ -10,7 +10,7 @@ from mambaserve.server.model.config import ModelLoadError
 from mambaserve.server.model.loader import load_model, resolve_device
 from mambaserve.server.engine.request import BadRequest, SamplingParams
 from mambaserve.server.engine.sampling import NON_FINITE_LOGITS, NON_FINITE_SAMPLING, _filter, sample
-from mambaserve.server.engine.policy import PrefillCandidate, next_mode_is_decode, plan_prefill
+from mambaserve.server.engine.policy import PrefillCandidate, burst_hold, next_mode_is_decode, plan_prefill
 from mambaserve.server.engine.state_pool import SlotAllocator
 from tests.server.tiny_models import byte_tokenizer, make_checkpoint
 
@@ -41,6 +41,16 @@ def test_prefill_and_decode_alternate_when_both_have_work():
     assert not decode(448, extends_in_a_row=1)
     assert decode(448, extends_in_a_row=2)
     assert decode(513, extends_in_a_row=1)
+
+
+def test_an_idle_step_is_held_only_for_requests_on_their_way_and_only_so_long():
+    assert burst_hold(idle=True, waiting=1, arriving=3, held=0.0, limit=0.01) == 0.01
+    assert burst_hold(idle=True, waiting=1, arriving=3, held=0.004, limit=0.01) == pytest.approx(0.006)
+    assert burst_hold(idle=True, waiting=1, arriving=3, held=0.02, limit=0.01) == 0  # held long enough
+    assert burst_hold(idle=True, waiting=1, arriving=0, held=0.0, limit=0.01) == 0  # a lone request
+    assert burst_hold(idle=False, waiting=1, arriving=3, held=0.0, limit=0.01) == 0  # busy: steps go on
+    assert burst_hold(idle=True, waiting=0, arriving=3, held=0.0, limit=0.01) == 0  # nothing to run yet
+    assert burst_hold(idle=True, waiting=1, arriving=3, held=0.0, limit=0.0) == 0  # --burst-hold-ms 0
 
 
 def test_sampling_filters():
@@ -227,6 +237,7 @@ def test_lazy_detokenization_gives_the_same_text_as_incremental():
 @pytest.mark.parametrize("bad,needle", [(dict(session_slot_fraction=1.0), "session-slot-fraction"),
                                         (dict(request_timeout=float("nan")), "request-timeout"),
                                         (dict(max_queued_requests=0), "max-queued-requests"),
+                                        (dict(burst_hold_ms=-1.0), "burst-hold-ms"),
                                         (dict(state_dtype="int8"), "state-dtype"),
                                         (dict(device="tpu"), "--device must be auto, cpu, cuda or cuda:N"),
                                         (dict(device="cuda:x"), "--device must be"),

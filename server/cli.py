@@ -222,6 +222,7 @@ def serve(cfg: ServerConfig) -> None:
     from mambaserve.server.api.app import create_app
     from mambaserve.server.api.drain import Drain, DrainingServer
     from mambaserve.server.api.loading import LoadingApp
+    from mambaserve.server.engine import gc_pauses
     from mambaserve.server.engine.engine import Engine
     from mambaserve.server.model.config import ModelLoadError
 
@@ -235,6 +236,8 @@ def serve(cfg: ServerConfig) -> None:
 
     def ready(engine) -> None:
         engine.metrics.watch_connections(guard)
+        gc_pauses.watch(engine.metrics.gc_pause)
+        gc_pauses.freeze()  # (this process serves one engine until it exits)
         print(f"\nmambaserve: serving {engine.model_name!r} at {url}\n  try:\n"
               f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "

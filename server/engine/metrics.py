@@ -48,6 +48,9 @@ class ServerMetrics:
                                     "How long an idle server held a step for requests still arriving at the HTTP "
                                     "edge (--burst-hold-ms), so that a burst ran as one step", buckets=STAGE_BUCKETS,
                                     registry=r)
+        self.gc_pause = Histogram("mambaserve_gc_pause_seconds",
+                                  "Garbage collections of the serving process, which stop every thread of it, by "
+                                  "generation (engine/gc_pauses.py)", ["generation"], buckets=STAGE_BUCKETS, registry=r)
         self.e2e = Histogram("mambaserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.slots_total = Gauge("mambaserve_state_slots_total", "State slots in the pool", registry=r)

@@ -3,6 +3,7 @@ ready), a taken port or a bad model fails in one line, and the banner appears on
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -70,7 +71,7 @@ async def _append(sent, message):
 
 def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt, tmp_path):
     port = free_port()
-    proc = _serve(tiny_ckpt, port, "--kernel-cache-dir", str(tmp_path / "kernels"))
+    proc = _serve(tiny_ckpt, port, "--kernel-cache-dir", str(tmp_path / "kernels"), "--log-level", "info")
     try:
         deadline, first = time.monotonic() + 60, None
         while time.monotonic() < deadline:
@@ -94,10 +95,15 @@ def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt, tmp_path)
         gen = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
                          timeout=30)
         assert gen.status_code == 200
+        # the garbage collector walks only what serving allocated: what start-up left is frozen; its pauses counted
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert re.search(r'mambaserve_gc_pause_seconds_count\{generation="0"\} [1-9]', metrics)
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     assert "mambaserve: serving '" in out  # the banner, once serving
+    frozen = re.search(r"garbage collector: (\d+) objects frozen", err)
+    assert frozen and int(frozen[1]) > 100_000, err[-2000:]
 
 
 def test_a_taken_port_or_a_bad_model_fails_in_one_line_without_the_banner(tiny_ckpt, tmp_path):

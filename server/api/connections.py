@@ -17,6 +17,9 @@ in a minute). Here:
   retry per second instead of thousands, logged once per interval with a count, no traceback.
 * ``raise_descriptor_limit``: the soft descriptor limit raised to the hard one (containerd 2 starts
   containers at 1,024 soft), and ``default_max_connections`` derived from it.
+
+The same protocol counts a generation request as arriving from its headers until it is submitted or
+answered (``ConnectionGuard.arrivals``): an idle scheduler holds its step for those (``policy.burst_hold``).
 """
 
 from __future__ import annotations

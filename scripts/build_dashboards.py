@@ -149,6 +149,13 @@ OVERVIEW = Dashboard("mambaserve-overview", "mambaserve / Overview",
           "(each one a bug worth reporting).", [
         T(rate("mambaserve_non_finite_rows_total", "source"), "non-finite: {{source}}"),
         T(rate("mambaserve_reclaimed_after_failure_total", "resource"), "reclaimed: {{resource}}")], unit="ops"),
+    Panel("Held steps and garbage collections", "Seconds per second, per pod: an idle server holding its next "
+          "step for requests still arriving (--burst-hold-ms: a client's burst then runs as one step), and garbage "
+          "collections, which stop every thread of the server, by generation (what start-up left alive is frozen "
+          "once the server is ready, so these stay short).", [
+        T(rate("mambaserve_burst_hold_seconds_sum", "namespace, pod"), f"held {POD}"),
+        T(rate("mambaserve_gc_pause_seconds_sum", "namespace, pod, generation"), f"gc gen {{{{generation}}}} {POD}")],
+          unit="s"),
     Panel("Kernel compiles while serving", "Triton kernels compiled after each pod reported ready, since it "
           "started (the warm-up compiles every variant a request can reach before then: a compile here stalled the "
           "running requests for seconds; the server log names the kernel).",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ def freeze() -> int:
     return frozen
 
 
-def watch(histogram) -> None:
-    """Time each collection of this process into ``histogram`` (labelled by generation)."""
+def watch(histogram) -> Callable[[], None]:
+    """Time each collection of this process into ``histogram`` (labelled by generation); returns the function
+    that stops it."""
     started = [0.0]
 
     def callback(phase: str, info: dict) -> None:
@@ -43,3 +45,4 @@ def watch(histogram) -> None:
             histogram.labels(str(info["generation"])).observe(time.perf_counter() - started[0])
 
     gc.callbacks.append(callback)
+    return lambda: gc.callbacks.remove(callback)

@@ -95,13 +95,11 @@ def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt, tmp_path)
         gen = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
                          timeout=30)
         assert gen.status_code == 200
-        # the garbage collector walks only what serving allocated: what start-up left is frozen; its pauses counted
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        assert re.search(r'mambaserve_gc_pause_seconds_count\{generation="0"\} [1-9]', metrics)
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     assert "mambaserve: serving '" in out  # the banner, once serving
+    # the garbage collector walks only what serving allocates: what start-up left alive is frozen
     frozen = re.search(r"garbage collector: (\d+) objects frozen", err)
     assert frozen and int(frozen[1]) > 100_000, err[-2000:]
 

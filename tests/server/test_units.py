@@ -53,6 +53,25 @@ def test_an_idle_step_is_held_only_for_requests_on_their_way_and_only_so_long():
     assert burst_hold(idle=True, waiting=1, arriving=3, held=0.0, limit=0.0) == 0  # --burst-hold-ms 0
 
 
+def test_garbage_collections_are_timed_by_generation_until_unwatched():
+    import gc
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from mambaserve.server.engine import gc_pauses
+
+    registry = CollectorRegistry()
+    pauses = Histogram("pauses", "", ["generation"], registry=registry)
+    stop = gc_pauses.watch(pauses)
+    try:
+        gc.collect()
+    finally:
+        stop()
+    gc.collect()
+    assert registry.get_sample_value("pauses_count", {"generation": "2"}) == 1
+    assert registry.get_sample_value("pauses_sum", {"generation": "2"}) > 0
+
+
 def test_sampling_filters():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     p = _filter(logits, [SamplingParams(top_k=2)])

@@ -87,6 +87,28 @@ def kernel_compiles(url: str) -> dict[str, int]:
     return out
 
 
+def gc_pauses(url: str) -> dict[str, dict]:
+    """The server's garbage collections since ready, by generation: how many, their seconds in all, and the bucket
+    bound of the longest (``mambaserve_gc_pause_seconds``; each one stopped every thread of the server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if fam.name != "mambaserve_gc_pause_seconds":
+            continue
+        for s in fam.samples:
+            g = out.setdefault(s.labels["generation"], {"count": 0, "seconds": 0.0, "longest_le": 0.0})
+            if s.name.endswith("_count"):
+                g["count"] = int(s.value)
+            elif s.name.endswith("_sum"):
+                g["seconds"] = s.value
+        for s in fam.samples:  # the smallest bound that holds every collection
+            g = out[s.labels["generation"]]
+            if s.name.endswith("_bucket") and g["count"] and s.value == g["count"] and not g["longest_le"]:
+                g["longest_le"] = float(s.labels["le"])
+    return out
+
+
 def metric(url: str, name: str) -> float:
     """The sum of the samples of the server's /metrics whose line starts with ``name`` (a name, or a name and
     its labels); 0 when the server does not answer (a worker killed)."""

@@ -6,7 +6,8 @@ Rows: multi-turn TTFT of rounds 2-4 with the radix cache against `--disable-radi
 same at 12 state slots, the slowest round of an 8-round run against the median of rounds >= 2, the first round
 on a fresh server (a cold compile cache) against the same round on a server started after it (a warm one), time
 to ready on each, decode step time over the bandwidth bound at each batch, prefill's share of the bf16 peak,
-kernel compiles after ready (every server of the run and the e2e engine: should be 0), the transformers baseline.
+kernel compiles after ready (every server of the run and the e2e engine: should be 0), full garbage collections
+after ready (each stops the server: few and short), the transformers baseline.
 A file the run did not write leaves its cells empty.
 """
 
@@ -76,6 +77,13 @@ def column(out: Path, shape: str) -> dict[str, str]:
     for name, run in (("multi-turn", mt), ("12 slots", slots), ("8 rounds", long)):
         for mode, srv in ((run or {}).get("servers") or {}).items():
             after.append((f"{name} {mode}", srv["kernel_compiles"].get("serving")))
+    watched = [srv["gc_pauses"] for run in (mt, slots, long) for srv in ((run or {}).get("servers") or {}).values()
+               if "gc_pauses" in srv]
+    if full := [g["2"] for g in watched if g.get("2", {}).get("count")]:
+        cells["gc"] = (f"{sum(g['count'] for g in full)}, the longest <= "
+                       f"{1e3 * max(g['longest_le'] for g in full):g} ms")
+    elif watched:
+        cells["gc"] = "0"
     counted = [(n, c) for n, c in after if c is not None]
     if counted:
         cells["compiles"] = str(sum(c for _, c in counted)) + "".join(f" ({n}: {c})" for n, c in counted if c)
@@ -92,6 +100,7 @@ ROWS = [
     ("decode", "decode, graphs, x the bandwidth bound at each batch (e2e --batches)"),
     ("prefill", "prefill (e2e --prefill), share of bf16 peak"),
     ("compiles", "kernel compiles after ready (every server and the e2e engine)"),
+    ("gc", "full garbage collections after ready (every multi-turn server), the longest"),
     ("transformers", "transformers baseline (e2e)"),
 ]
 

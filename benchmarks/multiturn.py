@@ -35,7 +35,7 @@ import time
 import aiohttp
 import httpx
 
-from _server import kernel_compiles, launched  # noqa: E402 (the script's folder is on sys.path)
+from _server import gc_pauses, kernel_compiles, launched  # noqa: E402 (the script's folder is on sys.path)
 from ttft import STAGES, stage_sums  # noqa: E402
 
 
@@ -164,7 +164,7 @@ def main() -> None:
                     ready = time.perf_counter() - t  # process start to /health 200: load, warm-up, graphs
                     results[name] = asyncio.run(run_benchmark(url, a))
                     servers[name] = {"ready_s": round(ready, 1), "kernel_compiles": kernel_compiles(url),
-                                     "cache": cache_counters(url)}
+                                     "cache": cache_counters(url), "gc_pauses": gc_pauses(url)}
             except RuntimeError as e:
                 if not str(e).startswith("server did not start"):
                     raise
@@ -202,7 +202,9 @@ def main() -> None:
     for n, srv in servers.items():
         c = srv["kernel_compiles"]
         print(f"{n} server: ready in {srv.get('ready_s', '?')} s, kernel compiles {c.get('warmup')} before ready, "
-              f"{c.get('serving')} after")
+              f"{c.get('serving')} after" + "".join(
+                  f"; gen {g} garbage collections {p['count']} ({1e3 * p['seconds']:.1f} ms in all, the longest <= "
+                  f"{1e3 * p['longest_le']:g} ms)" for g, p in sorted(srv.get("gc_pauses", {}).items()) if p["count"]))
     with open(a.out, "w") as f:
         json.dump({"args": vars(a) | {"request_rate": str(a.request_rate)}, "results": results, "refused": refused,
                    "servers": servers}, f, indent=1)

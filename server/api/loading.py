@@ -21,7 +21,8 @@ class LoadingApp:
     def __init__(self, load: Callable[[], tuple[object, object]], on_ready: Callable[[object], None] = lambda e: None,
                  on_failure: Callable[[BaseException], None] = lambda e: None,
                  warm_up: Callable[[object, object], Awaitable[None]] | None = None):
-        """``warm_up(app, engine)``: awaited once the engine runs, before the app takes over (still 503)."""
+        """``warm_up(app, engine)``: awaited once the engine runs, before the app takes over (still 503);
+        ``on_ready(engine)``: called after it, the last thing before the app takes over."""
         self._load, self._on_ready, self._on_failure, self._warm_up = load, on_ready, on_failure, warm_up
         self.engine = self.app = None
 
@@ -85,5 +86,5 @@ class LoadingApp:
 
     def _ready(self, app) -> None:
         self.engine.mark_ready()  # kernels that compile from here on made a request wait: counted and logged
+        self._on_ready(self.engine)  # before the app takes over: nothing it does makes a request wait
         self.app = app
-        self._on_ready(self.engine)

@@ -3,9 +3,7 @@
 A collection stops every thread of the server: the event loop and the scheduler share one interpreter lock.
 A full (generation 2) collection walks every container object the process holds, and a started server holds
 hundreds of thousands (torch, transformers, the app, compiled kernels): 381k objects and 180 ms a full
-collection for the CPU default model on a 2-core machine. On an H200, one round of the hybrid multi-turn
-benchmark stalled ~300 ms in two runs with every request's stages stopped at once (the event loop's in one,
-the scheduler's in the other), which is what such a collection does.
+collection for the CPU default model on a 2-core machine (and 200-240 ms for a tiny hybrid's server).
 
 ``freeze`` runs once the server is ready: what is alive then (nearly all of those objects live as long as the
 process) moves to the permanent generation, so later full collections walk only what serving allocated (what

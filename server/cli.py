@@ -236,8 +236,8 @@ def serve(cfg: ServerConfig) -> None:
 
     def ready(engine) -> None:
         engine.metrics.watch_connections(guard)
-        gc_pauses.watch(engine.metrics.gc_pause)
-        gc_pauses.freeze()  # (this process serves one engine until it exits)
+        gc_pauses.freeze()  # (this process serves one engine until it exits; still 503 until this returns)
+        gc_pauses.watch(engine.metrics.gc_pause)  # (after: the freeze's own collection is not serving's)
         print(f"\nmambaserve: serving {engine.model_name!r} at {url}\n  try:\n"
               f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "

@@ -95,6 +95,9 @@ def test_port_is_bound_before_loading_and_the_server_serves(tiny_ckpt, tmp_path)
         gen = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
                          timeout=30)
         assert gen.status_code == 200
+        # the freeze's own full collection ran before ready: not one of serving's pauses
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'mambaserve_gc_pause_seconds_count{generation="2"}' not in metrics
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)

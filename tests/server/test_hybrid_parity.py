@@ -3,6 +3,8 @@ packed prefill, chunked prefill (the second chunk reads the first's KV pages and
 step-by-step batched decode, with KV page sizes 1, 4 and 16. The oracle runs full forwards with
 explicit position_ids; the pages are handed out interleaved, so a block table read wrong shows."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -36,16 +38,18 @@ def _runner(path, page_size, slots=6, pages=96):
     return ModelRunner(model, pool, torch.device("cpu"), kv)
 
 
-_ORACLE: dict = {}
+# Per oracle model, not per id(): a family's model freed, the next one's may get its address.
+_ORACLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _hf(hf, ids):
     """The oracle's logits for every position of ``ids`` (remembered: page sizes share sequences)."""
-    key = (id(hf), tuple(ids))
-    if key not in _ORACLE:
+    known = _ORACLE.setdefault(hf, {})
+    if tuple(ids) not in known:
         with torch.no_grad():
-            _ORACLE[key] = hf(torch.tensor([ids]), position_ids=torch.arange(len(ids))[None], use_cache=False).logits[0]
-    return _ORACLE[key]
+            known[tuple(ids)] = hf(torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
+                                   use_cache=False).logits[0]
+    return known[tuple(ids)]
 
 
 def _prompt(n, seed):

@@ -153,7 +153,7 @@ ALIGN_ONE_PROGRAM_MAX_PAIRS = 256
 # blocks). Decode (a few rows an expert) is bound by reading the experts' weights: 16-row blocks (the smallest
 # tl.dot tile) and narrow column tiles, so that the few experts of a small batch still spread over every SM.
 # Each row is the best of ``benchmarks/moe.py --sweep`` at granite-4.0-h-tiny's shape on an H200 (2026-11-28;
-# benchmarks/README.md has the times) at 1, 64, 256, 2,048 and 8,192 tokens; the row of 96 is not swept. An
+# benchmarks/README.md has the times) at 1, 64, 256, 512, 768, 2,048 and 8,192 tokens. An
 # override's ``"direct"`` (default: one token) skips the align step, a block per pair: right for any routing,
 # cheapest where no two pairs share an expert.
 MOE_TILES = (
@@ -164,11 +164,9 @@ MOE_TILES = (
           "down_block_n": 64, "down_block_k": 128, "down_warps": 4, "down_stages": 4}),
     (48, {"block_m": 64, "up_block_n": 32, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
           "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
-    # short prefills: 64-row blocks (one warpgroup's wgmma height)
-    (96, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
-          "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
-    # prefill: 128 x 128 tiles over two warpgroups, the weight tiles (and the down projection's rows) through TMA
-    # descriptors on Hopper (5-8% faster at 2,048-8,192 tokens on an H200)
+    # prefill, from 49 rows an expert on (granite's 768 tokens: 118 us against 134 with 64-row blocks): 128 x 128
+    # tiles over two warpgroups, the weight tiles (and the down projection's rows) through TMA descriptors on Hopper
+    # (5-8% faster at 2,048-8,192 tokens on an H200)
     (None, {"block_m": 128, "up_block_n": 128, "up_block_k": 64, "up_warps": 8, "up_stages": 3,
             "down_block_n": 128, "down_block_k": 64, "down_warps": 8, "down_stages": 3, "tma": True}),
 )

@@ -40,14 +40,14 @@ from ttft import STAGES, stage_sums  # noqa: E402
 
 
 async def one_request(s: aiohttp.ClientSession, url: str, ids: list[int], out_len: int,
-                      session: dict | None = None) -> tuple[float, list[int], int, float]:
+                      session: dict | None = None) -> tuple[float, list[int], int, float, float | None]:
     """Stream one /generate (with ``session``: a turn of that streaming session, ``session_params``); returns
     (TTFT seconds, output ids, cached tokens, when it was sent: time.monotonic(), the clock of the server's
-    debug log)."""
+    debug log, seconds per output token after the first: None for one token)."""
     body = json.dumps({"input_ids": ids, "stream": True, **({"session_params": session} if session else {}),
                        "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}})
     t0 = time.monotonic()  # after encoding the body (thousands of ids): the client's time is not TTFT
-    ttft, last = None, None
+    ttft, last, done = None, None, None
     async with s.post(url + "/generate", data=body, headers={"content-type": "application/json"}) as r:
         r.raise_for_status()
         async for raw in r.content:  # one SSE line at a time
@@ -55,16 +55,18 @@ async def one_request(s: aiohttp.ClientSession, url: str, ids: list[int], out_le
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             last = json.loads(line[6:])
+            done = time.monotonic() - t0
             if ttft is None and last["output_ids"]:
-                ttft = time.monotonic() - t0
-    return ttft, last["output_ids"], last["meta_info"]["cached_tokens"], t0
+                ttft = done
+    n = len(last["output_ids"])
+    return ttft, last["output_ids"], last["meta_info"]["cached_tokens"], t0, (done - ttft) / (n - 1) if n > 1 else None
 
 
 async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
     rng = random.Random(a.seed)
     vocab_hi = 4000 if a.vocab is None else a.vocab
     convs = [[rng.randrange(1, vocab_hi) for _ in range(a.request_length)] for _ in range(a.clients)]
-    rounds = [dict(ttft=[], sent=[], cached=0, prompt=0) for _ in range(a.rounds)]
+    rounds = [dict(ttft=[], sent=[], tpot=[], cached=0, prompt=0) for _ in range(a.rounds)]
     barrier = asyncio.Barrier(a.clients) if a.round_barrier else None
     stages: dict = {}
 
@@ -73,9 +75,11 @@ async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
         for r in range(a.rounds):
             if a.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(a.request_rate / a.clients))
-            ttft, out, cached, sent = await one_request(c, url, history, a.output_length)
+            ttft, out, cached, sent, tpot = await one_request(c, url, history, a.output_length)
             rounds[r]["ttft"].append(ttft)
             rounds[r]["sent"].append(sent)
+            if tpot is not None:
+                rounds[r]["tpot"].append(tpot)
             rounds[r]["cached"] += cached
             rounds[r]["prompt"] += len(history)
             history = history + out + [rng.randrange(1, vocab_hi) for _ in range(a.question_length)]
@@ -96,7 +100,7 @@ async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
         for r in range(a.rounds):
             sp = {"id": f"bench-{k}", **({"open": True, "streaming": True} if r == 0 else {}),
                   **({"close": True} if r == a.rounds - 1 else {})}
-            _, out, _, _ = await one_request(c, url, new, a.output_length, sp)
+            _, out, _, _, _ = await one_request(c, url, new, a.output_length, sp)
             new = [rng.randrange(1, vocab_hi) for _ in range(a.question_length)]
 
     # aiohttp, as burst.py: httpx's pool spreads concurrent requests' sends and reads over milliseconds, which a
@@ -106,6 +110,7 @@ async def run_benchmark(url: str, a: argparse.Namespace) -> list[dict]:
         await asyncio.gather(*(client(k, c) for k in range(a.clients)), *(session(k, c) for k in range(a.sessions)))
     return [{"round": i + 1, "mean_ttft_s": statistics.mean(r["ttft"]), "min_ttft_s": min(r["ttft"]),
              "max_ttft_s": max(r["ttft"]), "requests": sorted(zip(r["sent"], r["ttft"])),
+             "mean_tpot_s": statistics.mean(r["tpot"]) if r["tpot"] else None,
              "hit_rate": r["cached"] / r["prompt"], "prompt_tokens": r["prompt"], "stages_ms": r.get("stages_ms", {})} for i, r in enumerate(rounds)]
 
 
@@ -196,6 +201,11 @@ def main() -> None:
         later = results[n][1:] or results[n]
         print(f"{n}: hit rate of rounds 2-{a.rounds}: "
               f"{sum(r['hit_rate'] * r['prompt_tokens'] for r in later) / sum(r['prompt_tokens'] for r in later):.3f}")
+    for n in names:
+        tpots = [r["mean_tpot_s"] for r in results[n] if r["mean_tpot_s"] is not None]
+        if tpots:
+            print(f"{n}: time per output token after the first (ms), by round: "
+                  + " ".join(f"{1e3 * t:.2f}" for t in tpots))
     for n, srv in servers.items():
         if srv.get("cache"):
             print(f"{n} server: " + ", ".join(f"{k} {v:g}" for k, v in srv["cache"].items()))

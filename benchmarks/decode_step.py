@@ -56,9 +56,7 @@ def build_runner(size: str, max_batch: int, state_dtype: torch.dtype, unfused: b
         model, _ = load_model(tmp, DTYPE, torch.device("cuda"), KernelConfig(fuse_norm_linear=not unfused))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    d = model.dims
-    pool = MambaStatePool(d.num_layers, max_batch, d.conv_dim, d.conv_kernel, d.num_heads, d.head_dim,
-                          d.state_size, DTYPE, state_dtype, "cuda")
+    pool = MambaStatePool.for_model(model, max_batch, DTYPE, state_dtype, "cuda")
     runner = ModelRunner(model, pool, torch.device("cuda"))
     runner.enable_cuda_graphs(max_batch)
     return runner

@@ -47,11 +47,9 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     model, dims = build(a.shape, dev, torch.bfloat16)
-    s, at = dims.mamba, dims.attention
-    pool = MambaStatePool(s.num_layers, ROWS, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          torch.bfloat16, torch.float32, dev)
+    pool = MambaStatePool.for_model(model, ROWS, torch.bfloat16, torch.float32, dev)
     per_row = CONTEXT // PAGE
-    kv = KVPool(len(dims.attention_layers), ROWS * per_row, PAGE, at.num_kv_heads, at.head_dim, torch.bfloat16, dev)
+    kv = KVPool.for_model(model, ROWS * per_row, PAGE, torch.bfloat16, dev)
     runner = ModelRunner(model, pool, dev, kv)
     t = time.perf_counter()
     runner.enable_cuda_graphs(SEQS, 512, SEQS, context_length=CONTEXT)

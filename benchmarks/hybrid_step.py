@@ -160,11 +160,9 @@ def main() -> None:
     model, dims = build(a.shape, device, dtype)
     batches = [int(b) for b in a.batches.split(",")]
     rows = max(batches) + 1
-    s, at = dims.mamba, dims.attention
-    pool = MambaStatePool(s.num_layers, rows, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          dtype, torch.float32, device)
+    pool = MambaStatePool.for_model(model, rows, dtype, torch.float32, device)
     per_row = -(-max(a.context + 1, a.prefill) // a.page_size)
-    kv = KVPool(len(dims.attention_layers), rows * per_row, a.page_size, at.num_kv_heads, at.head_dim, dtype, device)
+    kv = KVPool.for_model(model, rows * per_row, a.page_size, dtype, device)
     runner = ModelRunner(model, pool, device, kv)
     pages = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
     ids = torch.randint(1, dims.vocab_size, (a.prefill,)).tolist()

@@ -162,15 +162,12 @@ def measure(shape: str, a, device: torch.device, dtype: torch.dtype, tp: TP) -> 
     model, dims = build(shape, device, dtype, tp)
     batches = [b for b in a.batches if b <= MAX_BATCH.get(shape, b)]
     rows = max(batches) + 1
-    s = model.state_dims
-    pool = MambaStatePool(s.num_layers, rows, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          dtype, torch.float32, device)
+    pool = MambaStatePool.for_model(model, rows, dtype, torch.float32, device)
     kv, pages = None, None
     at = getattr(model, "attention_dims", None)
     if at is not None:
         per_row = -(-(a.context + 1) // a.page_size)
-        kv = KVPool(len(dims.attention_layers), rows * per_row, a.page_size, at.num_kv_heads, at.head_dim, dtype,
-                    device)
+        kv = KVPool.for_model(model, rows * per_row, a.page_size, dtype, device)
         pages = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
     runner = ModelRunner(model, pool, device, kv)
     steps = {b: ForwardBatch(ForwardMode.DECODE, [1 + r % 7 for r in range(b)], [1] * b, [a.context] * b,

@@ -27,6 +27,13 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    @classmethod
+    def for_model(cls, model, num_pages: int, page_size: int, dtype: torch.dtype,
+                  device: torch.device | str) -> KVPool:
+        """``num_pages`` pages of every attention layer of ``model`` (a hybrid), its KV heads on this rank."""
+        a = model.attention_dims
+        return cls(len(model.dims.attention_layers), num_pages, page_size, a.num_kv_heads, a.head_dim, dtype, device)
+
     @property
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()

@@ -47,14 +47,10 @@ def build_pools(cfg: ServerConfig, model, device: torch.device, dtype: torch.dty
     total = -neg_total
     plan = (_plan_hybrid(cfg, model, dtype, context_length, is_cuda, total, in_use) if hybrid
             else _plan_pool(cfg, model, dtype, is_cuda, total, in_use))
-    d = model.state_dims
-    pool = MambaStatePool(d.num_layers, plan.slots, d.conv_dim, d.conv_kernel, d.num_heads, d.head_dim, d.state_size,
-                          dtype, DTYPES[cfg.state_dtype], device)
+    pool = MambaStatePool.for_model(model, plan.slots, dtype, DTYPES[cfg.state_dtype], device)
     kv_pool = None
     if hybrid and model.attention_dims is not None:
-        a = model.attention_dims
-        kv_pool = KVPool(len(model.dims.attention_layers), plan.pages, cfg.page_size, a.num_kv_heads, a.head_dim, dtype,
-                         device)
+        kv_pool = KVPool.for_model(model, plan.pages, cfg.page_size, dtype, device)
         log.info("KV pool: %d pages x %d tokens x %.3f MiB = %.2f GiB", plan.pages, cfg.page_size,
                  plan.bytes_per_page / 2**20, plan.pages * plan.bytes_per_page / 2**30)
     shapes = slot_shapes(model.mixers()[0].shard.full)  # (a host slot holds a whole state: every rank's heads)

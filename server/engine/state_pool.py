@@ -23,6 +23,14 @@ class MambaStatePool:
         self.conv = torch.zeros(num_layers, capacity, conv_dim, conv_kernel - 1, dtype=conv_dtype, device=device)
         self.ssm = torch.zeros(num_layers, capacity, num_heads, head_dim, state_size, dtype=ssm_dtype, device=device)
 
+    @classmethod
+    def for_model(cls, model, capacity: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
+                  device: torch.device | str) -> MambaStatePool:
+        """``capacity`` slots of ``model``'s states on this rank (``model.state_dims``)."""
+        d = model.state_dims
+        return cls(d.num_layers, capacity, d.conv_dim, d.conv_kernel, d.num_heads, d.head_dim, d.state_size,
+                   conv_dtype, ssm_dtype, device)
+
     @property
     def slot_shapes(self) -> dict[str, tuple[int, ...]]:
         """One slot's state, every layer: what ``ModelRunner.read_slot`` returns and ``write_slot`` takes."""

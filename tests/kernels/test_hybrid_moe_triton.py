@@ -34,10 +34,8 @@ class _Calls:
 
 def _steps(path, dev):
     model, _ = load_model(path, torch.float32, torch.device(dev))
-    s, a = model.state_dims, model.dims.attention
-    pool = MambaStatePool(s.num_layers, 4, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          torch.float32, torch.float32, dev)
-    kv = KVPool(len(model.dims.attention_layers), 32, 4, a.num_kv_heads, a.head_dim, torch.float32, dev)
+    pool = MambaStatePool.for_model(model, 4, torch.float32, torch.float32, dev)
+    kv = KVPool.for_model(model, 32, 4, torch.float32, dev)
     runner = ModelRunner(model, pool, torch.device(dev), kv)
     al = runner.kv_pool.allocator
     A, B = list(range(3, 22)), list(range(40, 47))

@@ -16,9 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def _runner(path, graphs: bool, slots=16):
     dev = torch.device("cuda")
     model, _ = load_model(path, torch.float32, dev)
-    d = model.dims
-    pool = MambaStatePool(d.num_layers, slots, d.conv_dim, d.conv_kernel, d.num_heads, d.head_dim, d.state_size,
-                          torch.float32, torch.float32, dev)
+    pool = MambaStatePool.for_model(model, slots, torch.float32, torch.float32, dev)
     runner = ModelRunner(model, pool, dev)
     if graphs:
         runner.enable_cuda_graphs(8, max_prefill_tokens=128, max_prefill_seqs=8)
@@ -181,10 +179,8 @@ def _hybrid_runner(path, graphs: bool, page_size: int = 4, context: int = 64):
 
     dev = torch.device("cuda")
     model, _ = load_model(path, torch.float32, dev)
-    s, a = model.state_dims, model.dims.attention
-    pool = MambaStatePool(s.num_layers, 8, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          torch.float32, torch.float32, dev)
-    kv = KVPool(len(model.dims.attention_layers), 96, page_size, a.num_kv_heads, a.head_dim, torch.float32, dev)
+    pool = MambaStatePool.for_model(model, 8, torch.float32, torch.float32, dev)
+    kv = KVPool.for_model(model, 96, page_size, torch.float32, dev)
     g = torch.Generator().manual_seed(5)
     pool.conv.copy_(torch.randn(pool.conv.shape, generator=g))
     pool.ssm.copy_(torch.randn(pool.ssm.shape, generator=g))

@@ -23,10 +23,8 @@ def test_triton_hybrid_forward_matches_transformers(tmp_path, family):
     path = make_hybrid_checkpoint(tmp_path / family, family, chunk_size=16)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
     model, _ = load_model(path, torch.float32, dev)
-    s, a = model.state_dims, model.dims.attention
-    pool = MambaStatePool(s.num_layers, 8, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          torch.float32, torch.float32, dev)
-    kv = KVPool(len(model.dims.attention_layers), 64, 4, a.num_kv_heads, a.head_dim, torch.float32, dev)
+    pool = MambaStatePool.for_model(model, 8, torch.float32, torch.float32, dev)
+    kv = KVPool.for_model(model, 64, 4, torch.float32, dev)
     runner = ModelRunner(model, pool, dev, kv)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 37, 18)]

@@ -24,10 +24,8 @@ SLOTS, PAGES = 8, 64
 def _runner(model, page_size: int) -> ModelRunner:
     """A runner on fresh pools whose state slots and KV pages hold the same noise in every runner: a slot or
     page that a padding row wrote would differ from the eager runner's."""
-    s, a = model.state_dims, model.dims.attention
-    pool = MambaStatePool(s.num_layers, SLOTS, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          torch.float32, torch.float32, CPU)
-    kv = KVPool(len(model.dims.attention_layers), PAGES, page_size, a.num_kv_heads, a.head_dim, torch.float32, CPU)
+    pool = MambaStatePool.for_model(model, SLOTS, torch.float32, torch.float32, CPU)
+    kv = KVPool.for_model(model, PAGES, page_size, torch.float32, CPU)
     g = torch.Generator().manual_seed(7)
     for t in (pool.conv, pool.ssm, kv.k, kv.v):
         t.copy_(torch.randn(t.shape, generator=g))

@@ -31,10 +31,8 @@ def ckpt(request, tmp_path_factory):
 
 def _runner(path, page_size, slots=6, pages=96):
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
-    s, a = model.state_dims, model.dims.attention
-    pool = MambaStatePool(s.num_layers, slots, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          torch.float32, torch.float32, "cpu")
-    kv = KVPool(len(model.dims.attention_layers), pages, page_size, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
+    pool = MambaStatePool.for_model(model, slots, torch.float32, torch.float32, "cpu")
+    kv = KVPool.for_model(model, pages, page_size, torch.float32, "cpu")
     return ModelRunner(model, pool, torch.device("cpu"), kv)
 
 

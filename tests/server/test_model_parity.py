@@ -15,9 +15,7 @@ ATOL = 1e-4
 
 def _runner(path, slots=8):
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
-    d = model.dims
-    pool = MambaStatePool(d.num_layers, slots, d.conv_dim, d.conv_kernel, d.num_heads, d.head_dim, d.state_size,
-                          torch.float32, torch.float32, "cpu")
+    pool = MambaStatePool.for_model(model, slots, torch.float32, torch.float32, "cpu")
     return ModelRunner(model, pool, torch.device("cpu"))
 
 

@@ -129,10 +129,8 @@ def _meta_runner(shape, slots: int, pages: int) -> ModelRunner:
     with dev:
         model = arch.model_class(dims).to(torch.bfloat16)
     model.refresh_derived()  # as a load does once the weights are in place
-    s, a = dims.mamba, dims.attention
-    pool = MambaStatePool(s.num_layers, slots, s.conv_dim, s.conv_kernel, s.num_heads, s.head_dim, s.state_size,
-                          torch.bfloat16, torch.float32, dev)
-    kv = KVPool(len(dims.attention_layers), pages, 16, a.num_kv_heads, a.head_dim, torch.bfloat16, dev)
+    pool = MambaStatePool.for_model(model, slots, torch.bfloat16, torch.float32, dev)
+    kv = KVPool.for_model(model, pages, 16, torch.bfloat16, dev)
     return ModelRunner(model, pool, dev, kv)
 
 

@@ -56,10 +56,13 @@ def main() -> None:
     out = {"shape": a.shape, "capture_s": time.perf_counter() - t}
     pages = [list(range(r * per_row, (r + 1) * per_row)) for r in range(ROWS)]
     end = CACHED + NEW
-    hit = ForwardBatch(ForwardMode.EXTEND, [5] * (SEQS * NEW), [NEW] * SEQS, [CACHED] * SEQS, list(range(SEQS)),
+    # distinct random tokens: a MoE model's rows then route as a real batch's do (one token for all would send every
+    # row to the same experts)
+    ids = torch.randint(1, dims.vocab_size, (SEQS * NEW + SEQS,), generator=torch.Generator().manual_seed(0)).tolist()
+    hit = ForwardBatch(ForwardMode.EXTEND, ids[:SEQS * NEW], [NEW] * SEQS, [CACHED] * SEQS, list(range(SEQS)),
                        snap=[(i, SEQS + i, end - PAGE) for i in range(SEQS)],
                        pages=[pages[i][:-(-end // PAGE)] for i in range(SEQS)])
-    decode = ForwardBatch(ForwardMode.DECODE, [5] * SEQS, [1] * SEQS, [CACHED] * SEQS, list(range(SEQS)),
+    decode = ForwardBatch(ForwardMode.DECODE, ids[SEQS * NEW:], [1] * SEQS, [CACHED] * SEQS, list(range(SEQS)),
                           pages=[pages[i][:(CACHED + PAGE) // PAGE] for i in range(SEQS)])
     out["hit_extend"] = launches(runner, hit, a.reps)
     out["decode"] = launches(runner, decode, a.reps)

@@ -140,7 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--burst-hold-ms", type=float, default=10.0,
                    help="an idle server holds its next step up to this long while requests whose headers have "
                         "arrived are still being read and checked, so that a client's burst runs as one prefill "
-                        "step (0: launch at once); a lone request never waits")
+                        "step (0: launch at once); a lone request is not held for this")
+    s.add_argument("--burst-quiet-ms", type=float, default=2.0,
+                   help="within --burst-hold-ms, an idle server also holds its step this long after it last took a "
+                        "request while fewer are waiting than the last burst brought (a client's burst can reach "
+                        "the server a millisecond or two apart); 0: only while requests are being read")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch replayed from a CUDA graph; larger batches run eagerly")
     s.add_argument("--kernel-cache-dir",

@@ -53,6 +53,7 @@ class ServerConfig:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
     burst_hold_ms: float = 10.0  # an idle server's next step waits at most this for requests still arriving
+    burst_quiet_ms: float = 2.0  # ... and this after the last submission, while fewer wait than the last burst brought
     skip_server_warmup: bool = False  # the CLI's warm-up requests before ready (api/warmup.py)
     cuda_graph_max_bs: int = 256
     kernel_cache_dir: str | None = None  # Triton's compile cache (TRITON_CACHE_DIR); None: Triton's default
@@ -148,8 +149,10 @@ class ServerConfig:
                                  f"{getattr(self, name)}")
         if self.request_timeout is not None and not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
             raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout}")
-        if not (math.isfinite(self.burst_hold_ms) and self.burst_hold_ms >= 0):
-            raise ValueError(f"--burst-hold-ms must be a number of milliseconds >= 0, got {self.burst_hold_ms}")
+        for name in ("burst_hold_ms", "burst_quiet_ms"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number of milliseconds >= 0, got "
+                                 f"{getattr(self, name)}")
         if not 0 <= self.session_slot_fraction < 1:
             raise ValueError(f"--session-slot-fraction must be in [0, 1), got {self.session_slot_fraction}")
 

@@ -12,15 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def burst_hold(idle: bool, waiting: int, arriving: int, held: float, limit: float) -> float:
+def burst_hold(idle: bool, waiting: int, arriving: int, held: float, limit: float, quiet_left: float = 0.0,
+               expected: int = 0) -> float:
     """Seconds an idle scheduler waits (at most; it looks again as requests come in) before launching a step
-    for its ``waiting`` requests, having held ``held`` so far: while others are still ``arriving`` at the HTTP
-    edge, up to ``limit`` in all. A burst then runs as one prefill step, which reads the weights once (every
-    expert of a MoE model), instead of as one step for its first arrivals and another for the rest, which
-    the device runs after the first. 0: launch now (busy, nothing to run, or nothing on its way)."""
-    if not idle or not waiting or arriving <= 0:
+    for its ``waiting`` requests, having held ``held`` so far, up to ``limit`` in all: while others are still
+    ``arriving`` at the HTTP edge; and, while fewer are waiting than the ``expected`` many the last burst brought,
+    for ``quiet_left`` more (what is left of a quiet period after the last submission: a client's burst leaves it
+    over a millisecond or two, and its later requests may not have reached the edge when the first is submitted).
+    A burst then runs as one prefill step, which reads the weights once (every expert of a MoE model), instead
+    of as one step for its first arrivals and another for the rest, which the device runs after the first.
+    0: launch now (busy, nothing to run, nothing on its way, or as many as expected)."""
+    if not idle or not waiting:
         return 0.0
-    return max(0.0, limit - held)
+    if arriving > 0:
+        return max(0.0, limit - held)
+    if waiting < expected:
+        return max(0.0, min(quiet_left, limit - held))
+    return 0.0
 
 
 @dataclass(frozen=True)

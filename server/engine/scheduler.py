@@ -69,8 +69,11 @@ class Scheduler:
                  arrivals: Arrivals | None = None):
         self.runner, self.metrics = runner, metrics
         self.arrivals = arrivals or Arrivals()  # requests the HTTP edge has received, not yet submitted
-        self.hold_s = cfg.burst_hold_ms / 1e3
+        self.hold_s, self.quiet_s = cfg.burst_hold_ms / 1e3, cfg.burst_quiet_ms / 1e3
         self._hold_started: float | None = None  # when the step being held was first held
+        # requests submitted since the server was last idle, and in the busy time before (the burst to expect)
+        self._busy_requests, self._last_busy_requests = 0, 0
+        self._last_submitted = 0.0  # when the scheduler last took a request
         self.slots = runner.pool.allocator
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.calls: collections.deque = collections.deque()  # (fn, future) taken from the inbox, not run yet
@@ -248,8 +251,8 @@ class Scheduler:
         little for the inbox and return True, for the loop to look again; False: step now."""
         now = time.monotonic()
         held = 0.0 if self._hold_started is None else now - self._hold_started
-        idle = not (self.queues.running or self.inflight)
-        left = burst_hold(idle, len(self.queues.waiting), self.arrivals.pending, held, self.hold_s)
+        left = burst_hold(self._idle(), len(self.queues.waiting), self.arrivals.pending, held, self.hold_s,
+                          self.quiet_s - (now - self._last_submitted), self._last_busy_requests)
         if left <= 0:
             if self._hold_started is not None:
                 self.metrics.burst_hold.observe(held)
@@ -259,6 +262,11 @@ class Scheduler:
             self._hold_started = now
         self._drain_inbox(block=True, timeout=min(left, HOLD_POLL_S))
         return True
+
+    def _idle(self) -> bool:
+        """Nothing running, and nothing in flight but a step that only folds finished requests' last tokens into
+        their states (the next request must not wait for it, nor be taken for part of a busy time)."""
+        return not self.queues.running and (self.inflight is None or all(r.finished for r in self.inflight.rows))
 
     def _all_held(self) -> bool:
         return self.prefetcher is not None and self.prefetcher.all_held()
@@ -348,6 +356,10 @@ class Scheduler:
         if req.logits_from is not None:  # (admission's match stops there: see Admission._admit)
             req.expected_cached = min(req.expected_cached, req.logits_from)
         req.arrival_tick = self.cache.clock
+        if self._idle() and not self.queues.waiting:  # the first of a busy time
+            self._last_busy_requests, self._busy_requests = self._busy_requests, 0
+        self._busy_requests += 1
+        self._last_submitted = time.monotonic()
         self.queues.add(req)
         if req.timeline is not None:
             req.timeline.mark("queued")

@@ -195,3 +195,32 @@ def test_an_idle_server_holds_its_step_for_requests_still_arriving_and_no_longer
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert "mambaserve_burst_hold_seconds_count 2.0" in metrics
         assert not [line for line in log if "Traceback" in line]
+
+
+def test_after_a_burst_an_idle_server_waits_a_quiet_moment_for_the_next_one_and_not_after_lone_ones(tiny_ckpt):
+    """A burst's later requests may reach the server after its first was submitted (nothing on its way then): an
+    idle server whose last busy time took several requests holds its step --burst-quiet-ms after the last it took,
+    until as many wait; after lone requests it does not wait."""
+    quiet = 0.6
+    with served(tiny_ckpt, "--burst-hold-ms", "3000", "--burst-quiet-ms", str(quiet * 1e3), "--log-level",
+                "debug") as (port, log):
+        _sent_and_answered(port, _generate(4, 5))  # (the first request's one-time costs)
+        assert _sent_and_answered(port, _generate(5, 6, 7))[1] < quiet / 2  # after a lone request: not held
+        pair = [connect(port, _generate(6, 7)), connect(port, _generate(8, 9))]  # a busy time of two requests
+        assert all(one_response(s).startswith(b"HTTP/1.1 200") for s in pair)
+
+        # the next "burst": C now, D 0.2 s later; C waits for D and both make one step
+        seen = len(log)
+        threading.Timer(0.2, lambda: pair.append(connect(port, _generate(10, 11, 12)))).start()
+        waited = _sent_and_answered(port, _generate(13, 14, 15))[1]
+        assert 0.15 < waited < quiet, waited
+        assert one_response(pair[-1]).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 5  # (the log arrives through a pipe)
+        while not any("EXTEND, 2 rows" in line for line in log[seen:]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [line for line in log[seen:] if "EXTEND, 2 rows" in line], [line for line in log if "launched" in line]
+
+        # a lone request after that burst of two waits the quiet moment; the one after it does not
+        assert quiet - 0.05 < _sent_and_answered(port, _generate(16, 17))[1] < quiet + 1.5
+        assert _sent_and_answered(port, _generate(18, 19))[1] < quiet / 2
+        assert not [line for line in log if "Traceback" in line]

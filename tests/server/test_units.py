@@ -51,6 +51,14 @@ def test_an_idle_step_is_held_only_for_requests_on_their_way_and_only_so_long():
     assert burst_hold(idle=False, waiting=1, arriving=3, held=0.0, limit=0.01) == 0  # busy: steps go on
     assert burst_hold(idle=True, waiting=0, arriving=3, held=0.0, limit=0.01) == 0  # nothing to run yet
     assert burst_hold(idle=True, waiting=1, arriving=3, held=0.0, limit=0.0) == 0  # --burst-hold-ms 0
+    # after a burst of 8, the first of the next waits a quiet moment after its submission for the rest...
+    assert burst_hold(idle=True, waiting=1, arriving=0, held=0.0, limit=0.01, quiet_left=0.002, expected=8) == 0.002
+    assert burst_hold(idle=True, waiting=7, arriving=0, held=0.009, limit=0.01, quiet_left=0.002,
+                      expected=8) == pytest.approx(0.001)  # (within the hold's limit)
+    assert burst_hold(idle=True, waiting=3, arriving=0, held=0.001, limit=0.01, quiet_left=-0.001, expected=8) == 0
+    assert burst_hold(idle=True, waiting=8, arriving=0, held=0.0, limit=0.01, quiet_left=0.002, expected=8) == 0
+    # ... but not after lone requests
+    assert burst_hold(idle=True, waiting=1, arriving=0, held=0.0, limit=0.01, quiet_left=0.002, expected=1) == 0
 
 
 def test_garbage_collections_are_timed_by_generation_until_unwatched():
@@ -257,6 +265,7 @@ def test_lazy_detokenization_gives_the_same_text_as_incremental():
                                         (dict(request_timeout=float("nan")), "request-timeout"),
                                         (dict(max_queued_requests=0), "max-queued-requests"),
                                         (dict(burst_hold_ms=-1.0), "burst-hold-ms"),
+                                        (dict(burst_quiet_ms=float("nan")), "burst-quiet-ms"),
                                         (dict(state_dtype="int8"), "state-dtype"),
                                         (dict(device="tpu"), "--device must be auto, cpu, cuda or cuda:N"),
                                         (dict(device="cuda:x"), "--device must be"),

@@ -12,8 +12,8 @@ reads its experts from HBM, as in a model with 40 such layers (one copy would si
 
 Columns: ``kernel`` is the Triton op's time per call replayed from a CUDA graph (it has no host sync, so it is
 capturable; what a graph-captured decode step pays), ``eager`` the same op launched from Python, ``align`` its
-routing-align step alone (graph; one token runs none; in brackets the sort-based torch align, its reference: one Triton
-program up to ``ALIGN_ONE_PROGRAM_MAX_PAIRS`` pairs, three launches above), ``loop`` the torch reference (eager: its host sync per call makes it
+routing-align step alone (graph; one token runs none; in brackets the sort-based torch align, its reference: a Triton
+program per expert up to ``ALIGN_PER_EXPERT_MAX_PAIRS`` pairs, three launches above), ``loop`` the torch reference (eager: its host sync per call makes it
 uncapturable), ``bound`` the time to read the weights of the experts the routing touches (plus x and the output)
 at the measured copy bandwidth, or to do the FLOPs at the published bf16 peak if that is longer. Before timing,
 each token count's output is checked against the loop's (relative error printed; over 2e-2 stops the run).

@@ -37,7 +37,7 @@ from mambaserve.kernels._dispatch import (HAS_TRITON, Target, next_pow2, pdl_arg
                                           use_triton)
 
 if HAS_TRITON:
-    from mambaserve.kernels.moe_kernels import (_moe_align_kernel, _moe_count_kernel, _moe_down_kernel,
+    from mambaserve.kernels.moe_kernels import (_moe_align_expert_kernel, _moe_count_kernel, _moe_down_kernel,
                                                 _moe_runs_kernel, _moe_scatter_kernel, _moe_sum_kernel, _moe_up_kernel)
 
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -143,11 +143,13 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
 # ---------------------------------------------------------------------------------------------- launchers
 
-# Up to this many pairs the align is one Triton program (decode batches: one launch); above, its two serial passes
-# over the pairs cost O(pairs) (49 us at 1,536 pairs on an H200), so three launches split the pairs over programs.
-# The sort-based torch align (moe_align_ref) took 141 us at 12,288 pairs (granite-4.0-h-tiny, 2,048 tokens): 38% of
-# the MoE op, and 5.6 ms of each 2,048-token prefill step.
-ALIGN_ONE_PROGRAM_MAX_PAIRS = 256
+# Up to this many pairs (1,024 tokens at top-6) the align step is a program per expert, one launch: each program
+# histograms every pair (CHUNK a step) and lays out its own run. Above (prefill) those walks grow with the pairs,
+# so three launches split the pairs over programs. On an H200, graph-replayed, granite-4.0-h-tiny's routing: 6.9 /
+# 7.4 / 9.3 / 11.1 / 16.6 us at 8 / 64 / 256 / 512 / 1,024 tokens against 15.6-16.5 us in three launches (and 8.1 /
+# 16.5 / 47.5 us at 8 / 64 / 256 in the one program that walked them all with one-hots before); 20.2 against 16.6 at
+# 1,365. The sort-based torch align (moe_align_ref) took 141 us at 12,288 pairs.
+ALIGN_PER_EXPERT_MAX_PAIRS = 6144
 
 # Tiles by the mean rows per expert (T * k / E), first match. One BLOCK_M for both GEMMs (they walk the same
 # blocks). Decode (a few rows an expert) is bound by reading the experts' weights: 16-row blocks (the smallest
@@ -165,10 +167,11 @@ MOE_TILES = (
     (48, {"block_m": 64, "up_block_n": 32, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
           "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
     # prefill, from 49 rows an expert on (granite's 768 tokens: 118 us against 134 with 64-row blocks): 128 x 128
-    # tiles over two warpgroups, the weight tiles (and the down projection's rows) through TMA descriptors on Hopper
-    # (5-8% faster at 2,048-8,192 tokens on an H200)
+    # tiles over two warpgroups for the up projection, 128 x 256 for the down one (its K is only I: wider tiles read
+    # each row block fewer times; 577 against 617 us at 8,192 tokens, even at 2,048), the weight tiles (and the down
+    # projection's rows) through TMA descriptors on Hopper (5-8% faster at 2,048-8,192 tokens on an H200)
     (None, {"block_m": 128, "up_block_n": 128, "up_block_k": 64, "up_warps": 8, "up_stages": 3,
-            "down_block_n": 128, "down_block_k": 64, "down_warps": 8, "down_stages": 3, "tma": True}),
+            "down_block_n": 256, "down_block_k": 64, "down_warps": 8, "down_stages": 4, "tma": True}),
 )
 # Under the interpreter: the smallest tiles tl.dot takes, so tiny test shapes still cross several tiles.
 _INTERPRET_TILES = {"block_m": 16, "up_block_n": 16, "up_block_k": 16, "up_warps": 1, "up_stages": 1,
@@ -221,20 +224,16 @@ def moe_runs_triton(t: torch.Tensor, force_triton: bool | None = None) -> bool:
     return use_triton(t, force_triton)
 
 
-def align_launch(pairs: int, num_experts: int, block_m: int) -> dict | None:
-    """The align step's Triton launch for ``pairs`` pairs (None without experts): up to
-    ``ALIGN_ONE_PROGRAM_MAX_PAIRS`` one program, its ``CHUNK`` (one-hots of up to 8K elements, 8 warps from 4K:
-    compiled for sm_90 by Triton 3.6, 193 registers a thread at 128 x 64, no spills; 16K took all 255: as few serial
-    steps over the pairs as the registers allow), ``FILL`` and warps; above, three launches over ``CHUNK`` pairs a
-    program (no ``FILL``)."""
+def align_launch(pairs: int, num_experts: int) -> dict | None:
+    """The align step's Triton launch for ``pairs`` pairs (None without experts): its ``kernel`` (``"per_expert"`` up
+    to ``ALIGN_PER_EXPERT_MAX_PAIRS``, one compile for every batch; ``"split"`` above, three launches over ``CHUNK``
+    pairs a program) and constexprs."""
     if num_experts == 0:
         return None
     EP = max(16, next_pow2(num_experts))
-    if pairs > ALIGN_ONE_PROGRAM_MAX_PAIRS:
-        return {"EP": EP, "CHUNK": max(16, min(256, 4096 // EP))}
-    P = padded_capacity(pairs, num_experts, block_m)
-    chunk = max(16, min(256, 8192 // EP, next_pow2(max(pairs, P // block_m))))
-    return {"EP": EP, "CHUNK": chunk, "FILL": min(1024, next_pow2(P)), "num_warps": 8 if chunk * EP > 4096 else 4}
+    if pairs > ALIGN_PER_EXPERT_MAX_PAIRS:
+        return {"kernel": "split", "EP": EP, "CHUNK": max(16, min(256, 4096 // EP))}
+    return {"kernel": "per_expert", "EP": EP, "CHUNK": 1024, "FILL": 128, "num_warps": 4}
 
 
 def launch_variant(tokens: int, top_k: int, num_experts: int, tg: Target, tiles: dict | None = None,
@@ -243,7 +242,7 @@ def launch_variant(tokens: int, top_k: int, num_experts: int, tg: Target, tiles:
     pure function of the shapes, each value one set of compiles (``moe_warm_up`` runs one batch per value)."""
     cfg = moe_tiles(tokens * top_k, num_experts, tg.compiled, tiles, elsize)
     direct = cfg.get("direct", tokens == 1)
-    align = None if direct else align_launch(tokens * top_k, num_experts, cfg["block_m"])
+    align = None if direct else align_launch(tokens * top_k, num_experts)
     return tuple(sorted(cfg.items())), direct, tuple(sorted((align or {}).items()))
 
 
@@ -271,10 +270,10 @@ def moe_warm_up(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int,
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
               force_triton: bool | None = None) -> MoeAlignment:
-    """The routing-align step (``MoeAlignment``). Triton: one program for up to ``ALIGN_ONE_PROGRAM_MAX_PAIRS``
+    """The routing-align step (``MoeAlignment``). Triton: a program per expert up to ``ALIGN_PER_EXPERT_MAX_PAIRS``
     pairs, three launches above (counts per program, the runs, the scatter); no host synchronisation."""
     N = topk_ids.numel()
-    launch = align_launch(N, num_experts, block_m)
+    launch = align_launch(N, num_experts)
     if not use_triton(topk_ids, force_triton) or launch is None:
         return moe_align_ref(topk_ids, num_experts, block_m)
     P = padded_capacity(N, num_experts, block_m)
@@ -282,11 +281,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     ids = topk_ids.reshape(-1).contiguous()
     sorted_pairs = torch.empty(P, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(NB, dtype=torch.int32, device=ids.device)
-    EP, chunk = launch["EP"], launch["CHUNK"]
     pdl = pdl_args(ids)
-    if "FILL" in launch:  # one program
-        _moe_align_kernel[(1,)](ids, sorted_pairs, block_expert, N, P, NB, BLOCK_M=block_m, **launch, **pdl)
+    if launch.pop("kernel") == "per_expert":
+        _moe_align_expert_kernel[(num_experts,)](ids, sorted_pairs, block_expert, N, P, NB, num_experts,
+                                                 BLOCK_M=block_m, **launch, **pdl)
         return MoeAlignment(sorted_pairs, block_expert, block_m)
+    EP, chunk = launch["EP"], launch["CHUNK"]
     Q = triton.cdiv(N, chunk)
     local = torch.empty(Q, EP, dtype=torch.int32, device=ids.device)
     start = torch.empty(EP, dtype=torch.int32, device=ids.device)

@@ -8,15 +8,15 @@ padding), ``block_expert[b]`` the expert of block b (-1: past the last used bloc
 GEMMs walk the same blocks, so the intermediate activations are indexed by position and the down
 projection reads its rows contiguously; only the up projection gathers token rows (``pair // top_k``).
 
-  _moe_align_kernel   [1]                 one program: per-expert counts, padded offsets (a cumsum over
-                                          experts), sentinel fill, each block's expert, then each pair's
-                                          position = its expert's offset + its rank among the earlier
-                                          pairs of that expert (a cumsum over a [CHUNK, experts] one-hot),
-                                          so pairs keep their order within an expert (stable, deterministic)
-  _moe_count_kernel,  [N/CHUNK], [1],     the same in three launches for many pairs: each program's counts
-  _moe_runs_kernel,   [N/CHUNK]           (and its share of the sentinel fill); one program turns them into
-  _moe_scatter_kernel                     each program's offsets and lays out the runs; each program
-                                          scatters its pairs (still stable)
+  _moe_align_expert_  [E]                 program e lays out expert e's run: every expert's count (a histogram
+  kernel                                  of the pairs), so the padded offset of its run (a sum over the
+                                          experts before it), its pairs there in pair order (a cumsum over its
+                                          hits: stable, deterministic), its run's padding and blocks, and its
+                                          share of the positions and blocks past the last run
+  _moe_count_kernel,  [N/CHUNK], [1],     the same in three launches for prefill's many pairs (each program above
+  _moe_runs_kernel,   [N/CHUNK]           walks them all): each program's counts (and its share of the sentinel
+  _moe_scatter_kernel                     fill); one program turns them into each program's offsets and lays
+                                          out the runs; each program scatters its pairs (still stable)
   _moe_up_kernel      [blocks, I/BLOCK_N] rows of ``x`` gathered by token, times expert e's first
                                           projection; GATED reads the gate columns n and the up columns
                                           I + n in the same K loop (two accumulators) and stores
@@ -79,27 +79,42 @@ if HAS_TRITON:
 
     # The pair and position counts change with every batch size: not specialised (== 1, % 16), so one compile per
     # tile set serves every batch (``moe.moe_warm_up`` compiles them all at start).
-    @triton.jit(do_not_specialize=["N", "P", "NB"])
-    def _moe_align_kernel(ids_ptr, pairs_ptr, bexp_ptr, N, P, NB, BLOCK_M: tl.constexpr, EP: tl.constexpr,
-                          CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr = False):
-        """``ids`` [N] expert of each pair -> ``pairs`` [P] (padding: N), ``bexp`` [NB] (unused blocks: -1).
-        CHUNK pairs a step through the [CHUNK, EP] one-hots; FILL positions a step through the sentinel fill."""
+    @triton.jit(do_not_specialize=["N", "P", "NB", "E"])
+    def _moe_align_expert_kernel(ids_ptr, pairs_ptr, bexp_ptr, N, P, NB, E, BLOCK_M: tl.constexpr, EP: tl.constexpr,
+                                 CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr = False):
+        """Grid (E,): program e lays out expert e's run alone. Every expert's count (a histogram of all the pairs,
+        CHUNK a step) gives its run's start; its pairs go there in order (a cumsum over its hits); then its run's
+        padding and blocks, and its share of the positions and blocks past the last run. The runs are disjoint, so
+        the programs need nothing from each other: one launch, each program O(pairs / CHUNK) steps."""
         pdl_start(USE_PDL)
-        ex = tl.arange(0, EP)
+        e = tl.program_id(0)
         c = tl.arange(0, CHUNK)
-        counts = tl.zeros([EP], dtype=tl.int32)
+        counts = tl.zeros([2 * EP], dtype=tl.int32)
         for i0 in range(0, N, CHUNK):
             i = i0 + c
-            ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
-            counts += tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0)
-        _fill(pairs_ptr, N, 0, P, FILL)
-        pad_start = _runs(counts, bexp_ptr, NB, BLOCK_M, CHUNK)
-        tl.debug_barrier()  # the sentinel fill above lands before the scatter below overwrites part of it
-        seen = tl.zeros([EP], dtype=tl.int32)
+            counts += tl.histogram(tl.load(ids_ptr + i, mask=i < N, other=EP).to(tl.int32), 2 * EP)  # past N: bin EP
+        ex = tl.arange(0, 2 * EP)
+        padded = tl.where(ex < EP, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        start = tl.sum(tl.where(ex < e, padded, 0), 0)
+        end = start + tl.sum(tl.where(ex == e, padded, 0), 0)
+        total = tl.sum(padded, 0)
+        seen = start
         for i0 in range(0, N, CHUNK):
             i = i0 + c
-            ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32)
-            seen += _scatter(ids, i, N, seen + pad_start, pairs_ptr, EP)
+            hit = (tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int32) == e).to(tl.int32)
+            tl.store(pairs_ptr + seen + tl.cumsum(hit, 0) - hit, i, mask=hit > 0)
+            seen += tl.sum(hit, 0)
+        _fill(pairs_ptr, N, seen, end, FILL)
+        share = (P - total + E - 1) // E
+        lo = total + e * share
+        _fill(pairs_ptr, N, lo, tl.minimum(lo + share, P), FILL)
+        b = tl.arange(0, FILL)
+        for b0 in range(start // BLOCK_M, end // BLOCK_M, FILL):
+            tl.store(bexp_ptr + b0 + b, tl.zeros([FILL], dtype=tl.int32) + e, mask=b0 + b < end // BLOCK_M)
+        share = (NB - total // BLOCK_M + E - 1) // E
+        lo = total // BLOCK_M + e * share
+        for b0 in range(lo, tl.minimum(lo + share, NB), FILL):
+            tl.store(bexp_ptr + b0 + b, tl.full([FILL], -1, tl.int32), mask=b0 + b < tl.minimum(lo + share, NB))
 
     @triton.jit
     def _program_pairs(ids_ptr, N, CHUNK: tl.constexpr):

@@ -1,12 +1,12 @@
 """The fused MoE experts at real shapes on a GPU, bf16: granite-4.0-h-tiny's SwiGLU experts (hidden 1536, 64 experts,
-top-6, 512) at decode and prefill token counts (the last above the one-program align's limit, so the sort-based align
-runs), relu2 experts with a width no tile divides (Nemotron-H style), and the op captured in a CUDA graph replaying new
-routings (no host sync). Skipped without CUDA."""
+top-6, 512) at decode and prefill token counts (both align steps: a program per expert, three launches), relu2
+experts with a width no tile divides (Nemotron-H style), and the op captured in a CUDA graph replaying new routings
+(no host sync). Skipped without CUDA."""
 
 import pytest
 import torch
 
-from mambaserve.kernels.moe import ALIGN_ONE_PROGRAM_MAX_PAIRS, moe_experts, moe_experts_ref
+from mambaserve.kernels.moe import align_launch, moe_experts, moe_experts_ref
 from tests.kernels.helpers import TOL, assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -24,11 +24,12 @@ def _inputs(T, E, k, H, I, gated, seed):
     return x, ids, torch.softmax(logits, -1).to(BF), w1, w2
 
 
-@pytest.mark.parametrize("T", [1, 16, 64, 256, 1000])
-def test_granite_tiny_shape(T):
+@pytest.mark.parametrize("T,align", [(1, None), (16, "per_expert"), (64, "per_expert"), (256, "per_expert"),
+                                     (1000, "per_expert"), (1100, "split")])
+def test_granite_tiny_shape(T, align):
     x, ids, wts, w1, w2 = _inputs(T, 64, 6, 1536, 512, True, seed=T)
-    if T == 1000:
-        assert ids.numel() > ALIGN_ONE_PROGRAM_MAX_PAIRS
+    if align:
+        assert align_launch(ids.numel(), 64)["kernel"] == align
     out = moe_experts(x, ids, wts, w1, w2, act="silu", gated=True)
     assert_close(out, moe_experts_ref(x, ids, wts, w1, w2, act="silu", gated=True), TOL[BF])
 

@@ -5,8 +5,9 @@ spread, that crowd onto one or two experts, and that leave experts without a tok
 import pytest
 import torch
 
-from mambaserve.kernels.moe import (MOE_TILES, MoeAlignment, moe_align, moe_align_ref, moe_experts, moe_experts_ref,
-                                    launch_variant, moe_tiles, moe_warm_up, padded_capacity)
+from mambaserve.kernels import moe
+from mambaserve.kernels.moe import (MOE_TILES, MoeAlignment, align_launch, launch_variant, moe_align, moe_align_ref,
+                                    moe_experts, moe_experts_ref, moe_tiles, moe_warm_up, padded_capacity)
 from tests.kernels.helpers import TOL, assert_close, gen, randn
 
 
@@ -39,13 +40,17 @@ def _check_layout(al: MoeAlignment, ids: torch.Tensor, E: int) -> None:
     assert (bexp[used][1:] > bexp[used][:-1]).sum() + 1 == len(set(flat.tolist())), "one run per expert with pairs"
 
 
-# (300, 2, 130) and (700, 6, 64): past ALIGN_ONE_PROGRAM_MAX_PAIRS, the three-launch align over 5 and 66 programs
+# with "split", the three-launch align (over 5 and 66 programs at (300, 2, 130) and (700, 6, 64))
 @pytest.mark.parametrize("T,k,E,block_m", [(1, 1, 1, 16), (1, 6, 64, 16), (7, 2, 5, 16), (37, 3, 9, 16),
                                            (100, 2, 4, 32), (300, 2, 130, 16), (700, 6, 64, 16)])
 @pytest.mark.parametrize("kind", ["spread", "crowded", "sparse"])
-def test_align_matches_reference_and_groups_by_expert(dev, T, k, E, block_m, kind):
+@pytest.mark.parametrize("split", [False, True])
+def test_align_matches_reference_and_groups_by_expert(dev, T, k, E, block_m, kind, split, monkeypatch):
     if kind != "spread" and E < 2 * k:
         pytest.skip("needs experts to spare")
+    if split:
+        monkeypatch.setattr(moe, "ALIGN_PER_EXPERT_MAX_PAIRS", 0)
+    assert align_launch(T * k, E)["kernel"] == ("split" if split else "per_expert")
     ids = _routing(kind, T, k, E, gen(T * E + k)).to(dev)
     ref = moe_align_ref(ids, E, block_m)
     _check_layout(ref, ids, E)
@@ -155,14 +160,15 @@ def test_warm_up_runs_one_batch_per_launch_variant_up_to_its_token_count(dev):
 
     _, _, _, w1, w2 = _case(1, 2, 4, 16, 8, True, "spread", torch.float32, dev, seed=2)
     variants = {launch_variant(T, 2, 4, H100 if dev == "cuda" else _interpreter()) for T in range(1, 41)}
-    assert moe_warm_up(w1, w2, 2, 40, force_triton=True) == len(variants) > 2
+    assert moe_warm_up(w1, w2, 2, 40, force_triton=True) == len(variants) >= 2  # one token, then the rest
     assert moe_warm_up(w1, w2, 2, 40, force_triton=False) == 0
     # granite-4.0-h-tiny (64 experts, top-6) on an H100 up to 2048 tokens: every MOE_TILES row, one token alone
-    # (direct), and the align step's one-program variants, its three-launch one past ALIGN_ONE_PROGRAM_MAX_PAIRS
+    # (direct), and both align steps
     granite = {launch_variant(T, 6, 64, H100) for T in range(1, 2049)}
     assert {dict(v[0])["block_m"] for v in granite} == {t["block_m"] for _, t in MOE_TILES}
-    assert sum(v[1] for v in granite) == 1 and any(v[2] and "FILL" not in dict(v[2]) for v in granite)
-    assert 6 < len(granite) < 20  # a few seconds of compiles at start
+    assert sum(v[1] for v in granite) == 1
+    assert {dict(v[2])["kernel"] for v in granite if v[2]} == {"per_expert", "split"}
+    assert len(granite) <= 8  # a few seconds of compiles at start
 
 
 def _interpreter():

@@ -61,8 +61,10 @@ def test_a_failing_listener_does_not_fail_the_compile(caplog):
 def test_the_cache_directory_is_created_and_set_where_triton_reads_it(tmp_path, monkeypatch):
     from triton import knobs
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", os.environ.get("TRITON_CACHE_DIR", ""))
-    monkeypatch.setattr(knobs.cache, "dir", knobs.cache.dir)  # restored after the test
+    # both restored after the test; the knob read first: with the variable set to "" Triton's cache dir reads "", and
+    # restored so, the next compile in the process (a GPU test) found no cache directory
+    monkeypatch.setattr(knobs.cache, "dir", knobs.cache.dir)
+    monkeypatch.setenv("TRITON_CACHE_DIR", knobs.cache.dir)
     path = compiles.set_cache_dir(tmp_path / "a" / "kernels")
     assert path.is_dir() and os.environ["TRITON_CACHE_DIR"] == str(path) and knobs.cache.dir == str(path)
     (tmp_path / "file").write_text("")

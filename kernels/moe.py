@@ -143,13 +143,14 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
 # ---------------------------------------------------------------------------------------------- launchers
 
-# Up to this many pairs (1,024 tokens at top-6) the align step is a program per expert, one launch: each program
-# histograms every pair (CHUNK a step) and lays out its own run. Above (prefill) those walks grow with the pairs,
-# so three launches split the pairs over programs. On an H200, graph-replayed, granite-4.0-h-tiny's routing: 6.9 /
-# 7.4 / 9.3 / 11.1 / 16.6 us at 8 / 64 / 256 / 512 / 1,024 tokens against 15.6-16.5 us in three launches (and 8.1 /
-# 16.5 / 47.5 us at 8 / 64 / 256 in the one program that walked them all with one-hots before); 20.2 against 16.6 at
-# 1,365. The sort-based torch align (moe_align_ref) took 141 us at 12,288 pairs.
-ALIGN_PER_EXPERT_MAX_PAIRS = 6144
+# Up to this many pairs (64 tokens at top-6: decode batches) the align step is a program per expert, one launch: each
+# program histograms every pair (CHUNK a step) and lays out its own run. Above, three launches split the pairs over
+# programs. On an H200 (granite-4.0-h-tiny's MoE, graph-replayed, in one process) the whole op took 67.8 / 84.1 us at
+# 16 / 64 tokens against 71.2 / 87.1 in three launches (the one program that walked the pairs with one-hots before was
+# slower still), but 98.5 / 102.6 / 135.2 against 95.2 / 99.8 / 119.5 at 256 / 512 / 1,024, though the align alone
+# was faster there too (9.3 against 16.1 us at 256 tokens): inside the op its longer programs cost the GEMMs after
+# them more than they save. The sort-based torch align (moe_align_ref) took 141 us at 12,288 pairs.
+ALIGN_PER_EXPERT_MAX_PAIRS = 384
 
 # Tiles by the mean rows per expert (T * k / E), first match. One BLOCK_M for both GEMMs (they walk the same
 # blocks). Decode (a few rows an expert) is bound by reading the experts' weights: 16-row blocks (the smallest

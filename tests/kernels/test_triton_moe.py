@@ -40,7 +40,8 @@ def _check_layout(al: MoeAlignment, ids: torch.Tensor, E: int) -> None:
     assert (bexp[used][1:] > bexp[used][:-1]).sum() + 1 == len(set(flat.tolist())), "one run per expert with pairs"
 
 
-# with "split", the three-launch align (over 5 and 66 programs at (300, 2, 130) and (700, 6, 64))
+# each routing through both align steps: a program per expert, and three launches ("split"; over 5 and 66 programs
+# at (300, 2, 130) and (700, 6, 64))
 @pytest.mark.parametrize("T,k,E,block_m", [(1, 1, 1, 16), (1, 6, 64, 16), (7, 2, 5, 16), (37, 3, 9, 16),
                                            (100, 2, 4, 32), (300, 2, 130, 16), (700, 6, 64, 16)])
 @pytest.mark.parametrize("kind", ["spread", "crowded", "sparse"])
@@ -48,8 +49,7 @@ def _check_layout(al: MoeAlignment, ids: torch.Tensor, E: int) -> None:
 def test_align_matches_reference_and_groups_by_expert(dev, T, k, E, block_m, kind, split, monkeypatch):
     if kind != "spread" and E < 2 * k:
         pytest.skip("needs experts to spare")
-    if split:
-        monkeypatch.setattr(moe, "ALIGN_PER_EXPERT_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe, "ALIGN_PER_EXPERT_MAX_PAIRS", 0 if split else 10 ** 9)
     assert align_launch(T * k, E)["kernel"] == ("split" if split else "per_expert")
     ids = _routing(kind, T, k, E, gen(T * E + k)).to(dev)
     ref = moe_align_ref(ids, E, block_m)

@@ -13,8 +13,8 @@ projection reads its rows contiguously; only the up projection gathers token row
                                           experts before it), its pairs there in pair order (a cumsum over its
                                           hits: stable, deterministic), its run's padding and blocks, and its
                                           share of the positions and blocks past the last run
-  _moe_count_kernel,  [N/CHUNK], [1],     the same in three launches for prefill's many pairs (each program above
-  _moe_runs_kernel,   [N/CHUNK]           walks them all): each program's counts (and its share of the sentinel
+  _moe_count_kernel,  [N/CHUNK], [1],     the same in three launches for more pairs (each program above would
+  _moe_runs_kernel,   [N/CHUNK]           walk them all): each program's counts (and its share of the sentinel
   _moe_scatter_kernel                     fill); one program turns them into each program's offsets and lays
                                           out the runs; each program scatters its pairs (still stable)
   _moe_up_kernel      [blocks, I/BLOCK_N] rows of ``x`` gathered by token, times expert e's first

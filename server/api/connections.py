@@ -6,10 +6,11 @@ held for good; 1,800 such connections stayed open, and under a 1,024-descriptor 
 new request time out while asyncio's accept loop logged a traceback per refused accept (356 MB of log
 in a minute). Here:
 
-* ``ConnectionGuard.protocol()``: uvicorn's h11 protocol with one deadline per request: its headers must
-  be complete ``header_timeout`` seconds after its first byte (or after the connection opened), its
-  body ``body_timeout`` seconds after the headers. Past it the client gets 408 (when no answer has
-  started) and the connection is closed. Idle keep-alive connections keep uvicorn's own timeout.
+* ``ConnectionGuard.protocol()``: uvicorn's HTTP protocol (httptools where installed, else h11) with one
+  deadline per request: its headers must be complete ``header_timeout`` seconds after its first byte (or
+  after the connection opened), its body ``body_timeout`` seconds after the headers. Past it the client
+  gets 408 (when no answer has started) and the connection is closed. Idle keep-alive connections keep
+  uvicorn's own timeout.
 * ``ConnectionGuard.middleware()``: past ``max_connections`` open connections, a request is answered 503
   with ``Retry-After`` and its connection closed (a connection opened past the limit has a second to
   send its headers), so the server keeps serving those it has instead of running out of descriptors.
@@ -28,11 +29,11 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import resource
 import time
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mambaserve.server.api.timing import ARRIVAL, GENERATION_PATHS
 from mambaserve.server.engine.timeline import Arrivals, Timeline
@@ -96,18 +97,51 @@ class ConnectionGuard:
         return (f"the server has more than {self.max_connections} open connections (--max-connections); "
                 "retry shortly")
 
-    def protocol(self) -> type[H11Protocol]:
-        """uvicorn's h11 protocol with these deadlines (``http=`` of ``uvicorn.Config``)."""
-        return type("GuardedH11Protocol", (_GuardedH11Protocol,), {"guard": self})
+    def protocol(self) -> type:
+        """uvicorn's HTTP protocol (``default_parser``'s) with these deadlines (``http=`` of ``uvicorn.Config``)."""
+        base = _HTTP_PROTOCOLS[default_parser()]()
+        return type(f"Guarded{base.__name__}", (_Guarded, base), {"guard": self})
 
     def middleware(self, app):
         return ConnectionLimit(app, self)
 
 
-class _GuardedH11Protocol(H11Protocol):
-    """One deadline at a time: a request's headers (from its first byte, or from the connection's opening),
-    then its body (from the headers). A connection opened past the limit has ``OVER_LIMIT_GRACE_S`` for
-    its headers, then gets its 503 anyway: it holds a descriptor while it waits."""
+def _h11() -> type:
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol
+
+
+def _httptools() -> type:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    return HttpToolsProtocol
+
+
+_HTTP_PROTOCOLS = {"h11": _h11, "httptools": _httptools}
+
+
+def default_parser() -> str:
+    """``MAMBASERVE_HTTP`` (``h11`` or ``httptools``) where set, else httptools (llhttp, in C) where it is installed,
+    as uvicorn itself chooses: the event loop's time per request and per streamed chunk was 3-19% less than with
+    h11's pure-Python parsing and framing (benchmarks/http_overhead.py)."""
+    chosen = os.environ.get("MAMBASERVE_HTTP")
+    if chosen:
+        if chosen not in _HTTP_PROTOCOLS:
+            raise ValueError(f"MAMBASERVE_HTTP={chosen!r}: one of {', '.join(_HTTP_PROTOCOLS)}")
+        return chosen
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+class _Guarded:
+    """Mixed into either of uvicorn's HTTP protocols (the same cycle and connection attributes). One deadline at a
+    time: a request's headers (from its first byte, or from the connection's opening), then its body (from the
+    headers). A connection opened past the limit has ``OVER_LIMIT_GRACE_S`` for its headers, then gets its 503
+    anyway: it holds a descriptor while it waits."""
 
     guard: ConnectionGuard
     _deadline: asyncio.TimerHandle | None = None

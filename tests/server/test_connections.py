@@ -83,7 +83,9 @@ HALF_SENT = {
 }
 
 
-def test_half_sent_requests_are_answered_408_and_closed_after_the_read_deadlines(tiny_ckpt):
+@pytest.mark.parametrize("parser", ["httptools", "h11"])  # uvicorn's two protocols, the guard mixed into either
+def test_half_sent_requests_are_answered_408_and_closed_after_the_read_deadlines(tiny_ckpt, parser, monkeypatch):
+    monkeypatch.setenv("MAMBASERVE_HTTP", parser)
     with served(tiny_ckpt, "--http-header-timeout", "1", "--http-body-timeout", "1.5") as (port, log):
         # a keep-alive connection that completed a request stays open past the header deadline
         idle = connect(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -4,6 +4,7 @@ top-6, SwiGLU experts of 512: the dims come from ``hybrid_step.py``'s config of 
 
     python benchmarks/moe.py                          # 1, 16, 64, 256 tokens (decode) + 2048, 8192 (prefill)
     python benchmarks/moe.py --tokens 1,64 --sweep    # + a tile sweep per token count (~1 minute each)
+    python benchmarks/moe.py --tokens 16,64,256,512 --align-ab   # + both align steps, alone and in the whole op
     python benchmarks/moe.py --shape tiny --device cpu --tokens 1,8   # smoke run: the reference on both sides
 
 Routing: the softmax top-k of random router logits (Granite's router on random weights: about uniform over the
@@ -116,6 +117,31 @@ def sweep(x, ids, wts, w1, w2, calls, E, block_ms=SWEEP_BLOCK_M):
     return best, best_t
 
 
+def align_ab(x, ids, wts, w1, w2, calls: int, E: int, repeats: int = 3) -> dict:
+    """Both align steps (a program per expert, three launches) at this routing, alternating ``repeats`` times: the
+    align alone (its output checked equal to the torch align's first) and the whole op, best of the repeats (us)."""
+    bm = moe.moe_tiles(ids.numel(), E)["block_m"]
+    ref = moe.moe_align_ref(ids, E, bm)
+    kept = moe.ALIGN_PER_EXPERT_MAX_PAIRS
+    out = {}
+    try:
+        for _ in range(repeats):
+            for name, cap in (("per_expert", ids.numel()), ("split", 0)):
+                moe.ALIGN_PER_EXPERT_MAX_PAIRS = cap
+                al = moe.moe_align(ids, E, bm)
+                if not (torch.equal(al.sorted_pairs, ref.sorted_pairs) and torch.equal(al.block_expert, ref.block_expert)):
+                    raise SystemExit(f"{ids.shape[0]} tokens: the {name} align differs from the torch align")
+                alone = graph_time(lambda i: moe.moe_align(ids, E, bm), 1) * 1e6
+                op = graph_time(lambda i: moe.moe_experts(x, ids, wts, w1[i], w2[i]), calls) * 1e6
+                best = out.get(name, (alone, op))
+                out[name] = (min(best[0], alone), min(best[1], op))
+    finally:
+        moe.ALIGN_PER_EXPERT_MAX_PAIRS = kept
+    print(f"#   align A/B, {ids.shape[0]} tokens: " + ", ".join(
+        f"{n} align {a_:.1f} us, op {o:.1f} us" for n, (a_, o) in out.items()), flush=True)
+    return {f"{n}_{part}_us": v for n, (a_, o) in out.items() for part, v in (("align", a_), ("op", o))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="granite-4.0-h-tiny", choices=[s for s in SHAPES if "nemotron" not in s])
@@ -124,6 +150,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also search tiles per token count")
     ap.add_argument("--sweep-block-m", default=",".join(map(str, SWEEP_BLOCK_M)), help="BLOCK_M values the sweep tries")
     ap.add_argument("--tiles", type=json.loads, default=[], help="JSON list of tile overrides, each timed too")
+    ap.add_argument("--align-ab", action="store_true",
+                    help="also both align steps (a program per expert, three launches), alone and in the whole op")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     a = ap.parse_args()
@@ -181,6 +209,8 @@ def main() -> None:
                 row[f"tiles_{j}_us"] = graph_time(fn, L) * 1e6
             except Exception as e:  # a tile set that does not fit: say so, go on
                 row[f"tiles_{j}_us"] = f"{type(e).__name__}"
+        if a.align_ab and cuda and T > 1:
+            row.update(align_ab(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E))
         if a.sweep and cuda:
             best, best_t = sweep(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E,
                                  [int(b) for b in a.sweep_block_m.split(",")])

@@ -289,7 +289,9 @@ class Engine:
                  session_id: str | None = None, turn_params: TurnParams | None = None, stream: bool = True,
                  follows=None, grammar: Compiled | None = None, group: str | None = None) -> Generation:
         """Submit a request now; its increments come from the returned async iterator until it finishes,
-        and closing the iterator early aborts the request (call from the event loop).
+        and closing the iterator early aborts the request (call from the event loop). ``prompt_ids`` and
+        ``params`` are taken as ``validate`` passed them (the HTTP edge calls it first): an id outside the
+        vocabulary here fails the whole step it lands in, not this request alone.
 
         With ``session_id``, ``prompt_ids`` are the turn's new tokens only; the session adds its history.
         A refused request yields one output with ``error_status`` set. With ``stream=False`` only the

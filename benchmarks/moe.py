@@ -5,6 +5,7 @@ top-6, SwiGLU experts of 512: the dims come from ``hybrid_step.py``'s config of 
     python benchmarks/moe.py                          # 1, 16, 64, 256 tokens (decode) + 2048, 8192 (prefill)
     python benchmarks/moe.py --tokens 1,64 --sweep    # + a tile sweep per token count (~1 minute each)
     python benchmarks/moe.py --tokens 16,64,256,512 --align-ab   # + both align steps, alone and in the whole op
+    python benchmarks/moe.py --tokens 1,8,64,256 --shared-fold     # + the shared MLP as two more experts
     python benchmarks/moe.py --shape tiny --device cpu --tokens 1,8   # smoke run: the reference on both sides
 
 Routing: the softmax top-k of random router logits (Granite's router on random weights: about uniform over the
@@ -28,10 +29,12 @@ import os
 import time
 
 import torch
+import torch.nn.functional as F
 
 from _cuda_bench import copy_bandwidth  # benchmarks/ is the script's folder, so on sys.path
 from hybrid_step import SHAPES
 from mambaserve.kernels import moe
+from mambaserve.kernels.swiglu import silu_mul
 from mambaserve.server.model.registry import ARCHITECTURES
 
 # published: H100 SXM5 3.35 TB/s and 989 dense bf16 TFLOP/s (PCIe 2.0 TB/s, 756; H200 4.8 TB/s, 989)
@@ -49,7 +52,47 @@ def moe_dims(shape: str):
     d = ARCHITECTURES[arch].read_dims(cfg)
     if d.moe is None:
         raise SystemExit(f"{shape} has no MoE layers")
-    return d.hidden_size, d.moe
+    return d.hidden_size, d.moe, d.mlp.intermediate_size
+
+
+def shared_fold(x, ids, wts, w1, w2, router, sw1, sw2, calls: int) -> dict:
+    """Granite's MoE layer with its shared SwiGLU MLP (``sw1`` [2S, H] gate rows first, ``sw2`` [H, S]) as the model
+    runs it (the router's and the shared gate/up projections in one GEMM, the activation, the shared down GEMM, its
+    output added in the experts' sum) against the shared MLP folded into the op as S / I more experts that every
+    token takes with weight 1 (expert v: gate rows [vI, (v+1)I) and up rows [S + vI, ...), down columns [vI, ...)),
+    the router's GEMM alone: one op instead of three launches. The weights are copied into stacks of E + S / I
+    experts for this (the model would have to hold them so). Returns both times (us, graph-replayed) and the
+    folded output's relative error against the unfolded one."""
+    E, I = w1[0].shape[0], w2[0].shape[2]
+    S = sw2[0].shape[1]
+    if S % I:
+        return {"shared_fold": f"shared width {S} is not a multiple of the experts' {I}"}
+    V = S // I
+    fused = [torch.cat([router, s]) for s in sw1]
+    virt1 = [torch.stack([torch.cat([s[v * I:(v + 1) * I], s[S + v * I:S + (v + 1) * I]]) for v in range(V)])
+             for s in sw1]
+    virt2 = [torch.stack([s[:, v * I:(v + 1) * I] for v in range(V)]) for s in sw2]
+    w1e = [torch.cat([a, b]) for a, b in zip(w1, virt1)]
+    w2e = [torch.cat([a, b]) for a, b in zip(w2, virt2)]
+    T = x.shape[0]
+    ids_e = torch.cat([ids, torch.arange(E, E + V, device=ids.device).expand(T, V).to(ids.dtype)], 1)
+    wts_e = torch.cat([wts, torch.ones(T, V, device=wts.device, dtype=wts.dtype)], 1)
+
+    def unfolded(i):
+        both = F.linear(x, fused[i])
+        add = F.linear(silu_mul(both[:, E:]), sw2[i])
+        return moe.moe_experts(x, ids, wts, w1[i], w2[i], add=add)
+
+    def folded(i):
+        F.linear(x, router)  # the router's logits, on their own now (routing is fixed here)
+        return moe.moe_experts(x, ids_e, wts_e, w1e[i], w2e[i])
+
+    err = rel_err(folded(0), unfolded(0))
+    out = {"unfolded_us": graph_time(unfolded, calls) * 1e6, "folded_us": graph_time(folded, calls) * 1e6,
+           "fold_rel_err": err}
+    print(f"#   shared MLP folded, {T} tokens: {out['folded_us']:.1f} us against {out['unfolded_us']:.1f} us "
+          f"unfolded ({out['folded_us'] / out['unfolded_us']:.2f}x), relative difference {err:.1e}", flush=True)
+    return out
 
 
 def peak_flops() -> float:
@@ -152,13 +195,15 @@ def main() -> None:
     ap.add_argument("--tiles", type=json.loads, default=[], help="JSON list of tile overrides, each timed too")
     ap.add_argument("--align-ab", action="store_true",
                     help="also both align steps (a program per expert, three launches), alone and in the whole op")
+    ap.add_argument("--shared-fold", action="store_true",
+                    help="also the layer with its shared MLP folded into the op as more experts, against unfolded")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     a = ap.parse_args()
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    H, m = moe_dims(a.shape)
+    H, m, S = moe_dims(a.shape)
     E, k, I = m.num_experts, m.top_k, m.intermediate_size
     torch.manual_seed(0)
     L = a.layers if cuda else 1
@@ -209,6 +254,11 @@ def main() -> None:
                 row[f"tiles_{j}_us"] = graph_time(fn, L) * 1e6
             except Exception as e:  # a tile set that does not fit: say so, go on
                 row[f"tiles_{j}_us"] = f"{type(e).__name__}"
+        if a.shared_fold and cuda:
+            sw1 = [torch.randn(2 * S, H, device=device, dtype=dtype) * H ** -0.5 for _ in range(L)]
+            sw2 = [torch.randn(H, S, device=device, dtype=dtype) * S ** -0.5 for _ in range(L)]
+            row.update(shared_fold(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], router,
+                                   sw1, sw2, L))
         if a.align_ab and cuda and T > 1:
             row.update(align_ab(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E))
         if a.sweep and cuda:

@@ -55,26 +55,30 @@ def moe_dims(shape: str):
     return d.hidden_size, d.moe, d.mlp.intermediate_size
 
 
-def shared_fold(x, ids, wts, w1, w2, router, sw1, sw2, calls: int) -> dict:
-    """Granite's MoE layer with its shared SwiGLU MLP (``sw1`` [2S, H] gate rows first, ``sw2`` [H, S]) as the model
-    runs it (the router's and the shared gate/up projections in one GEMM, the activation, the shared down GEMM, its
-    output added in the experts' sum) against the shared MLP folded into the op as S / I more experts that every
-    token takes with weight 1 (expert v: gate rows [vI, (v+1)I) and up rows [S + vI, ...), down columns [vI, ...)),
-    the router's GEMM alone: one op instead of three launches. The weights are copied into stacks of E + S / I
-    experts for this (the model would have to hold them so). Returns both times (us, graph-replayed) and the
-    folded output's relative error against the unfolded one."""
-    E, I = w1[0].shape[0], w2[0].shape[2]
-    S = sw2[0].shape[1]
+def fold_shared(w1, w2, router, sw1, sw2):
+    """Granite's shared SwiGLU MLP (``sw1`` [2S, H] gate rows first, ``sw2`` [H, S]) two ways, per weight copy: the
+    router's and the shared gate/up rows in one matrix (as the model holds them), and the shared MLP as S / I more
+    experts stacked after the routed ones (expert v: gate rows [vI, (v+1)I) and up rows [S + vI, ...), down columns
+    [vI, ...)), copied for this (the model would have to hold them so). None where S is not a multiple of I."""
+    I, S = w2[0].shape[2], sw2[0].shape[1]
     if S % I:
-        return {"shared_fold": f"shared width {S} is not a multiple of the experts' {I}"}
+        return None
     V = S // I
     fused = [torch.cat([router, s]) for s in sw1]
-    virt1 = [torch.stack([torch.cat([s[v * I:(v + 1) * I], s[S + v * I:S + (v + 1) * I]]) for v in range(V)])
-             for s in sw1]
-    virt2 = [torch.stack([s[:, v * I:(v + 1) * I] for v in range(V)]) for s in sw2]
-    w1e = [torch.cat([a, b]) for a, b in zip(w1, virt1)]
-    w2e = [torch.cat([a, b]) for a, b in zip(w2, virt2)]
-    T = x.shape[0]
+    w1e = [torch.cat([e, torch.stack([torch.cat([s[v * I:(v + 1) * I], s[S + v * I:S + (v + 1) * I]])
+                                      for v in range(V)])]) for e, s in zip(w1, sw1)]
+    w2e = [torch.cat([e, torch.stack([s[:, v * I:(v + 1) * I] for v in range(V)])]) for e, s in zip(w2, sw2)]
+    return fused, w1e, w2e
+
+
+def shared_fold(x, ids, wts, w1, w2, router, sw2, folds, calls: int) -> dict:
+    """Granite's MoE layer with its shared MLP as the model runs it (the router's and the shared gate/up projections
+    in one GEMM, the activation, the shared down GEMM, its output added in the experts' sum) against the shared MLP
+    folded into the op as more experts that every token takes with weight 1 and the router's GEMM alone: one op
+    instead of three launches (``folds``: ``fold_shared``'s). Returns both times (us, graph-replayed) and the folded
+    output's relative difference from the unfolded one."""
+    fused, w1e, w2e = folds
+    E, T, V = w1[0].shape[0], x.shape[0], w1e[0].shape[0] - w1[0].shape[0]
     ids_e = torch.cat([ids, torch.arange(E, E + V, device=ids.device).expand(T, V).to(ids.dtype)], 1)
     wts_e = torch.cat([wts, torch.ones(T, V, device=wts.device, dtype=wts.dtype)], 1)
 
@@ -210,6 +214,12 @@ def main() -> None:
     w1 = [torch.randn(E, 2 * I, H, device=device, dtype=dtype) * H ** -0.5 for _ in range(L)]
     w2 = [torch.randn(E, H, I, device=device, dtype=dtype) * I ** -0.5 for _ in range(L)]
     router = torch.randn(E, H, device=device, dtype=dtype) * H ** -0.5
+    if a.shared_fold and cuda:
+        sw2 = [torch.randn(H, S, device=device, dtype=dtype) * S ** -0.5 for _ in range(L)]
+        folds = fold_shared(w1, w2, router, [torch.randn(2 * S, H, device=device, dtype=dtype) * H ** -0.5
+                                             for _ in range(L)], sw2)
+        if folds is None:
+            print(f"# --shared-fold: the shared MLP's width {S} is not a multiple of the experts' {I}", flush=True)
     expert_bytes = (2 * I * H + H * I) * w1[0].element_size()
     bw = copy_bandwidth() if cuda else float("nan")
     peak = peak_flops() if cuda else float("nan")
@@ -254,15 +264,12 @@ def main() -> None:
                 row[f"tiles_{j}_us"] = graph_time(fn, L) * 1e6
             except Exception as e:  # a tile set that does not fit: say so, go on
                 row[f"tiles_{j}_us"] = f"{type(e).__name__}"
-        if a.shared_fold and cuda:
-            sw1 = [torch.randn(2 * S, H, device=device, dtype=dtype) * H ** -0.5 for _ in range(L)]
-            sw2 = [torch.randn(H, S, device=device, dtype=dtype) * S ** -0.5 for _ in range(L)]
-            row.update(shared_fold(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], router,
-                                   sw1, sw2, L))
+        if a.shared_fold and cuda and folds is not None:
+            row.update(shared_fold(x, ids, wts, w1, w2, router, sw2, folds, L))
         if a.align_ab and cuda and T > 1:
-            row.update(align_ab(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E))
+            row.update(align_ab(x, ids, wts, w1, w2, L, E))
         if a.sweep and cuda:
-            best, best_t = sweep(x, ids, wts, [w1[i % L] for i in range(L)], [w2[i % L] for i in range(L)], L, E,
+            best, best_t = sweep(x, ids, wts, w1, w2, L, E,
                                  [int(b) for b in a.sweep_block_m.split(",")])
             row.update(sweep_best=best, sweep_us=best_t * 1e6)
         rows.append(row)

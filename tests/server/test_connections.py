@@ -151,8 +151,8 @@ def test_past_the_connection_limit_requests_get_503_and_the_server_keeps_serving
             s.close()
 
 
-def _generate(*ids: int) -> bytes:
-    body = b'{"input_ids": %s, "sampling_params": {"max_new_tokens": 2}}' % str(list(ids)).encode()
+def _generate(*ids: int, new_tokens: int = 2) -> bytes:
+    body = b'{"input_ids": %s, "sampling_params": {"max_new_tokens": %d}}' % (str(list(ids)).encode(), new_tokens)
     return b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
         len(body)) + body
 
@@ -208,7 +208,9 @@ def test_after_a_burst_an_idle_server_waits_a_quiet_moment_for_the_next_one_and_
                 "debug") as (port, log):
         _sent_and_answered(port, _generate(4, 5))  # (the first request's one-time costs)
         assert _sent_and_answered(port, _generate(5, 6, 7))[1] < quiet / 2  # after a lone request: not held
-        pair = [connect(port, _generate(6, 7)), connect(port, _generate(8, 9))]  # a busy time of two requests
+        # a busy time of two requests: the first decodes long enough that the second is taken while it runs (two
+        # short ones raced: on a loaded machine the first could finish before the second was read, two busy times)
+        pair = [connect(port, _generate(6, 7, new_tokens=100)), connect(port, _generate(8, 9))]
         assert all(one_response(s).startswith(b"HTTP/1.1 200") for s in pair)
 
         # the next "burst": C now, D 0.2 s later; C waits for D and both make one step

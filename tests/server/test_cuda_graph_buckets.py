@@ -14,7 +14,8 @@ def test_prefill_buckets_hold_every_step_up_to_the_chunk_with_one_padding_sequen
     assert max(t for _, t in buckets) == 2048 and max(s for s, _ in buckets) == 33
     assert all(s - 1 <= t for s, t in buckets)
     assert prefill_buckets(16, 6) == [(2, 16), (3, 16), (5, 16), (9, 16)]  # a chunk of 16; 6 running at most
-    assert max(t for _, t in prefill_buckets(3000, 8)) == 2048  # longer chunks run eagerly past 2048
+    assert [t for s, t in prefill_buckets(3000, 8) if s == 2][-2:] == [2048, 3000]  # the chunk is the last bucket
+    assert max(t for _, t in prefill_buckets(16384, 8)) == 8192  # longer chunks run eagerly past 8192
 
 
 def test_a_batch_runs_in_the_smallest_bucket_with_room_for_its_padding():

@@ -58,17 +58,12 @@ def moe_dims(shape: str):
 def fold_shared(w1, w2, router, sw1, sw2):
     """Granite's shared SwiGLU MLP (``sw1`` [2S, H] gate rows first, ``sw2`` [H, S]) two ways, per weight copy: the
     router's and the shared gate/up rows in one matrix (as the model holds them), and the shared MLP as S / I more
-    experts stacked after the routed ones (expert v: gate rows [vI, (v+1)I) and up rows [S + vI, ...), down columns
-    [vI, ...)), copied for this (the model would have to hold them so). None where S is not a multiple of I."""
-    I, S = w2[0].shape[2], sw2[0].shape[1]
-    if S % I:
+    experts stacked after the routed ones (``moe.fold_gated_mlp``, as the model holds them too, for decode). None
+    where S is not a multiple of I."""
+    folds = [moe.fold_gated_mlp(a, b, c, d) for a, b, c, d in zip(w1, w2, sw1, sw2)]
+    if folds[0] is None:
         return None
-    V = S // I
-    fused = [torch.cat([router, s]) for s in sw1]
-    w1e = [torch.cat([e, torch.stack([torch.cat([s[v * I:(v + 1) * I], s[S + v * I:S + (v + 1) * I]])
-                                      for v in range(V)])]) for e, s in zip(w1, sw1)]
-    w2e = [torch.cat([e, torch.stack([s[:, v * I:(v + 1) * I] for v in range(V)])]) for e, s in zip(w2, sw2)]
-    return fused, w1e, w2e
+    return [torch.cat([router, s]) for s in sw1], [f[0] for f in folds], [f[1] for f in folds]
 
 
 def shared_fold(x, ids, wts, w1, w2, router, sw2, folds, calls: int) -> dict:

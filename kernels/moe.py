@@ -14,6 +14,8 @@ projection with ``F = 2 * I`` when ``gated`` (gate rows ``[0, I)`` first, then u
   per-expert ``F.linear`` calls of the reference and of ``transformers`` do); the weighted top-k sum is fp32.
 - ``moe_align(topk_ids, num_experts, block_m)`` -> ``MoeAlignment``: the routing-align step (pairs
   sorted by expert, each expert's run padded to ``block_m``), exposed for tests and benchmarks.
+- ``fold_gated_mlp(w1, w2, mlp_w1, mlp_w2)``: a dense gated MLP stacked after the experts as more of them (every
+  token takes them with weight 1: one op for both).
 - ``moe_runs_triton(t)``: whether tensors where ``t`` lives get the Triton path (then the op can be captured in
   a CUDA graph); ``moe_warm_up(w1, w2, k, max_tokens, ...)``: every launch variant up to ``max_tokens`` tokens
   run once (``launch_variant``), so requests wait for no compile.
@@ -139,6 +141,25 @@ def moe_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     ys = ys.float() * topk_weights.reshape(-1)[order].float()[:, None]
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tokens, ys)
     return _epilogue(y, add, residual, scale, x.dtype)
+
+
+def fold_gated_mlp(w1: torch.Tensor, w2: torch.Tensor, mlp_w1: torch.Tensor,
+                   mlp_w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The routed experts ``w1 [E, 2I, H]``, ``w2 [E, H, I]`` stacked with a dense gated MLP (``mlp_w1 [2S, H]`` gate
+    rows first, ``mlp_w2 [H, S]``) as ``V = S / I`` more experts: ``[E + V, 2I, H]``, ``[E + V, H, I]``, expert
+    ``E + v`` holding gate rows ``[vI, (v+1)I)`` and up rows ``[S + vI, ...)``, down columns ``[vI, ...)``. Every token
+    taking those V experts with weight 1 (``topk_softmax(..., always=V)``) adds the MLP's output to the experts' sum.
+    None where S is not a multiple of I."""
+    (E, F2, H), I, S = w1.shape, w2.shape[2], mlp_w2.shape[1]
+    if S % I or mlp_w1.shape != (2 * S, H):
+        return None
+    V = S // I
+    f1, f2 = w1.new_empty(E + V, F2, H), w2.new_empty(E + V, H, I)
+    f1[:E], f2[:E] = w1, w2
+    f1[E:, :I] = mlp_w1[:S].reshape(V, I, H)
+    f1[E:, I:] = mlp_w1[S:].reshape(V, I, H)
+    f2[E:] = mlp_w2.reshape(H, V, I).transpose(0, 1)
+    return f1, f2
 
 
 # ---------------------------------------------------------------------------------------------- launchers

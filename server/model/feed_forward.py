@@ -227,15 +227,54 @@ class GraniteMoE(nn.Module):
         (``kernels.moe.moe_experts``), summed over the ranks: ``add`` is a rank's partial (a shared MLP's), and
         rank 0 alone adds ``residual``. ``logits``: the router's output where the caller computed it already."""
         idx, w = self.router(x) if logits is None else self.router.route(logits, x.dtype)
-        if self.tp.rank:
-            residual = None
-        return self.tp.all_reduce(moe.moe_experts(x, idx, w, self.input_linear.weight, self.output_linear.weight,
-                                                  act=self.m.act, gated=True, add=add, residual=residual,
-                                                  scale=scale))
+        return self._experts(x, idx, w, self.input_linear.weight, self.output_linear.weight, add, residual, scale)
+
+    def _experts(self, x, idx, w, w1, w2, add, residual, scale: float) -> torch.Tensor:
+        return self.tp.all_reduce(moe.moe_experts(x, idx, w, w1, w2, act=self.m.act, gated=True, add=add,
+                                                  residual=None if self.tp.rank else residual, scale=scale))
+
+    # Folded, the shared MLP runs as more experts inside the op for steps of up to this many tokens (decode): on an
+    # H200 at granite-4.0-h-tiny's shape (benchmarks/moe.py --shared-fold, the router's GEMM included) a layer's MoE
+    # and shared MLP took 21.3 against 27.0 us at 1 token, 81.3 against 84.6 at 8, 96.3 against 96.6 at 64, and
+    # longer folded at 256 tokens and more (117 against 110 us): there the shared MLP's GEMMs run better in cuBLAS.
+    FOLD_MAX_TOKENS = 16
+
+    def fold(self, shared: FusedSwiGLU) -> None:
+        """Hold the shared SwiGLU MLP ``shared`` also as ``S / I`` more experts after the routed ones
+        (``moe.fold_gated_mlp``: ``folded_w1``, ``folded_w2``). The routed experts' parameters become views of the
+        stacks' first E (no second copy); the shared weights are copied (9.4 MB a layer at granite-4.0-h-tiny's
+        shape). Nothing where S is not a multiple of I or the activation is not SiLU (the op's gated one)."""
+        w1, w2 = self.input_linear.weight, self.output_linear.weight
+        if shared.act is not F.silu or self.m.act != "silu":
+            return
+        with torch.no_grad():
+            folded = moe.fold_gated_mlp(w1, w2, shared.input_linear.weight, shared.output_linear.weight)
+        if folded is None:
+            return
+        f1, f2 = folded
+        w1.data, w2.data = f1[:w1.shape[0]], f2[:w2.shape[0]]
+        self.register_buffer("folded_w1", f1, persistent=False)
+        self.register_buffer("folded_w2", f2, persistent=False)
+
+    def folds(self, x: torch.Tensor) -> bool:
+        return hasattr(self, "folded_w1") and x.shape[0] <= self.FOLD_MAX_TOKENS
+
+    def forward_folded(self, x: torch.Tensor, residual: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """``forward`` with the shared MLP's output as ``add`` (its partial, tensor parallel), computed inside the op
+        as the folded experts (``fold``) that every token takes with weight 1: one launch for the router's GEMM and
+        the op, against three more for the shared MLP."""
+        V = self.folded_w1.shape[0] - self.m.num_experts
+        idx, w = topk_softmax(self.router.layer(x), self.m.top_k, x.dtype, always=V)
+        return self._experts(x, idx, w, self.folded_w1, self.folded_w2, None, residual, scale)
 
     def warm_up_experts(self, max_tokens: int) -> int:
-        """Compile the expert kernels' variants, routed in the dtypes the router gives."""
+        """Compile the expert kernels' variants, routed in the dtypes the router gives (the folded op's too)."""
         w1 = self.input_linear.weight
         idx, w = self.router(w1.new_zeros(1, w1.shape[2]))
-        return moe.moe_warm_up(w1, self.output_linear.weight, self.m.top_k, max_tokens, act=self.m.act,
-                               ids_dtype=idx.dtype, weights_dtype=w.dtype)
+        kw = dict(act=self.m.act, ids_dtype=idx.dtype, weights_dtype=w.dtype)
+        runs = moe.moe_warm_up(w1, self.output_linear.weight, self.m.top_k, max_tokens, **kw)
+        if hasattr(self, "folded_w1"):
+            V = self.folded_w1.shape[0] - self.m.num_experts
+            runs += moe.moe_warm_up(self.folded_w1, self.folded_w2, self.m.top_k + V,
+                                    min(max_tokens, self.FOLD_MAX_TOKENS), **kw)
+        return runs

@@ -16,6 +16,7 @@ from mambaserve.server.model.attention import PagedAttention
 from mambaserve.server.model.feed_forward import FusedSwiGLU, GraniteMoE
 from mambaserve.server.model.hybrid import HybridForCausalLM, Step, norm, run_mamba
 from mambaserve.server.model.hybrid_config import HybridDims
+from mambaserve.server.model.inputs import ForwardMode
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
 from mambaserve.server.model.parallel import TP
 
@@ -45,6 +46,8 @@ class GraniteHybridLayer(nn.Module):
         # scaled residual in another: granite-4.0-h-tiny's decode step is ~12 launches a layer (480 a step on an H200)
         h, x = kernels.rmsnorm(h, x, self.post_attention_layernorm.weight, self.eps, scale=self.mult)
         if hasattr(self, "block_sparse_moe"):  # one sum over the ranks for both (tensor parallel)
+            if step.bt.mode is ForwardMode.DECODE and self.block_sparse_moe.folds(h):  # (not prefill: the same
+                return self.block_sparse_moe.forward_folded(h, residual=x, scale=self.mult)  # path cold and hit)
             E = self.block_sparse_moe.m.num_experts
             both = F.linear(h, self.router_and_shared)
             return self.block_sparse_moe(h, add=self.shared_mlp.finish(both[:, E:], partial=True), residual=x,
@@ -61,6 +64,7 @@ class GraniteHybridLayer(nn.Module):
         fused = torch.cat([router.detach(), shared.detach()])
         router.data, shared.data = fused[:router.shape[0]], fused[router.shape[0]:]
         self.register_buffer("router_and_shared", fused, persistent=False)
+        self.block_sparse_moe.fold(self.shared_mlp)
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):

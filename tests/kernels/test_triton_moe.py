@@ -140,6 +140,26 @@ def test_epilogue_adds_a_shared_output_and_a_scaled_residual(dev, T):
         moe_experts(x, ids, wts, w1, w2, residual=res[:, :8], force_triton=True)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_a_gated_mlp_folded_in_as_more_experts_adds_its_output(dev, T):
+    """``fold_gated_mlp``: a dense SwiGLU MLP twice the experts' width stacked after them as two more, every token
+    routed to those too with weight 1 (``topk_softmax(always=2)``): the op's output is the experts' sum plus the
+    MLP's (Granite's decode); a width that is no multiple of the experts' does not fold."""
+    x, ids, wts, w1, w2 = _case(T, 2, 4, 24, 12, True, "spread", torch.float32, dev, seed=T + 50)
+    g = gen(T + 60)
+    mlp_w1, mlp_w2 = randn(g, 48, 24, dev=dev, scale=24 ** -0.5), randn(g, 24, 24, dev=dev, scale=24 ** -0.5)
+    f1, f2 = moe.fold_gated_mlp(w1, w2, mlp_w1, mlp_w2)
+    assert f1.shape == (6, 24, 24) and f2.shape == (6, 24, 12)
+    assert torch.equal(f1[:4], w1) and torch.equal(f2[:4], w2)
+    gate, up = mlp_w1.split(24)
+    mlp = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ mlp_w2.T
+    ids_f = torch.cat([ids, torch.tensor([4, 5], device=dev).expand(T, 2)], 1)
+    wts_f = torch.cat([wts, torch.ones(T, 2, device=dev)], 1)
+    want = moe_experts_ref(x, ids, wts, w1, w2, add=mlp)
+    assert_close(moe_experts(x, ids_f, wts_f, f1, f2, force_triton=True), want, TOL[torch.float32])
+    assert moe.fold_gated_mlp(w1, w2, mlp_w1[:40], mlp_w2[:, :20]) is None
+
+
 def test_experts_zero_tokens_and_bad_arguments(dev):
     x, ids, wts, w1, w2 = _case(3, 2, 4, 16, 8, True, "spread", torch.float32, dev, seed=1)
     empty = moe_experts(x[:0], ids[:0], wts[:0], w1, w2, force_triton=True)

@@ -29,6 +29,20 @@ def test_ties_pick_the_lower_expert_and_nan_rows_stay_in_range(dev):
     assert ((ids[1] >= 0) & (ids[1] < 4)).all()
 
 
+@pytest.mark.parametrize("always", [1, 2, 3])
+def test_always_columns_follow_the_routed_ones(dev, always):
+    """Experts every token takes (a shared MLP folded in as more experts): E, E + 1, ... with weight 1, after the
+    k routed ones, which are unchanged."""
+    logits = randn(gen(7), 5, 16, dtype=torch.bfloat16, dev=dev, scale=3.0)
+    ids, w = topk_softmax(logits, 4, torch.bfloat16, always=always, force_triton=True)
+    ids_ref, w_ref = topk_softmax_ref(logits, 4, torch.bfloat16, always=always)
+    base_ids, base_w = topk_softmax(logits, 4, torch.bfloat16, force_triton=True)
+    assert ids.shape == w.shape == (5, 4 + always)
+    assert torch.equal(ids[:, :4], base_ids) and torch.equal(w[:, :4], base_w)
+    assert ids[:, 4:].tolist() == [list(range(16, 16 + always))] * 5 and (w[:, 4:] == 1).all()
+    assert torch.equal(ids_ref[:, 4:].to(ids.dtype), ids[:, 4:]) and torch.equal(w_ref[:, 4:], w[:, 4:])
+
+
 def test_bad_arguments_and_no_tokens(dev):
     with pytest.raises(ValueError):
         topk_softmax(torch.zeros(2, 4, device=dev), 5)

@@ -30,8 +30,9 @@ FAMILIES = {
     # head_dim 8 != 16/4
     "nemotron_h": lambda: _nemotron(["linear_attention", "full_attention", "mlp", "moe", "linear_attention",
                                      "full_attention"]),
-    # Granite 4.0-H tiny's layout: MoE + shared MLP, no position embedding, every multiplier != 1
-    "granite_moe": lambda: _granite(num_local_experts=4, position_embedding_type=None),
+    # Granite 4.0-H tiny's layout: MoE + shared MLP twice the experts' width (so decode runs it folded into the MoE
+    # op as two more experts, as at the real shape), no position embedding, every multiplier != 1
+    "granite_moe": lambda: _granite(num_local_experts=4, position_embedding_type=None, shared_intermediate_size=24),
     # dense Granite (no experts) with RoPE and the embedding tied to the LM head (as Granite 4.0 ships)
     "granite_dense_rope": lambda: _granite(num_local_experts=0, position_embedding_type="rope",
                                            tie_word_embeddings=True),
@@ -65,10 +66,11 @@ def _mamba_groups() -> int:
 def _granite(**kw):
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
+    kw = dict(shared_intermediate_size=10) | kw
     cfg = GraniteMoeHybridConfig(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=4,
         layer_types=["mamba", "attention", "mamba", "attention"], num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=12, shared_intermediate_size=10, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_state=8,
+        intermediate_size=12, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_state=8,
         mamba_n_groups=_mamba_groups(), mamba_chunk_size=8, embedding_multiplier=3.0, residual_multiplier=0.6,
         attention_multiplier=0.4, logits_scaling=1.7, eos_token_id=0, bos_token_id=0, pad_token_id=0, **kw)
     return GraniteMoeHybridForCausalLM, cfg

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.kernels import moe
+from mambaserve.kernels.moe import fold_gated_mlp
 from mambaserve.kernels.swiglu import silu_mul
 from mambaserve.kernels.topk_softmax import topk_softmax
 from mambaserve.server.model.hybrid_config import MlpDims, MoEDims
@@ -241,14 +242,14 @@ class GraniteMoE(nn.Module):
 
     def fold(self, shared: FusedSwiGLU) -> None:
         """Hold the shared SwiGLU MLP ``shared`` also as ``S / I`` more experts after the routed ones
-        (``moe.fold_gated_mlp``: ``folded_w1``, ``folded_w2``). The routed experts' parameters become views of the
+        (``fold_gated_mlp``: ``folded_w1``, ``folded_w2``). The routed experts' parameters become views of the
         stacks' first E (no second copy); the shared weights are copied (9.4 MB a layer at granite-4.0-h-tiny's
         shape). Nothing where S is not a multiple of I or the activation is not SiLU (the op's gated one)."""
         w1, w2 = self.input_linear.weight, self.output_linear.weight
         if shared.act is not F.silu or self.m.act != "silu":
             return
         with torch.no_grad():
-            folded = moe.fold_gated_mlp(w1, w2, shared.input_linear.weight, shared.output_linear.weight)
+            folded = fold_gated_mlp(w1, w2, shared.input_linear.weight, shared.output_linear.weight)
         if folded is None:
             return
         f1, f2 = folded

@@ -227,7 +227,7 @@ def _profile(name: str, fn) -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in kernels)
     print(f"# {name}: {len(kernels)} kernels, {total / 1e3:.3f} ms of device time", flush=True)
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=40, max_name_column_width=70), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ measured device copy bandwidth.
   python benchmarks/hybrid_step.py --shape nemotron-h-8b --batches 1,64 --context 2048
   python benchmarks/hybrid_step.py --shape nemotron-h-8b --batches 1,8,64,256 --reps 50   # graphs on vs off
   python benchmarks/hybrid_step.py --batches 1 --reps 50 --variants '[{"fuse_norm_linear": false}]'  # A/B configs
+  python benchmarks/hybrid_step.py --batches 1,4,8,16 --variants '[{"fold_shared_mlp": false}]'   # granite's fold
   python benchmarks/hybrid_step.py --shape tiny --device cpu          # a smoke run
 """
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mambaserve.kernels import moe
+from mambaserve.kernels import KernelConfig, moe
 from mambaserve.kernels.moe import fold_gated_mlp
 from mambaserve.kernels.swiglu import silu_mul
 from mambaserve.kernels.topk_softmax import topk_softmax
@@ -215,6 +215,7 @@ class GraniteMoE(nn.Module):
         self.m, self.tp = m, tp
         n = len(tp.part(m.intermediate_size, "expert intermediate features"))
         self.router = GraniteRouter(m, hidden)
+        self.kernel_config = KernelConfig()  # (the model's, once built: fold_shared_mlp)
         self.input_linear = Stacked(m.num_experts, 2 * n, hidden)
         self.output_linear = Stacked(m.num_experts, hidden, n)
         if tp.size > 1:
@@ -258,7 +259,8 @@ class GraniteMoE(nn.Module):
         self.register_buffer("folded_w2", f2, persistent=False)
 
     def folds(self, x: torch.Tensor) -> bool:
-        return hasattr(self, "folded_w1") and x.shape[0] <= self.FOLD_MAX_TOKENS
+        return (hasattr(self, "folded_w1") and self.kernel_config.fold_shared_mlp
+                and x.shape[0] <= self.FOLD_MAX_TOKENS)
 
     def forward_folded(self, x: torch.Tensor, residual: torch.Tensor | None, scale: float) -> torch.Tensor:
         """``forward`` with the shared MLP's output as ``add`` (its partial, tensor parallel), computed inside the op

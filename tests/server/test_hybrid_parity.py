@@ -132,3 +132,40 @@ def test_chunked_and_whole_prefill_agree_on_state_and_pages(ckpt):
         theirs = k[:, alloc.pages("parts")].reshape(k.shape[0], -1, *k.shape[3:])[:, :len(p)]
         assert ps * len(alloc.pages("parts")) >= len(p)
         torch.testing.assert_close(theirs, mine, atol=2e-5, rtol=0)
+
+
+def test_granite_decode_folded_and_unfolded_agree(tmp_path):
+    """Granite's decode runs its shared MLP folded into the MoE op (``GraniteMoE.fold``); ``fold_shared_mlp=False``
+    runs it in its own GEMMs, as prefill does: the same logits either way, and the switch picks the path."""
+    import dataclasses
+
+    from mambaserve.server.model import feed_forward
+    from tests.server.tiny_hybrids import make_hybrid_checkpoint
+
+    runner = _runner(make_hybrid_checkpoint(tmp_path / "g", "granite_moe"), 4)
+    model, alloc = runner.model, runner.kv_pool.allocator
+    prompts = {"a": _prompt(11, 20), "b": _prompt(6, 21)}
+    _grow(alloc, {k: len(p) + 1 for k, p in prompts.items()})
+    runner.forward(ForwardBatch(ForwardMode.EXTEND, sum(prompts.values(), []), [11, 6], [0, 0], [1, 2],
+                                pages=[alloc.pages("a"), alloc.pages("b")]))
+    folded = []
+    real = feed_forward.GraniteMoE.forward_folded
+
+    def counted(self, *a, **kw):
+        folded.append(1)
+        return real(self, *a, **kw)
+
+    outs, states = [], (runner.pool.conv.clone(), runner.pool.ssm.clone())
+    for fold in (True, False):
+        model.use_kernel_config(dataclasses.replace(model.kernel_config, fold_shared_mlp=fold))
+        runner.pool.conv.copy_(states[0])  # the same decode step twice, from the same states (its KV writes repeat)
+        runner.pool.ssm.copy_(states[1])
+        before = len(folded)
+        feed_forward.GraniteMoE.forward_folded = counted
+        try:
+            outs.append(runner.forward(ForwardBatch(ForwardMode.DECODE, [5, 7], [1, 1], [11, 6], [1, 2],
+                                                    pages=[alloc.pages("a"), alloc.pages("b")])).logits)
+        finally:
+            feed_forward.GraniteMoE.forward_folded = real
+        assert (len(folded) > before) == fold
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)

@@ -3,6 +3,7 @@ packed prefill, chunked prefill (the second chunk reads the first's KV pages and
 step-by-step batched decode, with KV page sizes 1, 4 and 16. The oracle runs full forwards with
 explicit position_ids; the pages are handed out interleaved, so a block table read wrong shows."""
 
+import dataclasses
 import weakref
 
 import pytest
@@ -13,6 +14,7 @@ from mambaserve.server.engine.batch import ForwardBatch, ForwardMode
 from mambaserve.server.engine.kv_pool import KVPool
 from mambaserve.server.engine.model_runner import ModelRunner
 from mambaserve.server.engine.state_pool import MambaStatePool
+from mambaserve.server.model import feed_forward
 from mambaserve.server.model.loader import load_model
 from tests.server.tiny_hybrids import FAMILIES, make_hybrid_checkpoint
 from tests.server.tiny_models import VOCAB
@@ -134,14 +136,9 @@ def test_chunked_and_whole_prefill_agree_on_state_and_pages(ckpt):
         torch.testing.assert_close(theirs, mine, atol=2e-5, rtol=0)
 
 
-def test_granite_decode_folded_and_unfolded_agree(tmp_path):
+def test_granite_decode_folded_and_unfolded_agree(tmp_path, monkeypatch):
     """Granite's decode runs its shared MLP folded into the MoE op (``GraniteMoE.fold``); ``fold_shared_mlp=False``
     runs it in its own GEMMs, as prefill does: the same logits either way, and the switch picks the path."""
-    import dataclasses
-
-    from mambaserve.server.model import feed_forward
-    from tests.server.tiny_hybrids import make_hybrid_checkpoint
-
     runner = _runner(make_hybrid_checkpoint(tmp_path / "g", "granite_moe"), 4)
     model, alloc = runner.model, runner.kv_pool.allocator
     prompts = {"a": _prompt(11, 20), "b": _prompt(6, 21)}
@@ -155,17 +152,14 @@ def test_granite_decode_folded_and_unfolded_agree(tmp_path):
         folded.append(1)
         return real(self, *a, **kw)
 
+    monkeypatch.setattr(feed_forward.GraniteMoE, "forward_folded", counted)
     outs, states = [], (runner.pool.conv.clone(), runner.pool.ssm.clone())
     for fold in (True, False):
         model.use_kernel_config(dataclasses.replace(model.kernel_config, fold_shared_mlp=fold))
         runner.pool.conv.copy_(states[0])  # the same decode step twice, from the same states (its KV writes repeat)
         runner.pool.ssm.copy_(states[1])
         before = len(folded)
-        feed_forward.GraniteMoE.forward_folded = counted
-        try:
-            outs.append(runner.forward(ForwardBatch(ForwardMode.DECODE, [5, 7], [1, 1], [11, 6], [1, 2],
-                                                    pages=[alloc.pages("a"), alloc.pages("b")])).logits)
-        finally:
-            feed_forward.GraniteMoE.forward_folded = real
+        outs.append(runner.forward(ForwardBatch(ForwardMode.DECODE, [5, 7], [1, 1], [11, 6], [1, 2],
+                                                pages=[alloc.pages("a"), alloc.pages("b")])).logits)
         assert (len(folded) > before) == fold
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)

@@ -16,6 +16,7 @@ measured device copy bandwidth.
   python benchmarks/hybrid_step.py --shape nemotron-h-8b --batches 1,8,64,256 --reps 50   # graphs on vs off
   python benchmarks/hybrid_step.py --batches 1 --reps 50 --variants '[{"fuse_norm_linear": false}]'  # A/B configs
   python benchmarks/hybrid_step.py --batches 1,4,8,16 --variants '[{"fold_shared_mlp": false}]'   # granite's fold
+  python benchmarks/hybrid_step.py --batches 1 --context 1100 --extend 8x64,8x80,8x96   # hits' extend steps
   python benchmarks/hybrid_step.py --shape tiny --device cpu          # a smoke run
 """
 
@@ -146,6 +147,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--context", type=int, default=1024, help="tokens already in each decode row's KV")
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill timed")
+    ap.add_argument("--extend", default="",
+                    help="ROWSxTOKENS[,ROWSxTOKENS...]: also time a cache hit's step, that many rows of new tokens each "
+                         "after --context cached tokens (e.g. 8x80: a multi-turn round's hits), eager and from graphs")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=10)
@@ -160,9 +164,10 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, dims = build(a.shape, device, dtype)
     batches = [int(b) for b in a.batches.split(",")]
-    rows = max(batches) + 1
+    extends = [tuple(int(x) for x in e.split("x")) for e in a.extend.split(",") if e]
+    rows = max(batches + [r for r, _ in extends]) + 1
     pool = MambaStatePool.for_model(model, rows, dtype, torch.float32, device)
-    per_row = -(-max(a.context + 1, a.prefill) // a.page_size)
+    per_row = -(-max(a.context + max([n for _, n in extends], default=1), a.prefill) // a.page_size)
     kv = KVPool.for_model(model, rows * per_row, a.page_size, dtype, device)
     runner = ModelRunner(model, pool, device, kv)
     pages = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
@@ -182,24 +187,35 @@ def main() -> None:
         bound = decode_bytes(model, dims, b, a.context, pool, kv) / bw
         out["decode"].append({"batch": b, "step_ms": t * 1e3, "tok_s": b / t, "bound_ms": bound * 1e3,
                               "x_bound": t / bound if bound == bound else None})
+    hits = {}
+    for r, n in extends:  # rows whose first --context tokens are cached (a hit): their state slot holds them
+        hits[r, n] = batch = ForwardBatch(ForwardMode.EXTEND, [1 + i % (dims.vocab_size - 1) for i in range(r * n)],
+                                          [n] * r, [a.context] * r, list(range(1, r + 1)), pages=pages[1:r + 1])
+        out.setdefault("extend", []).append({"rows": r, "tokens": n, "context": a.context,
+                                             "step_ms": timed(lambda: runner.forward(batch), device, a.reps) * 1e3})
     blocker = model.capture_blocker(ForwardMode.DECODE)
     if blocker or a.no_graphs or device.type != "cuda":
         out["graphs"] = "off: " + (blocker or ("--no-graphs" if a.no_graphs else "CUDA graphs need a CUDA device"))
     else:
         t0 = time.perf_counter()
-        runner.enable_cuda_graphs(max(batches), a.prefill, 1, context_length=per_row * a.page_size)
+        runner.enable_cuda_graphs(max(batches), a.prefill, max([1] + [r for r, _ in extends]),
+                                  context_length=per_row * a.page_size)
         out["graphs"] = (f"decode captured for batch sizes {runner.graphs.buckets}, prefill "
                          f"{'off' if runner.prefill_graphs is None else len(runner.prefill_graphs.graphs)}, in "
                          f"{time.perf_counter() - t0:.1f} s")
         if runner.prefill_graphs is not None:
             t = timed(lambda: runner.forward(prefill), device, max(1, a.reps // 5))
             out["prefill_tok_s_graph"] = a.prefill / t
+        for row in out.get("extend", []):
+            t = timed(lambda: runner.forward(hits[row["rows"], row["tokens"]]), device, a.reps)
+            row["step_ms_graph"] = t * 1e3
         for row in out["decode"]:
             t = timed(lambda: runner.forward(steps[row["batch"]]), device, a.reps)
             row |= {"step_ms_graph": t * 1e3, "tok_s_graph": row["batch"] / t,
                     "graph_speedup": row["step_ms"] / (t * 1e3)}
         if a.profile:
-            for name, step in [*((f"decode b={b}", steps[b]) for b in batches), ("prefill", prefill)]:
+            for name, step in [*((f"decode b={b}", steps[b]) for b in batches), ("prefill", prefill),
+                               *((f"extend {r}x{n}", hits[r, n]) for r, n in extends)]:
                 _profile(name, lambda: runner.forward(step))
         if a.variants:
             from decode_step import apply_variant  # (not at the top: decode_step imports e2e, which imports this)

@@ -177,7 +177,7 @@ ALIGN_PER_EXPERT_MAX_PAIRS = 384
 # blocks). Decode (a few rows an expert) is bound by reading the experts' weights: 16-row blocks (the smallest
 # tl.dot tile) and narrow column tiles, so that the few experts of a small batch still spread over every SM.
 # Each row is the best of ``benchmarks/moe.py --sweep`` at granite-4.0-h-tiny's shape on an H200 (2026-11-28;
-# benchmarks/README.md has the times) at 1, 64, 256, 512, 768, 2,048 and 8,192 tokens. An
+# benchmarks/README.md has the times) at 1, 64, 256, 512, 640, 768, 2,048 and 8,192 tokens. An
 # override's ``"direct"`` (default: one token) skips the align step, a block per pair: right for any routing,
 # cheapest where no two pairs share an expert.
 MOE_TILES = (
@@ -188,7 +188,12 @@ MOE_TILES = (
           "down_block_n": 64, "down_block_k": 128, "down_warps": 4, "down_stages": 4}),
     (48, {"block_m": 64, "up_block_n": 32, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
           "down_block_n": 64, "down_block_k": 64, "down_warps": 4, "down_stages": 3}),
-    # prefill, from 49 rows an expert on (granite's 768 tokens: 118 us against 134 with 64-row blocks): 128 x 128
+    # a cache hit's extend step (granite's 8 x 80 new tokens: 60 rows an expert): 64-row blocks, the weight tiles
+    # and the down projection's rows through TMA descriptors (640 tokens: 103.8 against 110.8 us with the prefill
+    # tiles below, 111.2 with the ones above)
+    (64, {"block_m": 64, "up_block_n": 64, "up_block_k": 64, "up_warps": 4, "up_stages": 3,
+          "down_block_n": 128, "down_block_k": 64, "down_warps": 4, "down_stages": 3, "tma": True}),
+    # prefill, from 65 rows an expert on (granite's 768 tokens: 114 us against 128-139 with 64-row blocks): 128 x 128
     # tiles over two warpgroups for the up projection, 128 x 256 for the down one (its K is only I: wider tiles read
     # each row block fewer times; 577 against 617 us at 8,192 tokens, even at 2,048), the weight tiles (and the down
     # projection's rows) through TMA descriptors on Hopper (5-8% faster at 2,048-8,192 tokens on an H200)

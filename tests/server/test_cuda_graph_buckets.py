@@ -27,5 +27,7 @@ def test_a_batch_runs_in_the_smallest_bucket_with_room_for_its_padding():
     assert graphs.bucket(4, 100) == (5, 128)
     assert graphs.bucket(10, 2048) == (17, 2048)
     assert graphs.bucket(32, 40) == (33, 64)
+    assert graphs.bucket(8, 640) == (9, 640)  # a multi-turn round's 8 hits of 80 new tokens: no padding
+    assert all(graphs.bucket(8, t)[1] <= 4 * t / 3 for t in range(512, 2049))  # hits' sizes: padded 1.33x at most
     assert graphs.bucket(33, 64) is None  # more sequences than any graph: eager
     assert graphs.bucket(1, 2049) is None

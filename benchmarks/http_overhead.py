@@ -4,7 +4,7 @@ waits.
 
 A real server (`mambaserve serve`, this process's code or a baseline commit's) on a CPU model; rounds of C chats
 sent together to /v1/chat/completions, streamed, each a chat history of about --history tokens plus a new
-question (the history repeats: radix cache hits). Each server thread's CPU time is read around the rounds
+question (the history repeats: radix cache hits); with --endpoint generate, token ids to /generate instead. Each server thread's CPU time is read around the rounds
 (`pthread_getcpuclockid`): the event loop's (the main thread), the worker threads' (tokenization, the chat
 template), the scheduler's. Two phases: --max-tokens 1 (a request's intake and one chunk) and --max-tokens N
 (N chunks): per chunk = (stream - intake) / (N - 1). With --baseline REF the same is measured on commit REF's
@@ -13,6 +13,7 @@ template), the scheduler's. Two phases: --max-tokens 1 (a request's intake and o
 
   python benchmarks/http_overhead.py --baseline main
   python benchmarks/http_overhead.py --profile intake --rounds 10
+  python benchmarks/http_overhead.py --endpoint generate --baseline main   # token ids over /generate (multiturn.py's)
   python benchmarks/http_overhead.py --model /tmp/granite-tiny --baseline main    # (a GPU box: --device cuda)
 """
 
@@ -140,6 +141,26 @@ async def one_chat(session, url: str, model: str, messages: list[dict], max_toke
     return ttft, chunks, prompt, "".join(answer)
 
 
+async def one_generate(session, url: str, ids: list[int], max_tokens: int) -> tuple[float, int, tuple, list[int]]:
+    """Stream one ``/generate`` of token ids (as ``multiturn.py`` sends them); the same tuple as ``one_chat``."""
+    body = json.dumps({"input_ids": ids, "stream": True,
+                       "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
+    t0 = time.perf_counter()
+    ttft, chunks, last = None, 0, None
+    async with session.post(url + "/generate", data=body, headers={"content-type": "application/json"}) as r:
+        r.raise_for_status()
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            chunks += 1
+            last = json.loads(line[6:])
+    meta = last["meta_info"]
+    return ttft, chunks, (meta["prompt_tokens"], meta["cached_tokens"]), last["output_ids"]
+
+
 class Server:
     def __init__(self, a: argparse.Namespace, pythonpath: Path | None, label: str):
         import httpx
@@ -189,9 +210,18 @@ async def phase(server: Server, a: argparse.Namespace, max_tokens: int, profile:
     import aiohttp
 
     chats, piece = conversations(a.model, a, max_tokens)
+    rng = random.Random(a.seed)
+    histories = [[rng.randrange(1, 4000) for _ in range(a.history)] for _ in chats]  # --endpoint generate
     ttfts, chunks, prompt_tokens = [], 0, []
     async with aiohttp.ClientSession() as s:
         async def round_() -> list[tuple[float, int, int, str]]:
+            if a.endpoint == "generate":
+                questions = [[rng.randrange(1, 4000) for _ in range(a.question)] for _ in histories]
+                got = await asyncio.gather(*(one_generate(s, server.url, h + q, max_tokens)
+                                             for h, q in zip(histories, questions)))
+                for h, q, (_, _, _, answer) in zip(histories, questions, got):
+                    h += q + answer
+                return got
             questions = [piece(a.question) for _ in chats]
             got = await asyncio.gather(*(one_chat(s, server.url, server.model, c + [{"role": "user", "content": q}],
                                                   max_tokens) for c, q in zip(chats, questions)))
@@ -249,6 +279,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--server-args", default="--context-length 8192 --mamba-cache-strategy extra_buffer --mamba-track-interval 64", help="more `mambaserve serve` flags")
+    p.add_argument("--endpoint", choices=("chat", "generate"), default="chat",
+                   help="chat: /v1/chat/completions with text (tokenized by the server); generate: /generate with "
+                        "token ids, as multiturn.py sends them (no tokenizer, no chat template)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--history", type=int, default=1100, help="mean tokens of chat history per request")
     p.add_argument("--question", type=int, default=64, help="new tokens per round")
@@ -292,7 +325,8 @@ def main() -> None:
         for key, sub, what in (("intake", "loop", "loop per request"), ("per_chunk", "loop", "loop per chunk"),
                                ("stream", "loop", "loop per streamed request"),
                                ("intake", "workers", "workers per request")):
-            print(f"{what}: current / {b} = {best(c, key, sub) / best(b, key, sub):.2f}")
+            if best(b, key, sub) > 0:  # (no workers over /generate: nothing is tokenized)
+                print(f"{what}: current / {b} = {best(c, key, sub) / best(b, key, sub):.2f}")
 
 
 if __name__ == "__main__":

@@ -148,8 +148,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="tokens already in each decode row's KV")
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill timed")
     ap.add_argument("--extend", default="",
-                    help="ROWSxTOKENS[,ROWSxTOKENS...]: also time a cache hit's step, that many rows of new tokens each "
-                         "after --context cached tokens (e.g. 8x80: a multi-turn round's hits), eager and from graphs")
+                    help="ROWSxTOKENS[,...]: also time a cache hit's step, that many rows of new tokens each after "
+                         "--context cached tokens (e.g. 8x80: a multi-turn round's hits), eager and from graphs")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=10)

@@ -139,6 +139,11 @@ def test_burst_of_fifty_mixed_requests(engine, tiny_ckpt):
     assert_idle(acc)
 
 
+# the client gives up waiting for the answer after 0.5 s; connecting may take longer on a busy 2-core CI machine
+# (a ConnectTimeout there once failed the test with nothing wrong on the server)
+READ_ONLY_TIMEOUT = httpx.Timeout(0.5, connect=10.0)
+
+
 @pytest.mark.parametrize("path,body", [
     ("/generate", {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}),
     ("/v1/completions", {"prompt": [PROMPTS[1], PROMPTS[2]], "max_tokens": 8000, "ignore_eos": True}),
@@ -152,7 +157,7 @@ def test_a_non_streamed_request_is_aborted_when_its_client_goes_away(engine, pat
         async def go():
             async with httpx.AsyncClient(base_url=url) as c:
                 with pytest.raises(httpx.ReadTimeout):
-                    await c.post(path, json=body, timeout=0.5)
+                    await c.post(path, json=body, timeout=READ_ONLY_TIMEOUT)
                 deadline = asyncio.get_running_loop().time() + 2
                 while (await accounting_now(c))["running"] and asyncio.get_running_loop().time() < deadline:
                     await asyncio.sleep(0.05)
@@ -186,7 +191,7 @@ def test_a_queued_stream_whose_client_goes_away_leaves_the_queue(tiny_ckpt):
                     await asyncio.sleep(0.02)
                 for path, body in streams:
                     with pytest.raises(httpx.ReadTimeout):  # queued behind the blocker: no first token
-                        async with c.stream("POST", path, json=body, timeout=0.5) as r:
+                        async with c.stream("POST", path, json=body, timeout=READ_ONLY_TIMEOUT) as r:
                             async for _ in r.aiter_lines():
                                 pass
                 deadline = asyncio.get_running_loop().time() + 2

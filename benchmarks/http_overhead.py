@@ -209,9 +209,11 @@ async def phase(server: Server, a: argparse.Namespace, max_tokens: int, profile:
     each thread kind's CPU ms per request, the TTFTs, chunks per request, the prompts' mean tokens."""
     import aiohttp
 
-    chats, piece = conversations(a.model, a, max_tokens)
     rng = random.Random(a.seed)
-    histories = [[rng.randrange(1, 4000) for _ in range(a.history)] for _ in chats]  # --endpoint generate
+    if a.endpoint == "generate":
+        histories = [[rng.randrange(1, 4000) for _ in range(a.history)] for _ in range(a.clients)]
+    else:
+        chats, piece = conversations(a.model, a, max_tokens)
     ttfts, chunks, prompt_tokens = [], 0, []
     async with aiohttp.ClientSession() as s:
         async def round_() -> list[tuple[float, int, int, str]]:
@@ -240,7 +242,7 @@ async def phase(server: Server, a: argparse.Namespace, max_tokens: int, profile:
             prompt_tokens += [p for _, _, p, _ in got]
         after = await server.cpu()
         prof = await server.profile(start=False) if profile else None
-    n = a.rounds * len(chats)
+    n = a.rounds * a.clients
     out = {k: 1e3 * (after[k] - before.get(k, 0.0)) / n for k in after}
     out.update(ttft_ms=1e3 * statistics.mean(ttfts), chunks=chunks / n,
                prompt_tokens=statistics.mean(p for p, _ in prompt_tokens),

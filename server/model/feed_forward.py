@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.kernels import KernelConfig, moe
-from mambaserve.kernels.moe import fold_gated_mlp
 from mambaserve.kernels.swiglu import silu_mul
 from mambaserve.kernels.topk_softmax import topk_softmax
 from mambaserve.server.model.hybrid_config import MlpDims, MoEDims
@@ -250,13 +249,18 @@ class GraniteMoE(nn.Module):
         if shared.act is not F.silu or self.m.act != "silu":
             return
         with torch.no_grad():
-            folded = fold_gated_mlp(w1, w2, shared.input_linear.weight, shared.output_linear.weight)
+            folded = moe.fold_gated_mlp(w1, w2, shared.input_linear.weight, shared.output_linear.weight)
         if folded is None:
             return
         f1, f2 = folded
         w1.data, w2.data = f1[:w1.shape[0]], f2[:w2.shape[0]]
         self.register_buffer("folded_w1", f1, persistent=False)
         self.register_buffer("folded_w2", f2, persistent=False)
+
+    @property
+    def always(self) -> int:
+        """The folded experts every token takes (the shared MLP's ``S / I``)."""
+        return self.folded_w1.shape[0] - self.m.num_experts
 
     def folds(self, x: torch.Tensor) -> bool:
         return (hasattr(self, "folded_w1") and self.kernel_config.fold_shared_mlp
@@ -266,8 +270,7 @@ class GraniteMoE(nn.Module):
         """``forward`` with the shared MLP's output as ``add`` (its partial, tensor parallel), computed inside the op
         as the folded experts (``fold``) that every token takes with weight 1: one launch for the router's GEMM and
         the op, against three more for the shared MLP."""
-        V = self.folded_w1.shape[0] - self.m.num_experts
-        idx, w = topk_softmax(self.router.layer(x), self.m.top_k, x.dtype, always=V)
+        idx, w = topk_softmax(self.router.layer(x), self.m.top_k, x.dtype, always=self.always)
         return self._experts(x, idx, w, self.folded_w1, self.folded_w2, None, residual, scale)
 
     def warm_up_experts(self, max_tokens: int) -> int:
@@ -277,7 +280,6 @@ class GraniteMoE(nn.Module):
         kw = dict(act=self.m.act, ids_dtype=idx.dtype, weights_dtype=w.dtype)
         runs = moe.moe_warm_up(w1, self.output_linear.weight, self.m.top_k, max_tokens, **kw)
         if hasattr(self, "folded_w1"):
-            V = self.folded_w1.shape[0] - self.m.num_experts
-            runs += moe.moe_warm_up(self.folded_w1, self.folded_w2, self.m.top_k + V,
+            runs += moe.moe_warm_up(self.folded_w1, self.folded_w2, self.m.top_k + self.always,
                                     min(max_tokens, self.FOLD_MAX_TOKENS), **kw)
         return runs

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.kernels import KernelConfig, moe
+from mambaserve.kernels.moe import fold_gated_mlp  # (not through `moe`: tests swap it to count the op's calls)
 from mambaserve.kernels.swiglu import silu_mul
 from mambaserve.kernels.topk_softmax import topk_softmax
 from mambaserve.server.model.hybrid_config import MlpDims, MoEDims
@@ -249,7 +250,7 @@ class GraniteMoE(nn.Module):
         if shared.act is not F.silu or self.m.act != "silu":
             return
         with torch.no_grad():
-            folded = moe.fold_gated_mlp(w1, w2, shared.input_linear.weight, shared.output_linear.weight)
+            folded = fold_gated_mlp(w1, w2, shared.input_linear.weight, shared.output_linear.weight)
         if folded is None:
             return
         f1, f2 = folded

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from mambaserve.server.api.ownership import session_headers, turn_with_caller
 from mambaserve.server.api.protocol import AbortRequest, GenerateRequest
-from mambaserve.server.api.responses import (DONE, SSEResponse, admitted_all, collect, error_response, finish_info,
+from mambaserve.server.api.responses import (DONE, Admission, SSEResponse, collect, error_response, finish_info,
                                                merged, sse)
 from mambaserve.server.api.schemas import (ERRORS, FlushResult, GenerateResponse, Load, ModelInfo, ServerInfo,
                                            Success, streamed)
@@ -81,8 +81,9 @@ def native_routes(engine: Engine) -> APIRouter:
             gens = [engine.generate(ids[0], params[0], rid=body.rid, session_id=session_id, turn_params=turn, **kw)]
         payload = _Payload(engine.tokenizer if body.return_text_in_logprobs else None, body.return_logprob, n)
         if body.stream:
-            streams = await admitted_all(request, gens)
-            return SSEResponse(_native_stream(streams, payload, many), session_headers(turn, gens))
+            admission = Admission(gens)
+            return SSEResponse(_native_stream(admission.streams, payload, many), lambda: session_headers(turn, gens),
+                               admission)
         results = await collect(request, *gens)
         response.headers.update(session_headers(turn, gens))
         answers = [payload(outs, results, i) for i, outs in enumerate(results)]

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request, Response
 from mambaserve.server.api import tool_calls
 from mambaserve.server.api.ownership import session_headers, turn_with_caller
 from mambaserve.server.api.protocol import ChatRequest, CompletionRequest, NamedToolChoice
-from mambaserve.server.api.responses import DONE, Last, SSEResponse, admitted_all, collect, ended_early, merged, sse
+from mambaserve.server.api.responses import DONE, Admission, Last, SSEResponse, collect, ended_early, merged, sse
 from mambaserve.server.api.schemas import (ERRORS, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
                                            streamed)
 from mambaserve.server.engine.engine import Engine
@@ -172,7 +172,8 @@ def openai_routes(engine: Engine) -> APIRouter:
             return text, lp
 
         if body.stream:
-            streams = await admitted_all(request, gens)
+            admission = Admission(gens)
+            streams = admission.streams  # (filled once the response has them admitted)
 
             async def events():
                 outs: list[list[StepOutput]] = [[] for _ in gens]
@@ -215,7 +216,7 @@ def openai_routes(engine: Engine) -> APIRouter:
                                "choices": [], "usage": _usage([o[-1] if o else None for o in outs], n)})
                 yield DONE
 
-            return SSEResponse(events(), session_headers(turn, gens))
+            return SSEResponse(events(), lambda: session_headers(turn, gens), admission)
 
         results = await collect(request, *gens)
         response.headers.update(session_headers(turn, gens))
@@ -285,7 +286,8 @@ def openai_routes(engine: Engine) -> APIRouter:
             return "tool_calls" if called and out.finish_reason is FinishReason.STOP else out.finish_reason.value
 
         if body.stream:
-            streams = await admitted_all(request, gens)
+            admission = Admission(gens)
+            streams = admission.streams  # (filled once the response has them admitted)
 
             def end() -> str:
                 usage = sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
@@ -325,7 +327,7 @@ def openai_routes(engine: Engine) -> APIRouter:
                         yield sse(persisted(chunk, out))
                 yield end()
 
-            return SSEResponse(events(), session_headers(turn, gens))
+            return SSEResponse(events(), lambda: session_headers(turn, gens), admission)
         results = await collect(request, *gens)
         response.headers.update(session_headers(turn, gens))
         choices = []

@@ -5,6 +5,8 @@ byte of the answer is sent."""
 
 from __future__ import annotations
 
+import asyncio
+
 from mambaserve.server.engine import timeline
 
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
@@ -27,8 +29,10 @@ class StageTimer:
             tl.mark("first_byte")
             try:
                 await send(message)
-            finally:  # (after the write: the first byte does not wait for the histograms)
-                timeline.observe(tl, self.histogram)
+            finally:
+                # after the write, and after the writes already due on the event loop: a burst's first tokens
+                # reach their clients one after another, none waiting for the histograms of those before it
+                asyncio.get_running_loop().call_soon(timeline.observe, tl, self.histogram)
 
         try:
             await self.app(scope, receive, timed_send)

@@ -212,11 +212,10 @@ def test_a_queued_stream_whose_client_goes_away_leaves_the_queue(tiny_ckpt):
 
 def test_a_stream_whose_client_goes_after_one_choice_was_admitted_aborts_every_choice(tiny_ckpt):
     """n=2 streamed: the first choice has its first token, the second waits in the queue behind it, and the
-    client leaves. Both choices' requests are aborted at once (their Generations closed), not the first left
-    running until something drops the last reference to it (the endpoint holds them while it answers 499)."""
-    from starlette.requests import Request
-
-    from mambaserve.server.api.responses import ClientGone, admitted_all
+    client leaves before the response started. Both choices' requests are aborted at once (their Generations
+    closed), not the first left running until something drops the last reference to it (the endpoint answers
+    499), and nothing was written."""
+    from mambaserve.server.api.responses import Admission, ClientGone, SSEResponse
     from mambaserve.server.engine.request import SamplingParams
 
     one = make_engine(tiny_ckpt, max_running_requests=1, mamba_cache_size=4, context_length=8192)
@@ -229,16 +228,24 @@ def test_a_stream_whose_client_goes_after_one_choice_was_admitted_aborts_every_c
                 await asyncio.sleep(0.01)
             return {"type": "http.disconnect"}
 
-        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def events():
+            yield "never written"
+
+        admission = Admission(gens)
         with pytest.raises(ClientGone):
-            await admitted_all(request, gens)
+            await SSEResponse(events(), admission=admission)({"type": "http"}, receive, send)
         closed = [g._open is False for g in gens]
-        return closed, await accounting(one)
+        return closed, sent, await accounting(one)
 
     one.start()
     try:
-        closed, acc = run(go())
+        closed, sent, acc = run(go())
     finally:
         one.stop()
-    assert closed == [True, True]
+    assert closed == [True, True] and sent == []
     assert_idle(acc)

@@ -24,8 +24,13 @@ def _check_text(value: Any, where: str) -> None:
         except UnicodeEncodeError:
             raise ValueError(f"{where} is not well-formed unicode (a lone surrogate?)") from None
     elif isinstance(value, (list, tuple)):
+        try:
+            sum(value)  # numbers only, no text inside (a prompt's thousands of ids: 5x faster than the loop below)
+            return
+        except TypeError:  # a string, a list, None... somewhere in it
+            pass
         for v in value:
-            if type(v) is not int:  # (a prompt's thousands of ids: no call each)
+            if type(v) is not int:
                 _check_text(v, where)
     elif isinstance(value, dict):
         for k, v in value.items():

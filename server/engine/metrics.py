@@ -173,6 +173,7 @@ class ServerMetrics:
             self.reclaimed.labels(resource)
         self._window: collections.deque[tuple[float, int, int]] = collections.deque()
         self._window_s = hit_rate_window_s
+        self._window_sums = [0, 0]  # queried, hit: kept with the window (a sum over it per lookup grew with the load)
 
     def watch_connections(self, guard) -> None:
         """The HTTP edge's connections (``api.connections.ConnectionGuard``), read at each scrape."""
@@ -201,11 +202,15 @@ class ServerMetrics:
         if capacity_miss:
             self.capacity_miss.inc(capacity_miss)
         now = time.monotonic()
+        sums = self._window_sums
         self._window.append((now, queried, hit))
-        while self._window and self._window[0][0] < now - self._window_s:
-            self._window.popleft()
-        q = sum(w[1] for w in self._window)
-        self.hit_rate.set(sum(w[2] for w in self._window) / q if q else 0.0)
+        sums[0] += queried
+        sums[1] += hit
+        while self._window[0][0] < now - self._window_s:
+            _, q, h = self._window.popleft()
+            sums[0] -= q
+            sums[1] -= h
+        self.hit_rate.set(sums[1] / sums[0] if sums[0] else 0.0)
 
 
 class _ConnectionCollector:

@@ -291,3 +291,24 @@ def test_encode_through_the_backend_gives_the_tokenizers_ids():
         assert encode(tok, text) == tok.encode(text, add_special_tokens=False), text
     tok.backend_tokenizer.enable_truncation(max_length=3)
     assert len(encode(tok, chat)) > 3
+
+
+def test_the_cache_hit_rate_covers_the_lookups_of_its_window_only(monkeypatch):
+    import types
+
+    from mambaserve.server.engine import metrics as metrics_module
+
+    clock = [100.0]
+    monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    m = metrics_module.ServerMetrics(hit_rate_window_s=10.0)
+    rate = lambda: m.registry.get_sample_value("mambaserve_cache_hit_rate")  # noqa: E731
+    m.observe_lookup(100, 0)
+    clock[0] += 5
+    m.observe_lookup(100, 100)
+    assert rate() == 0.5
+    clock[0] += 6  # the first lookup is 11 s old: out of the window
+    m.observe_lookup(100, 50)
+    assert rate() == 150 / 200
+    clock[0] += 30  # all of them out but the one just made
+    m.observe_lookup(10, 0)
+    assert rate() == 0.0 and len(m._window) == 1

@@ -90,6 +90,8 @@ class SSEResponse(Response):
                 raise ClientGone() from None
         finally:
             watcher.cancel()
+            if self.admission is not None:  # a choice still running when the response ends is aborted (a client
+                await self.admission.close()  # gone while the headers were written: ``events`` never began)
 
 
 def _raise_refusal(first: StepOutput) -> None:
@@ -122,7 +124,8 @@ async def admitted(stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutpu
 class Admission:
     """A streamed answer's generations (its n choices) until each has its first output (``admitted``): its
     ``SSEResponse`` waits for them before it starts, and its events read ``streams`` (filled then, in order). One
-    refusal, or the response's wait cancelled (the client gone), closes them all: their requests are aborted."""
+    refusal, the response's wait cancelled (the client gone) or the response's end closes them all: the requests
+    still running are aborted."""
 
     def __init__(self, gens: list[AsyncIterator[StepOutput]]):
         self.gens, self.streams = gens, []
@@ -132,10 +135,14 @@ class Admission:
             for g in self.gens:
                 self.streams.append(await admitted(g))
         except BaseException:
-            # the generations themselves: an admitted one's wrapper never started, and closing it would close nothing
-            for g in self.gens:
-                await g.aclose()
+            await self.close()
             raise
+
+    async def close(self) -> None:
+        """Abort the generations not yet finished (the generations themselves: an admitted one's wrapper may never
+        have started, and closing it would close nothing)."""
+        for g in self.gens:
+            await g.aclose()
 
 
 async def _unless_client_goes(request: Request, work) -> None:

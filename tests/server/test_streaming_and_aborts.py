@@ -210,6 +210,42 @@ def test_a_queued_stream_whose_client_goes_away_leaves_the_queue(tiny_ckpt):
     assert_idle(acc)
 
 
+def test_a_stream_whose_client_goes_while_its_headers_are_written_is_aborted(tiny_ckpt):
+    """Admitted, its first token in hand, and the client leaves while the response's headers are being written (a
+    full socket buffer): nothing of its events was read, yet its request is aborted, not run to max_new_tokens."""
+    from mambaserve.server.api.responses import Admission, SSEResponse
+    from mambaserve.server.engine.request import SamplingParams
+
+    one = make_engine(tiny_ckpt, max_running_requests=1, mamba_cache_size=4, context_length=8192)
+
+    async def go():
+        gens = [one.generate(PROMPTS[1], SamplingParams(max_new_tokens=4000, ignore_eos=True))]
+        leave = asyncio.Event()
+
+        async def receive():
+            await leave.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                leave.set()
+                await asyncio.sleep(5)  # the write waits for the socket; the client leaves meanwhile
+
+        async def events():
+            yield "never written"
+
+        await SSEResponse(events(), admission=Admission(gens))({"type": "http"}, receive, send)
+        return gens[0]._open, await accounting(one)
+
+    one.start()
+    try:
+        still_open, acc = run(go())
+    finally:
+        one.stop()
+    assert still_open is False
+    assert_idle(acc)
+
+
 def test_a_stream_whose_client_goes_after_one_choice_was_admitted_aborts_every_choice(tiny_ckpt):
     """n=2 streamed: the first choice has its first token, the second waits in the queue behind it, and the
     client leaves before the response started. Both choices' requests are aborted at once (their Generations

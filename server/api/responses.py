@@ -45,9 +45,9 @@ class SSEResponse(Response):
     With an ``admission`` the response first waits, under the same watch, for each of its generations' first
     output (``Admission``): a refusal is raised as its HTTP error (the app's exception handlers answer it, nothing
     was sent yet) and a client gone meanwhile raises ClientGone. So a handler returns as soon as it has submitted,
-    and at a burst's first tokens only these writers run on the event loop, one after another (a handler that
-    waited itself took ~0.3 ms more of the loop per answer there: its watch's two tasks, then the framework's
-    return path). ``headers`` may be a function: called once admitted (a session turn's headers)."""
+    and at a burst's first tokens each writer goes straight to its socket (a handler that waited itself first tore
+    down its watch's two tasks, a pass of the event loop for every answer of the burst before any was written, then
+    went back through the framework). ``headers`` may be a function: called once admitted (a session turn's).
 
     media_type = "text/event-stream"
 

@@ -47,7 +47,7 @@ class SSEResponse(Response):
     was sent yet) and a client gone meanwhile raises ClientGone. So a handler returns as soon as it has submitted,
     and at a burst's first tokens each writer goes straight to its socket (a handler that waited itself first tore
     down its watch's two tasks, a pass of the event loop for every answer of the burst before any was written, then
-    went back through the framework). ``headers`` may be a function: called once admitted (a session turn's).
+    went back through the framework). ``headers`` may be a function: called once admitted (a session turn's)."""
 
     media_type = "text/event-stream"
 

@@ -35,14 +35,15 @@ def resolve(model: str) -> Path:
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
+    unreachable = ""
     try:
         if not constants.HF_HUB_OFFLINE:
             try:
                 files = select(HfApi().list_repo_files(repo, revision=revision))
             except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError):
                 raise
-            except (HfHubHTTPError, OSError):  # no network: what the cache holds
-                files = None
+            except Exception as e:  # no network (its HTTP client's own ConnectError, not an OSError): the cache
+                files, unreachable = None, f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             if files is not None:
                 return Path(snapshot_download(repo, revision=revision, allow_patterns=files))
         return Path(snapshot_download(repo, revision=revision, allow_patterns=list(ALLOW), local_files_only=True))
@@ -52,7 +53,7 @@ def resolve(model: str) -> Path:
         raise ModelLoadError(
             f"--model {model}: not a directory, and {repo}@{revision} is not in the Hugging Face cache "
             f"({constants.HF_HUB_CACHE}) while the hub cannot be reached"
-            f"{' (HF_HUB_OFFLINE is set)' if constants.HF_HUB_OFFLINE else ''}: download it once online, "
+            f"{' (HF_HUB_OFFLINE is set)' if constants.HF_HUB_OFFLINE else unreachable}: download it once online, "
             "or pass a checkpoint directory") from None
     except (HfHubHTTPError, OSError) as e:
         raise ModelLoadError(f"--model {model}: fetching {repo}@{revision} failed: {e}") from None

@@ -51,3 +51,31 @@ def test_hub_ids_resolve_through_the_cache_offline(tmp_path):
     assert out[names[0]] == out[names[1]] == str(snaps["v1"])
     for missing in names[2:]:
         assert "not in the Hugging Face cache" in out[missing] and "HF_HUB_OFFLINE" in out[missing], out[missing]
+
+
+UNREACHABLE = """
+import huggingface_hub
+
+class ConnectError(Exception):  # as huggingface_hub's HTTP client raises without a network: not an OSError
+    pass
+
+def list_repo_files(self, *args, **kwargs):
+    raise ConnectError("[Errno -2] Name or service not known")
+
+huggingface_hub.HfApi.list_repo_files = list_repo_files
+""" + SCRIPT
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache_and_says_why_otherwise(tmp_path):
+    """Online mode (no HF_HUB_OFFLINE) with the hub out of reach: a cached repository is served, one that is not
+    cached is a clear ModelLoadError naming the connection error, not a traceback."""
+    cache, snaps = _hub_cache(tmp_path / "hub")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
+    run = subprocess.run([sys.executable, "-c", UNREACHABLE, "acme/tiny-mamba", "acme/other"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["engine"] == {"name": "acme/tiny-mamba", "path": str(snaps["main"])}
+    assert "not in the Hugging Face cache" in out["acme/other"], out["acme/other"]
+    assert "ConnectError: [Errno -2] Name or service not known" in out["acme/other"], out["acme/other"]

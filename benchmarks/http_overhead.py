@@ -262,7 +262,7 @@ async def measure(server: Server, a: argparse.Namespace) -> dict:
     intake = await phase(server, a, 1, a.profile == "intake")
     stream = await phase(server, a, a.max_tokens, a.profile == "stream")
     extra = max(1.0, stream["chunks"] - intake["chunks"])
-    per_chunk = {k: (stream[k] - intake[k]) / extra for k in ("loop", "workers", "scheduler")}
+    per_chunk = {k: (stream.get(k, 0) - intake.get(k, 0)) / extra for k in ("loop", "workers", "scheduler")}
     return {"intake": intake, "stream": stream, "per_chunk": per_chunk}
 
 
@@ -314,7 +314,7 @@ def main() -> None:
                     print_profile(m[ph]["profile"], a.top)
 
     def best(label: str, key: str, sub: str) -> float:  # the least of the repeats: the least disturbed
-        return min(m[key][sub] for m in results[label])
+        return min(m[key].get(sub, 0) for m in results[label])
 
     print("\nleast over the repeats (ms of CPU time; per chunk in us):")
     for label, _ in paths:

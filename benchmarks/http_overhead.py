@@ -7,8 +7,9 @@ sent together to /v1/chat/completions, streamed, each a chat history of about --
 question (the history repeats: radix cache hits); with --endpoint generate, token ids to /generate instead.
 Each server thread's CPU time is read around the rounds (`pthread_getcpuclockid`): the event loop's (the main
 thread), the worker threads' (tokenization, the chat template), the scheduler's. Two phases: --max-tokens 1
-(a request's intake and one chunk) and --max-tokens N (N chunks): per chunk = (stream - intake) / (N - 1). With --baseline REF the same is measured on commit REF's
-`server/` (extracted to a temporary directory) in the same run, alternating, and the ratios are printed.
+(a request's intake and one chunk) and --max-tokens N (N chunks): per chunk = (stream - intake) / (N - 1). With
+--baseline REF the same is measured on commit REF's `server/` (extracted to a temporary directory) in the same run,
+alternating, and the ratios are printed.
 --profile PHASE prints cProfile's top functions of the event loop thread for that phase.
 
   python benchmarks/http_overhead.py --baseline main

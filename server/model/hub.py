@@ -43,7 +43,7 @@ def resolve(model: str) -> Path:
             except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError):
                 raise
             except Exception as e:  # no network (its HTTP client's own ConnectError, not an OSError): the cache
-                files, unreachable = None, f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                files, unreachable = None, f" ({type(e).__name__}: {next(iter(str(e).splitlines()), '')})"
             if files is not None:
                 return Path(snapshot_download(repo, revision=revision, allow_patterns=files))
         return Path(snapshot_download(repo, revision=revision, allow_patterns=list(ALLOW), local_files_only=True))

@@ -80,14 +80,16 @@ if HAS_TRITON:
 
 
 def state_update_tiles(P: int, N: int, rows_x_heads: int, small: tuple[int, int]) -> tuple[int, int]:
-    """(BLOCK_P, num_warps). 4K state elements per program (32 x 128 at N = 128) and 4 warps: the best
-    or within 1% of the best of a 6-config sweep on an H100 for batch x heads >= 2560 in most shapes
-    (benchmarks/README.md). Under 256 rows x heads (batch 1) more, smaller programs fill the GPU: 4-row
+    """(BLOCK_P, num_warps). 4K state elements per program (32 x 128 at N = 128), within 1% of the best of a
+    6-config sweep on an H100 for batch x heads >= 2560 in most shapes (benchmarks/README.md), in 2 warps: on an
+    H200 (nemotron-h-8b's and granite-4.0-h-tiny's heads, batch 64 and 256, graph-replayed) 0.90-0.96 of the copy
+    bandwidth against 0.88-0.95 in 4 warps, the best of 7 tiles at 3 of the 4 and 0.2% from it at the fourth.
+    Under 256 rows x heads (batch 1) more, smaller programs fill the GPU: 4-row
     tiles on one warp gave the fastest whole mamba2-2.7b and -130m decode steps of 9 (BLOCK_P, warps)
     pairs (H100, benchmarks/decode_step.py --variants; benchmarks/README.md)."""
     if rows_x_heads < 256:
         return min(small[0], next_pow2(P)), small[1]
-    return max(1, min(next_pow2(P), 4096 // next_pow2(N))), 4
+    return max(1, min(next_pow2(P), 4096 // next_pow2(N))), 2
 
 
 def selective_state_update_ref(

@@ -43,6 +43,9 @@ class KernelConfig:
     # Granite's decode steps of up to 16 rows run the shared MLP inside the MoE op, as more experts
     # (feed_forward.GraniteMoE.fold); False: its own cuBLAS GEMMs, as prefill does.
     fold_shared_mlp: bool = True
+    # There, the layer's residual-add norm, the router's projection and its top-k softmax run as one launch
+    # (kernels.topk_softmax.rmsnorm_topk_softmax); False: three (rmsnorm, cuBLAS, topk_softmax).
+    fuse_router: bool = True
 
 
 DEFAULT = KernelConfig()  # what a launcher called with config=None runs

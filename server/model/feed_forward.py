@@ -20,7 +20,8 @@ from torch import nn
 from mambaserve.kernels import KernelConfig, moe
 from mambaserve.kernels.moe import fold_gated_mlp  # (not through `moe`: tests swap it to count the op's calls)
 from mambaserve.kernels.swiglu import silu_mul
-from mambaserve.kernels.topk_softmax import topk_softmax
+from mambaserve.kernels.rmsnorm import rmsnorm
+from mambaserve.kernels.topk_softmax import rmsnorm_topk_softmax, topk_softmax
 from mambaserve.server.model.hybrid_config import MlpDims, MoEDims
 from mambaserve.server.model.parallel import FIRST, SINGLE, TP, column, gated_column
 
@@ -257,6 +258,9 @@ class GraniteMoE(nn.Module):
         w1.data, w2.data = f1[:w1.shape[0]], f2[:w2.shape[0]]
         self.register_buffer("folded_w1", f1, persistent=False)
         self.register_buffer("folded_w2", f2, persistent=False)
+        # the fused router's programs count themselves here, a counter a row (rmsnorm_topk_softmax leaves them at 0)
+        self.register_buffer("route_counters", torch.zeros(self.FOLD_MAX_TOKENS, dtype=torch.int32, device=w2.device),
+                             persistent=False)
 
     @property
     def always(self) -> int:
@@ -267,12 +271,20 @@ class GraniteMoE(nn.Module):
         return (hasattr(self, "folded_w1") and self.kernel_config.fold_shared_mlp
                 and x.shape[0] <= self.FOLD_MAX_TOKENS)
 
-    def forward_folded(self, x: torch.Tensor, residual: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """``forward`` with the shared MLP's output as ``add`` (its partial, tensor parallel), computed inside the op
-        as the folded experts (``fold``) that every token takes with weight 1: one launch for the router's GEMM and
-        the op, against three more for the shared MLP."""
-        idx, w = topk_softmax(self.router.layer(x), self.m.top_k, x.dtype, always=self.always)
-        return self._experts(x, idx, w, self.folded_w1, self.folded_w2, None, residual, scale)
+    def forward_folded(self, h: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       scale: float) -> torch.Tensor:
+        """The layer's tail from the mixer's output ``h`` and the residual ``x``: their residual-add norm
+        (``kernels.rmsnorm(h, x, norm_weight, eps, scale=scale)``), then ``forward`` of the normed rows with the
+        shared MLP's output as ``add`` (its partial, tensor parallel), computed inside the op as the folded experts
+        (``fold``) that every token takes with weight 1. The norm, the router's GEMM and its top-k are one launch
+        (``rmsnorm_topk_softmax``; three with ``kernel_config.fuse_router`` off), the shared MLP none of its own."""
+        if self.kernel_config.fuse_router:
+            h, x, idx, w = rmsnorm_topk_softmax(h, x, norm_weight, eps, scale, self.router.layer.weight, self.m.top_k,
+                                                h.dtype, always=self.always, counters=self.route_counters)
+        else:
+            h, x = rmsnorm(h, x, norm_weight, eps, scale=scale)
+            idx, w = topk_softmax(self.router.layer(h), self.m.top_k, h.dtype, always=self.always)
+        return self._experts(h, idx, w, self.folded_w1, self.folded_w2, None, x, scale)
 
     def warm_up_experts(self, max_tokens: int) -> int:
         """Compile the expert kernels' variants, routed in the dtypes the router gives (the folded op's too)."""

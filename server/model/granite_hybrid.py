@@ -44,11 +44,13 @@ class GraniteHybridLayer(nn.Module):
                                step.v[self.attn_index], step.rope)
         # x + h * mult and its norm in one launch, the MoE's weighted sum with the shared MLP's output and the
         # scaled residual in another: granite-4.0-h-tiny's decode step was ~12 launches a layer (480 a step on an H200)
-        # before the shared MLP was folded into the MoE op at decode (three fewer)
+        # before the shared MLP was folded into the MoE op at decode (three fewer), and the norm, the router and its
+        # top-k run as one launch there (two fewer)
+        moe = getattr(self, "block_sparse_moe", None)
+        if moe is not None and step.bt.mode is ForwardMode.DECODE and moe.folds(h):  # (not prefill: the same path
+            return moe.forward_folded(h, x, self.post_attention_layernorm.weight, self.eps, self.mult)  # cold and hit)
         h, x = kernels.rmsnorm(h, x, self.post_attention_layernorm.weight, self.eps, scale=self.mult)
-        if hasattr(self, "block_sparse_moe"):  # one sum over the ranks for both (tensor parallel)
-            if step.bt.mode is ForwardMode.DECODE and self.block_sparse_moe.folds(h):  # (not prefill: the same
-                return self.block_sparse_moe.forward_folded(h, residual=x, scale=self.mult)  # path cold and hit)
+        if moe is not None:  # one sum over the ranks for both (tensor parallel)
             E = self.block_sparse_moe.m.num_experts
             both = F.linear(h, self.router_and_shared)
             return self.block_sparse_moe(h, add=self.shared_mlp.finish(both[:, E:], partial=True), residual=x,

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from mambaserve.kernels.topk_softmax import topk_softmax, topk_softmax_ref
+from mambaserve.kernels.topk_softmax import (rmsnorm_topk_softmax, rmsnorm_topk_softmax_ref, topk_softmax,
+                                             topk_softmax_ref)
 from tests.kernels.helpers import TOL, assert_close, gen, randn
 
 
@@ -48,3 +50,42 @@ def test_bad_arguments_and_no_tokens(dev):
         topk_softmax(torch.zeros(2, 4, device=dev), 5)
     ids, w = topk_softmax(torch.zeros(0, 8, device=dev), 2, force_triton=True)
     assert ids.shape == w.shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,D,E,k,always,residual,scale", [
+    (1, 48, 16, 6, 2, True, 0.25), (5, 64, 10, 3, 0, True, 1.0), (3, 40, 16, 4, 1, False, 0.5)])
+def test_the_norm_router_and_top_k_in_one_launch_match_the_three(dev, dtype, T, D, E, k, always, residual, scale):
+    """``rmsnorm_topk_softmax`` (Granite's decode: the layer's residual-add norm, the router's projection, the top-k
+    softmax) against ``kernels.rmsnorm``'s reference, ``F.linear`` and ``topk_softmax``'s reference, twice on the same
+    counters. E = 10 and 16 split over 3 and 4 programs a row; D = 48 and 40 leave part of a column step masked."""
+    g = gen(T * D + E)
+    x, res = randn(g, T, D, dtype=dtype, dev=dev), randn(g, T, D, dtype=dtype, dev=dev, scale=2.0)
+    nw, rw = randn(g, D, dtype=dtype, dev=dev), randn(g, E, D, dtype=dtype, dev=dev, scale=0.3)
+    counters = torch.zeros(T + 1, dtype=torch.int32, device=dev)
+    outs = [rmsnorm_topk_softmax(x, res if residual else None, nw, 1e-5, scale, rw, k, dtype, always=always,
+                                 counters=counters, force_triton=True) for _ in range(2)]
+    assert not counters.any()  # each row's last program leaves its counter at 0 for the next launch
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    ref = rmsnorm_topk_softmax_ref(x, res if residual else None, nw, 1e-5, scale, rw, k, dtype, always)
+    normed, new_res, ids, w = outs[0]
+    if dtype == torch.float32:  # the same add, rounded once (the interpreter truncates its bf16 casts)
+        assert torch.equal(new_res, ref[1])
+    assert_close(new_res, ref[1], TOL[dtype])
+    assert_close(normed, ref[0], TOL[dtype])
+    assert ids.shape == w.shape == (T, k + always) and ids.dtype == torch.int32
+    logits = F.linear(ref[0], rw).float()  # the chosen experts' logits, in order (not their ids: ties may swap)
+    assert torch.allclose(logits.gather(1, ids[:, :k].long()), logits.gather(1, ref[2][:, :k]), rtol=TOL[dtype])
+    assert torch.equal(ids[:, k:].long(), ref[2][:, k:])
+    assert_close(w, ref[3], TOL[dtype])
+
+
+def test_the_fused_router_runs_the_reference_where_its_layout_does_not_fit(dev):
+    x = torch.randn(2, 16, device=dev).t().contiguous().t()  # column-major rows
+    nw, rw = torch.ones(16, device=dev), torch.randn(8, 16, device=dev)
+    out = rmsnorm_topk_softmax(x, None, nw, 1e-5, 1.0, rw, 2, force_triton=True)
+    ref = rmsnorm_topk_softmax_ref(x, None, nw, 1e-5, 1.0, rw, 2)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    with pytest.raises(ValueError, match="counters"):
+        rmsnorm_topk_softmax(x.contiguous(), None, nw, 1e-5, 1.0, rw, 2, counters=torch.zeros(1, dtype=torch.int32,
+                             device=dev), force_triton=True)

@@ -34,6 +34,12 @@ from mambaserve.server.sessions.table import SessionError
 log = logging.getLogger(__name__)
 
 
+# pydantic's error types for a value of the right type that its field does not take
+VALUE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of",
+                          "too_short", "too_long", "string_too_short", "string_too_long", "literal_error", "enum",
+                          "union_tag_invalid", "finite_number", "value_error"})
+
+
 def create_app(engine: Engine) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -60,6 +66,9 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
+        """400 where every error is a value the field does not take (out of range, too short, not one of its
+        choices, our validators' checks), as the engine's own checks of values answer; 422 where a field has the
+        wrong type or the body the wrong shape."""
         engine.metrics.rejected.labels("bad_request").inc()
         errors = e.errors()
         if any(err.get("type") == "json_invalid" for err in errors):
@@ -76,7 +85,8 @@ def create_app(engine: Engine) -> FastAPI:
             elif kind == "value_error":  # our validators' own sentences, which name their field
                 msg = msg.removeprefix("Value error, ")
             parts.append(f"{loc}: {msg}" if loc else msg)
-        return error_response(422, "; ".join(parts), "invalid_field")
+        status = 400 if all(err.get("type") in VALUE_ERRORS for err in errors) else 422
+        return error_response(status, "; ".join(parts), "invalid_field")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, e: StarletteHTTPException):

@@ -1,7 +1,8 @@
 """Request bodies of the HTTP API (pydantic), and their translation into SamplingParams.
 
-Unknown fields are ignored (clients send many); known fields of the wrong type are a 422, strictly: no
-string is taken for a number or a boolean, no number for a boolean (pydantic's strict mode).
+Unknown fields are ignored (clients send many); known fields of the wrong type are a 422 (a value out of a field's
+bounds a 400: app.py), strictly: no string is taken for a number or a boolean, no number for a boolean (pydantic's
+strict mode).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ ERROR_STATUSES = {
     408: "the request's headers or body did not arrive within --http-header-timeout / --http-body-timeout",
     409: "conflict: duplicate request id, busy session, existing session or snapshot, cache busy",
     413: "request body over --max-request-bytes",
-    422: "a field of the wrong type or shape",
+    422: "a field of the wrong type or a required one missing, a body that is not a JSON object",
     429: "too many open sessions (in all, or for this client), or a snapshot quota reached",
     500: "internal error (the server log has the details); other requests are unaffected",
     503: "overloaded (queue full or too many connections; see Retry-After) or not ready",

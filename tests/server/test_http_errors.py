@@ -40,11 +40,11 @@ CASES = [
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "does not exist"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": ["x", "y"], "session_id": "s"}, 400, "single prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 0}, 422, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "n": 1000}, 400, "1000 answers asked for in one request (prompts x n)"),
     ("/generate", {"text": ["a", "b"], "rid": "r"}, 400, "rid take a single prompt"),
-    ("/v1/chat/completions", {"messages": []}, 422, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 422, "role"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/generate", {"text": "x", "input_ids": [1]}, 400, "exactly one"),
     ("/generate", {"sampling_params": {"max_new_tokens": 2}}, 400, "exactly one"),
     ("/generate", {"input_ids": [1, 5000]}, 400, "out of range"),
@@ -59,11 +59,11 @@ CASES = [
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-39}, 400, "repetition_penalty must be in [0.01, 2]"),
     ("/v1/completions", {"prompt": "x", "temperature": 1e39}, 400, "temperature must be a finite 32-bit float"),
     ("/generate", {"input_ids": [False]}, 422, "input_ids"),
-    ("/generate", b'{"text": "\\ud800"}', 422, "not well-formed unicode"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 422, "well-formed"),
-    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', 422, "well-formed"),
-    ("/open_session", b'{"timeout": NaN}', 422, "timeout"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 422,
+    ("/generate", b'{"text": "\\ud800"}', 400, "not well-formed unicode"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', 400, "well-formed"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "well-formed"),
+    ("/open_session", b'{"timeout": NaN}', 400, "timeout"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs: true"),
     # the body as a whole: said in words, not as pydantic's "body: Field required"
     ("/v1/completions", b'', 422, "the request needs a JSON body"),
@@ -114,7 +114,7 @@ def test_validation_messages_are_sentences_not_pydantic_internals(engine):
                     for body in (b'{"text": "\\ud800"}', b'{"text": ["ok", "\\ud800"]}')]
 
     for r in run(go()):  # a lone surrogate alone, and one in a list
-        assert r.status_code == 422
+        assert r.status_code == 400
         assert r.json()["error"]["message"] == "text is not well-formed unicode (a lone surrogate?)"
 
 

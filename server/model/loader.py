@@ -66,8 +66,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model.eval()
     s = model.state_dims
     shard = f" (rank {tp.rank} of {tp.size}: its heads and rows)" if tp.size > 1 else ""
-    log.info("loaded %s (%s): %d layers (%d Mamba2: %d heads x %d, state %d), %.1fM parameters%s, %s on %s",
+    log.info("loaded %s (%s): %d layers (%d Mamba2: %d heads x %d, state %d), %s parameters%s, %s on %s",
              model_dir, arch.name, dims.num_layers, s.num_layers if s else 0, s.num_heads if s else 0,
-             s.head_dim if s else 0, s.state_size if s else 0, sum(p.numel() for p in model.parameters()) / 1e6,
+             s.head_dim if s else 0, s.state_size if s else 0, f"{sum(p.numel() for p in model.parameters()):,}",
              shard, dtype, device)
     return model, cfg

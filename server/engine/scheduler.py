@@ -450,12 +450,11 @@ class Scheduler:
         if self.cache.evictions:
             m.evictions.labels("gpu").inc(self.cache.evictions)
             self.cache.evictions = 0
-        host = self.cache.host
+        host, per = self.cache.host, self.runner.slot_bytes
+        m.tier_used_bytes.labels("gpu").set(self.cache.tree_slots * per)
         if host is not None:
-            per = self.runner.slot_bytes
             m.host_slots_used.set(host.allocator.num_used)
             m.tier_used_bytes.labels("host").set(host.allocator.num_used * per)
-            m.tier_used_bytes.labels("gpu").set(self.cache.tree_slots * per)
             if host.evictions:  # (counted with or without a storage tier below)
                 m.evictions.labels("host").inc(host.evictions)
                 host.evictions = 0

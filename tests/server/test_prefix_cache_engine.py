@@ -137,6 +137,9 @@ def test_memory_pressure_evicts_and_never_leaks(tiny_ckpt, cold):
     assert_idle(acc)
     evictions = next(line for line in metrics.splitlines() if line.startswith("mambaserve_cache_evictions_total"))
     assert float(evictions.split()[-1]) > 0
+    # the snapshots the tree holds, in bytes, without a host tier too
+    used = next(line for line in metrics.splitlines() if line.startswith('mambaserve_cache_tier_used_bytes{tier="gpu"}'))
+    assert float(used.split()[-1]) == acc["held_by_tree"] * engine.scheduler.runner.slot_bytes > 0
 
 
 def test_flush_cache_refused_while_running_then_empties_the_tree(tiny_ckpt):

@@ -154,7 +154,8 @@ def rmsnorm_topk_softmax_ref(x, residual, norm_weight, eps: float, scale: float,
     return (normed, residual, *topk_softmax_ref(F.linear(normed, router_weight), k, dtype, always))
 
 
-# Experts a program, router columns a step, warps: the best of 9 at one and 8 tokens (16: 0.7 us behind 8 experts)
+# Experts a program, router columns a step, warps: the best of 9 tiles at 1 and 8 tokens (at 16, 8 experts a program
+# took 0.7 us less)
 ROUTE_TILES = {"BLOCK_E": 4, "BLOCK_K": 512, "num_warps": 4}
 
 

@@ -51,10 +51,10 @@ class GraniteHybridLayer(nn.Module):
             return moe.forward_folded(h, x, self.post_attention_layernorm.weight, self.eps, self.mult)  # cold and hit)
         h, x = kernels.rmsnorm(h, x, self.post_attention_layernorm.weight, self.eps, scale=self.mult)
         if moe is not None:  # one sum over the ranks for both (tensor parallel)
-            E = self.block_sparse_moe.m.num_experts
+            E = moe.m.num_experts
             both = F.linear(h, self.router_and_shared)
-            return self.block_sparse_moe(h, add=self.shared_mlp.finish(both[:, E:], partial=True), residual=x,
-                                         scale=self.mult, logits=both[:, :E])
+            return moe(h, add=self.shared_mlp.finish(both[:, E:], partial=True), residual=x, scale=self.mult,
+                       logits=both[:, :E])
         return x + self.shared_mlp(h) * self.mult
 
     def refresh_derived(self) -> None:

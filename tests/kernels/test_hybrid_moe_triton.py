@@ -1,7 +1,7 @@
 """A hybrid model's MoE layers through the fused Triton experts (on CPU: the interpreter) against the same model on
 the torch expert loop: Granite 4.0-H's SwiGLU experts and Nemotron-H's relu2 experts in a latent width, over a packed
-prefill of two sequences, a decode step of both and one of one (a single token: no align step, the down projection
-and the sum in one kernel). Granite's decode steps run its fused norm + router + top-k kernel too."""
+prefill of two sequences, a decode step of both and one of one (a single token: no align step). Granite's decode
+steps run its fused norm + router + top-k kernel too."""
 
 import functools
 

@@ -1,8 +1,8 @@
 """``--model org/name[@revision]``: a Hugging Face Hub id resolved to a checkpoint directory in the hub's cache.
 
 Online, the files the server reads (``download.select``: config, tokenizer, weights; no ``.bin`` copies beside
-safetensors) are fetched into the cache, or found there up to date; offline (``HF_HUB_OFFLINE=1``, or no network)
-the cached snapshot of that revision is used; neither gives a ``ModelLoadError`` saying what to do. A path that
+safetensors) are fetched into the cache, or found there up to date; offline (``HF_HUB_OFFLINE=1``, no network, or
+a download cut short) the cached snapshot of that revision is used; neither gives a ``ModelLoadError`` saying what to do. A path that
 exists is a directory, whatever it looks like.
 """
 
@@ -40,12 +40,12 @@ def resolve(model: str) -> Path:
         if not constants.HF_HUB_OFFLINE:
             try:
                 files = select(HfApi().list_repo_files(repo, revision=revision))
+                return Path(snapshot_download(repo, revision=revision, allow_patterns=files))
             except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError):
                 raise
-            except Exception as e:  # no network (its HTTP client's own ConnectError, not an OSError): the cache
-                files, unreachable = None, f" ({type(e).__name__}: {next(iter(str(e).splitlines()), '')})"
-            if files is not None:
-                return Path(snapshot_download(repo, revision=revision, allow_patterns=files))
+            except Exception as e:  # no network, or it went mid-download (its HTTP client's own errors, such as
+                # ConnectError, are not OSErrors): the cached snapshot, else an error naming this one
+                unreachable = f" ({type(e).__name__}: {next(iter(str(e).splitlines()), '')})"
         return Path(snapshot_download(repo, revision=revision, allow_patterns=list(ALLOW), local_files_only=True))
     except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as e:
         raise ModelLoadError(f"--model {model}: {type(e).__name__}: {str(e).splitlines()[0]}") from None

@@ -79,3 +79,35 @@ def test_an_unreachable_hub_falls_back_to_the_cache_and_says_why_otherwise(tmp_p
     assert out["engine"] == {"name": "acme/tiny-mamba", "path": str(snaps["main"])}
     assert "not in the Hugging Face cache" in out["acme/other"], out["acme/other"]
     assert "ConnectError: [Errno -2] Name or service not known" in out["acme/other"], out["acme/other"]
+
+
+MID_DOWNLOAD = """
+import huggingface_hub
+
+class ReadError(Exception):  # the HTTP client's own error when the connection drops: not an OSError
+    pass
+
+download = huggingface_hub.snapshot_download
+
+def snapshot_download(*args, local_files_only=False, **kwargs):
+    if not local_files_only:
+        raise ReadError("connection reset while reading model.safetensors")
+    return download(*args, local_files_only=True, **kwargs)
+
+huggingface_hub.HfApi.list_repo_files = lambda self, *a, **kw: ["config.json", "model.safetensors"]
+huggingface_hub.snapshot_download = snapshot_download
+""" + SCRIPT
+
+
+def test_a_download_that_fails_midway_falls_back_to_the_cache_and_says_why_otherwise(tmp_path):
+    """The hub lists the repository, then the connection drops while its files download: a cached snapshot is
+    served, a repository not cached is a ModelLoadError naming the error, not a traceback."""
+    cache, snaps = _hub_cache(tmp_path / "hub")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
+    run = subprocess.run([sys.executable, "-c", MID_DOWNLOAD, "acme/tiny-mamba", "acme/other"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["engine"] == {"name": "acme/tiny-mamba", "path": str(snaps["main"])}
+    assert "ReadError: connection reset while reading model.safetensors" in out["acme/other"], out["acme/other"]

@@ -169,7 +169,8 @@ def rmsnorm_topk_softmax(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     dtypes run the reference."""
     E, D = router_weight.shape
     fits = (x.dim() == 2 and x.shape[1] == D and x.is_contiguous() and router_weight.is_contiguous()
-            and norm_weight.dtype == x.dtype == router_weight.dtype and 0 < k <= E and always >= 0
+            and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype == router_weight.dtype and 0 < k <= E
+            and always >= 0
             and (residual is None or (residual.shape == x.shape and residual.is_contiguous()
                                       and residual.dtype == x.dtype)))
     if not (fits and use_triton(x, force_triton)):

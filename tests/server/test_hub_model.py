@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.server.tiny_models import make_checkpoint
 
 # one process (the environment is read when huggingface_hub is imported): an engine, then the other names
@@ -66,21 +68,6 @@ huggingface_hub.HfApi.list_repo_files = list_repo_files
 """ + SCRIPT
 
 
-def test_an_unreachable_hub_falls_back_to_the_cache_and_says_why_otherwise(tmp_path):
-    """Online mode (no HF_HUB_OFFLINE) with the hub out of reach: a cached repository is served, one that is not
-    cached is a clear ModelLoadError naming the connection error, not a traceback."""
-    cache, snaps = _hub_cache(tmp_path / "hub")
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    env.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
-    run = subprocess.run([sys.executable, "-c", UNREACHABLE, "acme/tiny-mamba", "acme/other"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["engine"] == {"name": "acme/tiny-mamba", "path": str(snaps["main"])}
-    assert "not in the Hugging Face cache" in out["acme/other"], out["acme/other"]
-    assert "ConnectError: [Errno -2] Name or service not known" in out["acme/other"], out["acme/other"]
-
-
 MID_DOWNLOAD = """
 import huggingface_hub
 
@@ -99,15 +86,20 @@ huggingface_hub.snapshot_download = snapshot_download
 """ + SCRIPT
 
 
-def test_a_download_that_fails_midway_falls_back_to_the_cache_and_says_why_otherwise(tmp_path):
-    """The hub lists the repository, then the connection drops while its files download: a cached snapshot is
-    served, a repository not cached is a ModelLoadError naming the error, not a traceback."""
+@pytest.mark.parametrize("script,error", [
+    (UNREACHABLE, "ConnectError: [Errno -2] Name or service not known"),
+    (MID_DOWNLOAD, "ReadError: connection reset while reading model.safetensors")], ids=["unreachable", "cut-short"])
+def test_a_hub_out_of_reach_falls_back_to_the_cache_and_says_why_otherwise(tmp_path, script, error):
+    """Online mode (no HF_HUB_OFFLINE), the hub out of reach, or the connection dropping while the files download
+    (after the hub listed them): a cached repository is served, one that is not cached is a clear ModelLoadError
+    naming the error, not a traceback."""
     cache, snaps = _hub_cache(tmp_path / "hub")
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
-    run = subprocess.run([sys.executable, "-c", MID_DOWNLOAD, "acme/tiny-mamba", "acme/other"], env=env,
+    run = subprocess.run([sys.executable, "-c", script, "acme/tiny-mamba", "acme/other"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["engine"] == {"name": "acme/tiny-mamba", "path": str(snaps["main"])}
-    assert "ReadError: connection reset while reading model.safetensors" in out["acme/other"], out["acme/other"]
+    assert "not in the Hugging Face cache" in out["acme/other"], out["acme/other"]
+    assert error in out["acme/other"], out["acme/other"]

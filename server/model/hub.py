@@ -2,8 +2,8 @@
 
 Online, the files the server reads (``download.select``: config, tokenizer, weights; no ``.bin`` copies beside
 safetensors) are fetched into the cache, or found there up to date; offline (``HF_HUB_OFFLINE=1``, no network, or
-a download cut short) the cached snapshot of that revision is used; neither gives a ``ModelLoadError`` saying what to do. A path that
-exists is a directory, whatever it looks like.
+a download cut short) the cached snapshot of that revision is used; neither gives a ``ModelLoadError`` saying what
+to do. A path that exists is a directory, whatever it looks like.
 """
 
 from __future__ import annotations

@@ -138,7 +138,8 @@ def test_memory_pressure_evicts_and_never_leaks(tiny_ckpt, cold):
     evictions = next(line for line in metrics.splitlines() if line.startswith("mambaserve_cache_evictions_total"))
     assert float(evictions.split()[-1]) > 0
     # the snapshots the tree holds, in bytes, without a host tier too
-    used = next(line for line in metrics.splitlines() if line.startswith('mambaserve_cache_tier_used_bytes{tier="gpu"}'))
+    gpu = 'mambaserve_cache_tier_used_bytes{tier="gpu"}'
+    used = next(line for line in metrics.splitlines() if line.startswith(gpu))
     assert float(used.split()[-1]) == acc["held_by_tree"] * engine.scheduler.runner.slot_bytes > 0
 
 

@@ -200,7 +200,7 @@ def bench_ssu(ext, batches, models, sweep):
             if sweep and Bsz * H >= 2560:
                 best = None
                 for bp in (8, 16, 32):
-                    for w in (4, 8):
+                    for w in (2, 4, 8):
                         tt = bench(lambda: run(block_p=bp, num_warps=w))
                         if best is None or tt < best[0]:
                             best = (tt, bp, w)

@@ -6,6 +6,7 @@ top-6, SwiGLU experts of 512: the dims come from ``hybrid_step.py``'s config of 
     python benchmarks/moe.py --tokens 1,64 --sweep    # + a tile sweep per token count (~1 minute each)
     python benchmarks/moe.py --tokens 16,64,256,512 --align-ab   # + both align steps, alone and in the whole op
     python benchmarks/moe.py --tokens 1,8,64,256 --shared-fold     # + the shared MLP as two more experts
+    python benchmarks/moe.py --tokens 1,8,16 --router     # + the decode router: norm, projection, top-k in one launch
     python benchmarks/moe.py --shape tiny --device cpu --tokens 1,8   # smoke run: the reference on both sides
 
 Routing: the softmax top-k of random router logits (Granite's router on random weights: about uniform over the
@@ -184,6 +185,42 @@ def align_ab(x, ids, wts, w1, w2, calls: int, E: int, repeats: int = 3) -> dict:
     return {f"{n}_{part}_us": v for n, (a_, o) in out.items() for part, v in (("align", a_), ("op", o))}
 
 
+def router_ab(T: int, H: int, E: int, k: int, always: int, calls: int, device, dtype, repeats: int = 3) -> dict:
+    """Granite's decode router as the model runs it at folded steps (``always`` shared experts appended): the
+    residual-add norm, the router's projection and its top-k softmax in one launch (``rmsnorm_topk_softmax``)
+    against three (``rmsnorm``, cuBLAS, ``topk_softmax``), ``calls`` weight copies, alternating ``repeats`` times, best
+    of each (us a call). The fused outputs are checked first: the residual and the normed rows equal to the three
+    launches', the chosen experts' logits to theirs."""
+    from mambaserve.kernels.rmsnorm import rmsnorm
+    from mambaserve.kernels.topk_softmax import rmsnorm_topk_softmax, topk_softmax
+
+    h, x = torch.randn(T, H, device=device, dtype=dtype), torch.randn(T, H, device=device, dtype=dtype)
+    rw = [torch.randn(E, H, device=device, dtype=dtype) * H ** -0.5 for _ in range(calls)]
+    nw = [torch.rand(H, device=device, dtype=dtype) + 0.5 for _ in range(calls)]
+    counters = torch.zeros(T, dtype=torch.int32, device=device)
+
+    def three(i):
+        normed, res = rmsnorm(h, x, nw[i], 1e-5, scale=0.22)
+        logits = F.linear(normed, rw[i])
+        return normed, res, logits, *topk_softmax(logits, k, dtype, always=always)
+
+    def fused(i):
+        return rmsnorm_topk_softmax(h, x, nw[i], 1e-5, 0.22, rw[i], k, dtype, always=always, counters=counters)
+
+    normed, res, logits, ids, _ = three(0)
+    f_normed, f_res, f_ids, _ = fused(0)
+    picked = logits.float().gather(1, ids[:, :k].long()), logits.float().gather(1, f_ids[:, :k].long())
+    if not (torch.equal(f_normed, normed) and torch.equal(f_res, res) and torch.allclose(*picked, rtol=1e-2)):
+        raise SystemExit(f"{T} tokens: the fused router's outputs differ from the three launches'")
+    best = {"router_three_us": float("inf"), "router_fused_us": float("inf")}
+    for _ in range(repeats):
+        best["router_three_us"] = min(best["router_three_us"], graph_time(three, calls) * 1e6)
+        best["router_fused_us"] = min(best["router_fused_us"], graph_time(fused, calls) * 1e6)
+    print(f"#   router, {T} tokens: fused {best['router_fused_us']:.2f} us, three launches "
+          f"{best['router_three_us']:.2f} us", flush=True)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="granite-4.0-h-tiny", choices=[s for s in SHAPES if "nemotron" not in s])
@@ -196,6 +233,8 @@ def main() -> None:
                     help="also both align steps (a program per expert, three launches), alone and in the whole op")
     ap.add_argument("--shared-fold", action="store_true",
                     help="also the layer with its shared MLP folded into the op as more experts, against unfolded")
+    ap.add_argument("--router", action="store_true",
+                    help="also the decode router: norm, projection and top-k in one launch, against three")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     a = ap.parse_args()
@@ -261,6 +300,8 @@ def main() -> None:
                 row[f"tiles_{j}_us"] = f"{type(e).__name__}"
         if a.shared_fold and cuda and folds is not None:
             row.update(shared_fold(x, ids, wts, w1, w2, router, sw2, folds, L))
+        if a.router and cuda:  # (Granite's shared MLP, folded: S / I experts every token takes)
+            row.update(router_ab(T, H, E, k, S // I if S % I == 0 else 0, L, device, dtype))
         if a.align_ab and cuda and T > 1:
             row.update(align_ab(x, ids, wts, w1, w2, L, E))
         if a.sweep and cuda:

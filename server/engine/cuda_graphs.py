@@ -192,7 +192,7 @@ class PrefillGraphs:
             upload(self.block_table[:len(pages), :w], [p[:w] + [0] * (w - len(p)) for p in pages])
 
     def _forward(self, bucket: tuple[int, int]) -> torch.Tensor:
-        """The model on bucket (s, t) of the buffers: fp32 logits of each sequence's last token ``[s, V]``. What
+        """The model on bucket (s, t) of the buffers: the logits of each sequence's last token ``[s, V]``. What
         a prefill graph captures: every shape depends on the bucket alone, nothing reads a value to the host."""
         s, t = bucket
         bt = BatchTensors(mode=ForwardMode.EXTEND, cu_seqlens=self.cu[:s + 1], slots=self.slots[:s],

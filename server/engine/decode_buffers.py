@@ -105,7 +105,7 @@ class DecodeBuffers:
                 self._table_rows[r] = own
 
     def forward(self, b: int) -> torch.Tensor:
-        """The model on the first ``b`` rows of the buffers: fp32 logits ``[b, V]``. What a decode graph captures:
+        """The model on the first ``b`` rows of the buffers: logits ``[b, V]``. What a decode graph captures:
         every shape depends on ``b`` (and the buffers' sizes) alone, nothing reads a value back to the host."""
         bt = BatchTensors(mode=ForwardMode.DECODE, cu_seqlens=self.cu[:b + 1], slots=self.slots[:b],
                           has_initial_state=self.no_state[:b], start_pos=self.zeros[:b])

@@ -45,7 +45,7 @@ def reserve_bytes(in_proj_width: int, num_heads: int, head_dim: int, state_size:
                   chunk_tokens: int, max_running: int, dtype: torch.dtype, graphs: bool) -> int:
     """Memory allocated after the pool: one prefill step's activations (in_proj's output and a few
     buffers of its size, the scan's per-chunk start states), as much again for the graphs' memory, and
-    a decode batch's fp32 logits."""
+    a decode batch's logits and the sampler's fp32 copy of them."""
     step = 6 * chunk_tokens * in_proj_width * dtype.itemsize
     step += (chunk_tokens // 64 + 2 * max_running) * num_heads * head_dim * state_size * dtype.itemsize
     logits = 2 * max_running * vocab_size * 4
@@ -53,16 +53,16 @@ def reserve_bytes(in_proj_width: int, num_heads: int, head_dim: int, state_size:
 
 
 def decode_graph_bytes(buckets: list[int], vocab_size: int) -> int:
-    """What decode CUDA graphs keep after capture beyond the reserve's activations: every bucket's fp32 logits,
-    its static output (the activations between share one pool). 1447 rows for buckets up to 256: at a
-    131072-token vocabulary 0.7 GiB."""
+    """What decode CUDA graphs keep after capture beyond the reserve's activations: every bucket's logits
+    (counted as fp32, a margin for bf16 models), its static output (the activations between share one pool).
+    1447 rows for buckets up to 256: at a 131072-token vocabulary 0.7 GiB."""
     return sum(buckets) * vocab_size * 4
 
 
 def prefill_graph_bytes(buckets: list[tuple[int, int]], vocab_size: int) -> int:
     """What prefill CUDA graphs keep after capture beyond the reserve's activations: every (sequences, tokens)
-    bucket's fp32 logits of its sequences' last tokens. Buckets up to 33 sequences x 2048 tokens at a
-    131072-token vocabulary: 0.4 GiB."""
+    bucket's logits of its sequences' last tokens (counted as fp32). Buckets up to 33 sequences x 2048
+    tokens at a 131072-token vocabulary: 0.4 GiB."""
     return sum(s for s, _ in buckets) * vocab_size * 4
 
 

@@ -29,7 +29,7 @@ KV_BLOCK = 2048  # tokens of K (or V) gathered or scattered at a time: a bounded
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [S, V] (last token of each sequence) or [T, V] with all_logits; fp32
+    logits: torch.Tensor  # [S, V] (last token of each sequence) or [T, V] with all_logits; the model's dtype
     # with batch.logprob_at: (logprobs [E] of logprob_next, top (values [E, k], ids [E, k]) or None)
     input_logprobs: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
@@ -317,7 +317,7 @@ class ModelRunner:
 def _prompt_logprobs(logits: torch.Tensor, batch: ForwardBatch):
     """Log-softmax of the prompt positions' logits: each one's logprob of the prompt token after it, and
     the top ``batch.logprob_top``."""
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     nxt = to_device(batch.logprob_next, torch.long, logits.device)
     chosen = logp.gather(-1, nxt[:, None])[:, 0]
     top = None

@@ -111,12 +111,14 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            logprob_rows: list[int], top_logprobs_num: list[int],
            model_finite: torch.Tensor | None = None) -> DeviceSample:
-    """logits ``[B, V]`` fp32 (penalized). ``generators[i]`` is the request's own (seeded) generator or None.
-    ``model_finite``: which rows' logits were finite before their penalties (None: none was penalized)."""
+    """logits ``[B, V]``: fp32 (penalized) where any row samples, filters or asks for logprobs; greedy rows alone
+    may pass the model's dtype (``needs_fp32``). ``generators[i]`` is the request's own (seeded) generator or
+    None. ``model_finite``: which rows' logits were finite before their penalties (None: none was penalized)."""
     greedy = [p.greedy for p in params]
-    tokens = logits.argmax(-1)
-    # NaN or +inf anywhere, or every logit -inf: no distribution (max propagates NaN)
-    finite = torch.isfinite(logits.amax(-1))
+    # one read of the logits for both: NaN or +inf anywhere, or every logit -inf, is no distribution (max
+    # propagates NaN); ties go to the first index, as argmax's do
+    peak, tokens = logits.max(-1)
+    finite = torch.isfinite(peak)
     model_finite = finite if model_finite is None else model_finite
     if not all(greedy):
         probs = _filter(logits, params)
@@ -136,6 +138,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             top = logp.topk(min(k, logp.shape[-1]), dim=-1)
             top = (top.values, top.indices)
     return DeviceSample(tokens, logprob_rows, top_logprobs_num, chosen, top, host_tokens=status)
+
+
+def needs_fp32(reqs: list, edited: bool) -> bool:
+    """Whether a step's logits go to fp32 before sampling: for penalties and constraints (``edited``: in-place
+    edits of small values), softmax filters and logprobs. A batch of plain greedy rows takes the maximum of the
+    model's own logits: at batch 256 an fp32 copy of a 131k vocabulary is 134 MB written and read again."""
+    return edited or any(not r.params.greedy or r.return_logprob for r in reqs)
 
 
 class Penalties:
@@ -253,6 +262,8 @@ class Sampler:
         pairs, model_finite = [], None
         penalized = any(r.params.penalized or r.params.min_new_tokens for r in reqs)
         constrained = any(r.constraint is not None for r in reqs)  # logit_bias, allowed tokens, bad words, grammars
+        if needs_fp32(reqs, penalized or constrained):
+            logits = logits.float()
         if penalized or constrained:
             model_finite = torch.isfinite(logits.amax(-1))  # (the model's part, told apart from the penalties')
         if penalized:

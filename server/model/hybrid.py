@@ -177,7 +177,8 @@ class HybridForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, bt: BatchTensors, conv: torch.Tensor, ssm: torch.Tensor,
                 logit_rows: torch.Tensor | None, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
         """As ``Mamba2ForCausalLM.forward``, plus ``kv``: the KV pool's ``(k, v)`` ``[La, pages, page_size, Hkv,
-        D]``, written at ``bt.slot_mapping``. Returns fp32 logits and the tracked states per Mamba layer."""
+        D]``, written at ``bt.slot_mapping``. Returns the logits (in the model's dtype; the sampler upcasts
+        where it needs fp32) and the tracked states per Mamba layer."""
         d = self.dims
         x = embed(input_ids, self.embed.weight, self.vocab_rows, self.tp)
         if d.embedding_multiplier != 1.0:
@@ -194,4 +195,4 @@ class HybridForCausalLM(nn.Module):
         logits = self.tp.gather_vocab(self.lm_head(norm(x, self.final_norm.weight, d.eps)))[:, :d.vocab_size]
         if d.logits_scaling != 1.0:
             logits = logits / d.logits_scaling
-        return logits.float(), step.tracked
+        return logits, step.tracked

@@ -237,7 +237,7 @@ class Mamba2ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, bt: BatchTensors, conv: torch.Tensor, ssm: torch.Tensor,
                 logit_rows: torch.Tensor | None):
-        """Run all layers; return logits (fp32) at ``logit_rows`` (all rows if None) and, per layer, the
+        """Run all layers; return logits (the model's dtype) at ``logit_rows`` (all rows if None) and, per layer, the
         tracked (conv, ssm) states asked for in ``bt.track`` (None when nothing is tracked).
 
         conv ``[L, slots, conv_dim, K-1]`` and ssm ``[L, slots, H, P, N]`` are updated in place.
@@ -253,4 +253,4 @@ class Mamba2ForCausalLM(nn.Module):
         logits = self.tp.gather_vocab(logits)
         # padding rows of the embedding (mamba_ssm's, or up to a multiple of the ranks): never sampled
         logits = logits[:, :self.dims.real_vocab_size or self.dims.vocab_size]
-        return logits.float(), tracked
+        return logits, tracked

@@ -9,7 +9,9 @@ from mambaserve.server.engine.detokenizer import IncrementalDetokenizer
 from mambaserve.server.model.config import ModelLoadError
 from mambaserve.server.model.loader import load_model, resolve_device
 from mambaserve.server.engine.request import BadRequest, SamplingParams
-from mambaserve.server.engine.sampling import NON_FINITE_LOGITS, NON_FINITE_SAMPLING, _filter, sample
+from mambaserve.server.engine.request import Req
+from mambaserve.server.engine.sampling import (NON_FINITE_LOGITS, NON_FINITE_SAMPLING, Sampler, _filter, needs_fp32,
+                                             sample)
 from mambaserve.server.engine.policy import PrefillCandidate, burst_hold, next_mode_is_decode, plan_prefill
 from mambaserve.server.engine.state_pool import SlotAllocator
 from tests.server.tiny_models import byte_tokenizer, make_checkpoint
@@ -110,6 +112,31 @@ def test_a_row_without_a_finite_distribution_gets_a_status_not_a_token():
     # the sampled row is what torch.multinomial draws from the same generator
     probs = _filter(logits[3:], params[3:])[0]
     assert d.result().tokens[3] == torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(1)).item()
+
+
+def test_greedy_rows_sample_the_models_bf16_logits_and_anything_else_gets_fp32():
+    """A batch of plain greedy rows takes the maximum of the model's own (bf16) logits: the argmax of their fp32
+    copy, the first of tied maxima, a non-finite row flagged. One row with logprobs sends the batch through fp32."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 250] = logits[1].max() + 1  # a tie: the first index wins
+    logits[2, 5] = float("inf")
+    sampler = Sampler(torch.device("cpu"), seed=0)
+
+    def req(i, **kw):
+        return Req(f"r{i}", [1], SamplingParams(temperature=0), IncrementalDetokenizer(_Tok(), ()), print, **kw)
+
+    plain = [req(i) for i in range(4)]
+    assert not needs_fp32(plain, edited=False) and needs_fp32(plain, edited=True)
+    got = sampler.launch(logits, list(range(4)), plain).sample.result().tokens
+    want = logits.float().argmax(-1).tolist()
+    assert got[0] == want[0] and got[1] == 7 and got[2] == NON_FINITE_LOGITS and got[3] == want[3]
+    asking = [req(0), req(1, return_logprob=True, top_logprobs_num=2)]
+    assert needs_fp32(asking, edited=False)
+    r = sampler.launch(logits[[0, 3]], [0, 1], asking).sample.result()
+    logp = torch.log_softmax(logits[3].float(), -1)
+    assert r.tokens == [want[0], want[3]] and r.logprobs[1] == pytest.approx(logp.max().item(), abs=1e-6)
+    assert r.top_logprobs[1][0] == (want[3], pytest.approx(logp.max().item(), abs=1e-6))
 
 
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=-1), dict(temperature=-0.1), dict(top_p=0), dict(top_p=1.5),

@@ -40,7 +40,7 @@ class KernelConfig:
     # within 6% of the best of 8 / 16 / 32 but on the hit (8 took 6-17% less there).
     conv_varlen_tiles: Mapping[str, int] = field(
         default_factory=lambda: {"BLOCK_T": 16, "BLOCK_D": 512, "num_warps": 4, "STAGES": 3})
-    # Granite's decode steps of up to 16 rows run the shared MLP inside the MoE op, as more experts
+    # Granite's decode steps of up to 64 rows run the shared MLP inside the MoE op, as more experts
     # (feed_forward.GraniteMoE.fold); False: its own cuBLAS GEMMs, as prefill does.
     fold_shared_mlp: bool = True
     # There, the layer's residual-add norm, the router's projection and its top-k softmax run as one launch

@@ -240,7 +240,9 @@ class GraniteMoE(nn.Module):
     # H200 at granite-4.0-h-tiny's shape (benchmarks/moe.py --shared-fold, the router's GEMM included) a layer's MoE
     # and shared MLP took 21.3 against 27.0 us at 1 token, 81.3 against 84.6 at 8, 96.3 against 96.6 at 64, and
     # longer folded at 256 tokens and more (117 against 110 us): there the shared MLP's GEMMs run better in cuBLAS.
-    FOLD_MAX_TOKENS = 16
+    # With the fused router (three launches fewer), a whole batch-64 step took 7.15-7.18 against 7.23 ms folded
+    # (hybrid_step.py, one process), a batch-256 one 14.88-14.90 against 14.04.
+    FOLD_MAX_TOKENS = 64
 
     def fold(self, shared: FusedSwiGLU) -> None:
         """Hold the shared SwiGLU MLP ``shared`` also as ``S / I`` more experts after the routed ones

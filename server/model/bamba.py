@@ -28,13 +28,13 @@ class BambaLayer(nn.Module):
             self.self_attn = PagedAttention(d.hidden_size, d.attention, tp)
         self.feed_forward = SwiGLU(d.hidden_size, d.mlp, tp)
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: None, step: Step) -> tuple[torch.Tensor, None]:
         if self.kind == "mamba":
-            x = x + run_mamba(self.input_layernorm, self.mamba, x, step, self.mamba_index)
+            x = x + run_mamba(self.input_layernorm, self.mamba, x, step, self.mamba_index)[0]
         else:
             x = x + self.self_attn(norm(x, self.input_layernorm.weight, self.eps), step.bt, step.k[self.attn_index],
                                    step.v[self.attn_index], step.rope)
-        return x + self.feed_forward(norm(x, self.pre_ff_layernorm.weight, self.eps))
+        return x + self.feed_forward(norm(x, self.pre_ff_layernorm.weight, self.eps)), None
 
 
 class BambaForCausalLM(HybridForCausalLM):

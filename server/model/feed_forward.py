@@ -19,6 +19,7 @@ from torch import nn
 
 from mambaserve.kernels import KernelConfig, moe
 from mambaserve.kernels.moe import fold_gated_mlp  # (not through `moe`: tests swap it to count the op's calls)
+from mambaserve.kernels.relu2 import relu2
 from mambaserve.kernels.swiglu import silu_mul
 from mambaserve.kernels.rmsnorm import rmsnorm
 from mambaserve.kernels.topk_softmax import rmsnorm_topk_softmax, topk_softmax
@@ -30,7 +31,7 @@ def activation(name: str):
     if name == "silu":
         return F.silu
     if name == "relu2":  # Nemotron-H: squared ReLU
-        return lambda x: torch.square(F.relu(x))
+        return relu2
     raise ValueError(f"activation {name!r} is not implemented")
 
 

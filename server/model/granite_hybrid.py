@@ -36,9 +36,13 @@ class GraniteHybridLayer(nn.Module):
         if d.moe is not None:
             self.block_sparse_moe = GraniteMoE(d.hidden_size, d.moe, tp)
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: None, step: Step) -> tuple[torch.Tensor, None]:
+        """``(hidden, None)``: the layer ends in its residual add (the MoE op's epilogue), so it takes none."""
+        return self._forward(x, step), None
+
+    def _forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         if self.kind == "mamba":
-            h = run_mamba(self.input_layernorm, self.mamba, x, step, self.mamba_index)
+            h, _ = run_mamba(self.input_layernorm, self.mamba, x, step, self.mamba_index)
         else:
             h = self.self_attn(norm(x, self.input_layernorm.weight, self.eps), step.bt, step.k[self.attn_index],
                                step.v[self.attn_index], step.rope)

@@ -41,18 +41,19 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.rmsnorm(x, None, weight, eps)[0]
 
 
-def run_mamba(pre_norm: RMSNorm, mixer: Mamba2Mixer, x: torch.Tensor, step: Step, index: int) -> torch.Tensor:
-    """``mixer(pre_norm(x))`` on Mamba layer ``index``'s states: the pre-norm runs fused with in_proj (and,
-    at decode, the conv step), as in pure Mamba2."""
+def run_mamba(pre_norm: RMSNorm, mixer: Mamba2Mixer, x: torch.Tensor, step: Step, index: int,
+              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mixer(pre_norm(residual + x)), residual + x)`` on Mamba layer ``index``'s states: the residual add and the
+    pre-norm run fused with in_proj (and, at decode, the conv step), as in pure Mamba2."""
     bt, conv, ssm = step.bt, step.conv[index], step.ssm[index]
     if bt.mode is ForwardMode.DECODE:
-        out, _ = mixer.decode(pre_norm, x, None, bt, conv, ssm)
+        out, residual = mixer.decode(pre_norm, x, residual, bt, conv, ssm)
         step.tracked.append(None)
-        return out
-    zxbcdt, _ = pre_norm.then_linear(x, None, mixer.in_proj.weight, mixer.in_proj.bias)
+        return out, residual
+    zxbcdt, residual = pre_norm.then_linear(x, residual, mixer.in_proj.weight, mixer.in_proj.bias)
     out, tracked = mixer(zxbcdt, bt, conv, ssm)
     step.tracked.append(tracked)
-    return out
+    return out, residual
 
 
 def layer_indices(mixers: tuple[str, ...], kind: str) -> list[int | None]:
@@ -178,7 +179,9 @@ class HybridForCausalLM(nn.Module):
                 logit_rows: torch.Tensor | None, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
         """As ``Mamba2ForCausalLM.forward``, plus ``kv``: the KV pool's ``(k, v)`` ``[La, pages, page_size, Hkv,
         D]``, written at ``bt.slot_mapping``. Returns the logits (in the model's dtype; the sampler upcasts
-        where it needs fp32) and the tracked states per Mamba layer."""
+        where it needs fp32) and the tracked states per Mamba layer. Each layer takes and returns a ``(hidden,
+        residual)`` pair whose sum is the stream (residual None: the hidden is it), so that the add can run in the
+        next norm."""
         d = self.dims
         x = embed(input_ids, self.embed.weight, self.vocab_rows, self.tp)
         if d.embedding_multiplier != 1.0:
@@ -188,11 +191,13 @@ class HybridForCausalLM(nn.Module):
         if a is not None and a.rope_theta is not None:
             rope = rope_cos_sin(bt.positions, a.rotary_dim, a.rope_theta, x.dtype)
         step = Step(bt, conv, ssm, kv[0] if kv else None, kv[1] if kv else None, rope, [])
+        residual = None
         for layer in self.layers:
-            x = layer(x, step)
+            x, residual = layer(x, residual, step)
         if logit_rows is not None:
-            x = x[logit_rows]
-        logits = self.tp.gather_vocab(self.lm_head(norm(x, self.final_norm.weight, d.eps)))[:, :d.vocab_size]
+            x, residual = x[logit_rows], (residual[logit_rows] if residual is not None else None)
+        x = kernels.rmsnorm(x, residual, self.final_norm.weight, d.eps)[0]
+        logits = self.tp.gather_vocab(self.lm_head(x))[:, :d.vocab_size]
         if d.logits_scaling != 1.0:
             logits = logits / d.logits_scaling
         return logits, step.tracked

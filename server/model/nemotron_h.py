@@ -16,7 +16,7 @@ from mambaserve import kernels
 from mambaserve.server.model.attention import PagedAttention
 from mambaserve.server.model.config import ModelLoadError
 from mambaserve.server.model.feed_forward import NemotronMoE, Relu2MLP
-from mambaserve.server.model.hybrid import HybridForCausalLM, Step, norm, run_mamba
+from mambaserve.server.model.hybrid import HybridForCausalLM, Step, run_mamba
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
 from mambaserve.server.model.parallel import TP
@@ -38,13 +38,16 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = NemotronMoE(d.hidden_size, d.moe, d.mlp.bias, tp)
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: Step):
+        """``(mixer output, residual)`` from the layer before's pair (``HybridForCausalLM.forward``): the residual
+        add runs in this layer's norm, one launch fewer (a batch-256 step of nemotron-h-8b spent 135 us in 52 adds on
+        an H200)."""
         if self.kind == "mamba":
-            return x + run_mamba(self.norm, self.mixer, x, step, self.mamba_index)
-        h = norm(x, self.norm.weight, self.eps)
+            return run_mamba(self.norm, self.mixer, x, step, self.mamba_index, residual)
+        h, residual = kernels.rmsnorm(x, residual, self.norm.weight, self.eps)
         if self.kind == "attention":
-            return x + self.mixer(h, step.bt, step.k[self.attn_index], step.v[self.attn_index], step.rope)
-        return x + self.mixer(h)
+            return self.mixer(h, step.bt, step.k[self.attn_index], step.v[self.attn_index], step.rope), residual
+        return self.mixer(h), residual
 
 
 class NemotronHForCausalLM(HybridForCausalLM):

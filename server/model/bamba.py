@@ -9,7 +9,7 @@ from torch import nn
 from mambaserve import kernels
 from mambaserve.server.model.attention import PagedAttention
 from mambaserve.server.model.feed_forward import SwiGLU
-from mambaserve.server.model.hybrid import HybridForCausalLM, Step, norm, run_mamba
+from mambaserve.server.model.hybrid import HybridForCausalLM, Step, run_mamba
 from mambaserve.server.model.hybrid_config import HybridDims
 from mambaserve.server.model.mamba2 import Mamba2Mixer, RMSNorm
 from mambaserve.server.model.parallel import TP
@@ -28,13 +28,16 @@ class BambaLayer(nn.Module):
             self.self_attn = PagedAttention(d.hidden_size, d.attention, tp)
         self.feed_forward = SwiGLU(d.hidden_size, d.mlp, tp)
 
-    def forward(self, x: torch.Tensor, residual: None, step: Step) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: Step):
+        """``(MLP output, residual)`` from the layer before's pair: both residual adds run in the norms after them
+        (as Nemotron-H's, design §11)."""
         if self.kind == "mamba":
-            x = x + run_mamba(self.input_layernorm, self.mamba, x, step, self.mamba_index)[0]
+            h, residual = run_mamba(self.input_layernorm, self.mamba, x, step, self.mamba_index, residual)
         else:
-            x = x + self.self_attn(norm(x, self.input_layernorm.weight, self.eps), step.bt, step.k[self.attn_index],
-                                   step.v[self.attn_index], step.rope)
-        return x + self.feed_forward(norm(x, self.pre_ff_layernorm.weight, self.eps)), None
+            h, residual = kernels.rmsnorm(x, residual, self.input_layernorm.weight, self.eps)
+            h = self.self_attn(h, step.bt, step.k[self.attn_index], step.v[self.attn_index], step.rope)
+        h, residual = kernels.rmsnorm(h, residual, self.pre_ff_layernorm.weight, self.eps)
+        return self.feed_forward(h), residual
 
 
 class BambaForCausalLM(HybridForCausalLM):

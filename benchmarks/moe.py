@@ -7,6 +7,7 @@ top-6, SwiGLU experts of 512: the dims come from ``hybrid_step.py``'s config of 
     python benchmarks/moe.py --tokens 16,64,256,512 --align-ab   # + both align steps, alone and in the whole op
     python benchmarks/moe.py --tokens 1,8,64,256 --shared-fold     # + the shared MLP as two more experts
     python benchmarks/moe.py --tokens 1,8,16 --router     # + the decode router: norm, projection, top-k in one launch
+    python benchmarks/moe.py --tokens 32,64 --router --router-tiles '[{"BLOCK_E": 16}, {"BLOCK_E": 64, "num_warps": 8}]'
     python benchmarks/moe.py --shape tiny --device cpu --tokens 1,8   # smoke run: the reference on both sides
 
 Routing: the softmax top-k of random router logits (Granite's router on random weights: about uniform over the
@@ -185,12 +186,14 @@ def align_ab(x, ids, wts, w1, w2, calls: int, E: int, repeats: int = 3) -> dict:
     return {f"{n}_{part}_us": v for n, (a_, o) in out.items() for part, v in (("align", a_), ("op", o))}
 
 
-def router_ab(T: int, H: int, E: int, k: int, always: int, calls: int, device, dtype, repeats: int = 3) -> dict:
+def router_ab(T: int, H: int, E: int, k: int, always: int, calls: int, device, dtype, repeats: int = 3,
+              tiles: list[dict] = ()) -> dict:
     """Granite's decode router as the model runs it at folded steps (``always`` shared experts appended): the
     residual-add norm, the router's projection and its top-k softmax in one launch (``rmsnorm_topk_softmax``)
     against three (``rmsnorm``, cuBLAS, ``topk_softmax``), ``calls`` weight copies, alternating ``repeats`` times, best
-    of each (us a call). The fused outputs are checked first: the residual and the normed rows equal to the three
-    launches', the chosen experts' logits to theirs."""
+    of each (us a call), and the fused launch again under each of ``tiles`` (``ROUTE_TILES`` overrides). The fused
+    outputs are checked first: the residual and the normed rows equal to the three launches', the chosen experts'
+    logits to theirs."""
     from mambaserve.kernels.rmsnorm import rmsnorm
     from mambaserve.kernels.topk_softmax import rmsnorm_topk_softmax, topk_softmax
 
@@ -204,8 +207,9 @@ def router_ab(T: int, H: int, E: int, k: int, always: int, calls: int, device, d
         logits = F.linear(normed, rw[i])
         return normed, res, logits, *topk_softmax(logits, k, dtype, always=always)
 
-    def fused(i):
-        return rmsnorm_topk_softmax(h, x, nw[i], 1e-5, 0.22, rw[i], k, dtype, always=always, counters=counters)
+    def fused(i, t=None):
+        return rmsnorm_topk_softmax(h, x, nw[i], 1e-5, 0.22, rw[i], k, dtype, always=always, counters=counters,
+                                    tiles=t)
 
     normed, res, logits, ids, _ = three(0)
     f_normed, f_res, f_ids, _ = fused(0)
@@ -218,6 +222,10 @@ def router_ab(T: int, H: int, E: int, k: int, always: int, calls: int, device, d
         best["router_fused_us"] = min(best["router_fused_us"], graph_time(fused, calls) * 1e6)
     print(f"#   router, {T} tokens: fused {best['router_fused_us']:.2f} us, three launches "
           f"{best['router_three_us']:.2f} us", flush=True)
+    for t in tiles:
+        us = min(graph_time(lambda i: fused(i, t), calls) for _ in range(repeats)) * 1e6
+        best.setdefault("router_tiles_us", []).append({"tiles": t, "us": us})
+        print(f"#   router, {T} tokens, tiles {json.dumps(t)}: {us:.2f} us", flush=True)
     return best
 
 
@@ -235,6 +243,8 @@ def main() -> None:
                     help="also the layer with its shared MLP folded into the op as more experts, against unfolded")
     ap.add_argument("--router", action="store_true",
                     help="also the decode router: norm, projection and top-k in one launch, against three")
+    ap.add_argument("--router-tiles", type=json.loads, default=[],
+                    help='with --router: JSON list of ROUTE_TILES overrides, each timed too, e.g. \'[{"BLOCK_E": 16}]\'')
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     a = ap.parse_args()
@@ -301,7 +311,7 @@ def main() -> None:
         if a.shared_fold and cuda and folds is not None:
             row.update(shared_fold(x, ids, wts, w1, w2, router, sw2, folds, L))
         if a.router and cuda:  # (Granite's shared MLP, folded: S / I experts every token takes)
-            row.update(router_ab(T, H, E, k, S // I if S % I == 0 else 0, L, device, dtype))
+            row.update(router_ab(T, H, E, k, S // I if S % I == 0 else 0, L, device, dtype, tiles=a.router_tiles))
         if a.align_ab and cuda and T > 1:
             row.update(align_ab(x, ids, wts, w1, w2, L, E))
         if a.sweep and cuda:

@@ -161,12 +161,13 @@ ROUTE_TILES = {"BLOCK_E": 4, "BLOCK_K": 512, "num_warps": 4}
 
 def rmsnorm_topk_softmax(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                          scale: float, router_weight: torch.Tensor, k: int, dtype: torch.dtype | None = None, *,
-                         always: int = 0, counters: torch.Tensor | None = None, force_triton: bool | None = None):
+                         always: int = 0, counters: torch.Tensor | None = None, force_triton: bool | None = None,
+                         tiles: dict | None = None):
     """``(normed, new residual, ids, weights)``: ``kernels.rmsnorm(x, residual, norm_weight, eps, scale=scale)``, then
     ``topk_softmax(F.linear(normed, router_weight), k, dtype, always=always)``, in one launch (module docstring).
     ``counters``: int32 zeros, at least one per row, that the kernel leaves at zero (a caller that launches it
     often keeps one buffer; default a new one, a memset more). The residual is in x's dtype; other layouts and
-    dtypes run the reference."""
+    dtypes run the reference. ``tiles``: overrides of ``ROUTE_TILES`` (benchmark sweeps)."""
     E, D = router_weight.shape
     fits = (x.dim() == 2 and x.shape[1] == D and x.is_contiguous() and router_weight.is_contiguous()
             and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype == router_weight.dtype and 0 < k <= E
@@ -190,7 +191,8 @@ def rmsnorm_topk_softmax(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     pdl = pdl_args(x)
     if pdl:
         pdl["PREFETCH_LINES"] = next_pow2(triton.cdiv(D * router_weight.element_size(), 128))
-    tiles = dict(ROUTE_TILES, BLOCK_K=min(ROUTE_TILES["BLOCK_K"], next_pow2(D)))
+    tiles = dict(ROUTE_TILES, **(tiles or {}))
+    tiles["BLOCK_K"] = min(tiles["BLOCK_K"], next_pow2(D))
     r = residual if residual is not None else x
     _rmsnorm_topk_kernel[(T, triton.cdiv(E, tiles["BLOCK_E"]))](
         x, r, norm_weight, router_weight, normed, res_out, logits, counters, ids, w, D, E, float(eps), float(scale),

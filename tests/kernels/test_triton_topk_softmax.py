@@ -53,18 +53,21 @@ def test_bad_arguments_and_no_tokens(dev):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,D,E,k,always,residual,scale", [
-    (1, 48, 16, 6, 2, True, 0.25), (5, 64, 10, 3, 0, True, 1.0), (3, 40, 16, 4, 1, False, 0.5)])
-def test_the_norm_router_and_top_k_in_one_launch_match_the_three(dev, dtype, T, D, E, k, always, residual, scale):
+@pytest.mark.parametrize("T,D,E,k,always,residual,scale,tiles", [
+    (1, 48, 16, 6, 2, True, 0.25, None), (5, 64, 10, 3, 0, True, 1.0, None),
+    (3, 40, 16, 4, 1, False, 0.5, {"BLOCK_E": 16})])
+def test_the_norm_router_and_top_k_in_one_launch_match_the_three(dev, dtype, T, D, E, k, always, residual, scale,
+                                                                 tiles):
     """``rmsnorm_topk_softmax`` (Granite's decode: the layer's residual-add norm, the router's projection, the top-k
     softmax) against ``kernels.rmsnorm``'s reference, ``F.linear`` and ``topk_softmax``'s reference, twice on the same
-    counters. E = 10 and 16 split over 3 and 4 programs a row; D = 48 and 40 leave part of a column step masked."""
+    counters. E = 10 and 16 split over 3 and 4 programs a row, or one program a row (``tiles``); D = 48 and 40 leave
+    part of a column step masked."""
     g = gen(T * D + E)
     x, res = randn(g, T, D, dtype=dtype, dev=dev), randn(g, T, D, dtype=dtype, dev=dev, scale=2.0)
     nw, rw = randn(g, D, dtype=dtype, dev=dev), randn(g, E, D, dtype=dtype, dev=dev, scale=0.3)
     counters = torch.zeros(T + 1, dtype=torch.int32, device=dev)
     outs = [rmsnorm_topk_softmax(x, res if residual else None, nw, 1e-5, scale, rw, k, dtype, always=always,
-                                 counters=counters, force_triton=True) for _ in range(2)]
+                                 counters=counters, force_triton=True, tiles=tiles) for _ in range(2)]
     assert not counters.any()  # each row's last program leaves its counter at 0 for the next launch
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     ref = rmsnorm_topk_softmax_ref(x, res if residual else None, nw, 1e-5, scale, rw, k, dtype, always)

@@ -244,7 +244,8 @@ def main() -> None:
     ap.add_argument("--router", action="store_true",
                     help="also the decode router: norm, projection and top-k in one launch, against three")
     ap.add_argument("--router-tiles", type=json.loads, default=[],
-                    help='with --router: JSON list of ROUTE_TILES overrides, each timed too, e.g. \'[{"BLOCK_E": 16}]\'')
+                    help='with --router: JSON list of ROUTE_TILES overrides, each timed too '
+                         '(e.g. \'[{"BLOCK_E": 16}]\')')
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     a = ap.parse_args()

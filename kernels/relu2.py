@@ -2,9 +2,9 @@
 
 torch's ``square(relu(x))`` is two passes over the up projection's output (a clamp, then a power): at a batch-256
 decode step of nemotron-h-8b on an H200 they took 265 us of its 24 MLP layers. At its width (21,504), graph-replayed
-on an H200: 6.1 against 11.9 us at 256 rows, 181 against 334 at 8,192, 1.0 against 2.4 at one. Rounded as the reference: the
-ReLU is exact, the square is computed in fp32 and rounded once. NaN stays NaN (as torch's ReLU keeps it), so a
-state gone non-finite still shows in the logits.
+on an H200: 6.1 against 11.9 us at 256 rows, 181 against 334 at 8,192, 1.0 against 2.4 at one. Rounded as the
+reference: the ReLU is exact, the square is computed in fp32 and rounded once. NaN stays NaN (as torch's ReLU keeps
+it), so a state gone non-finite still shows in the logits.
 """
 
 from __future__ import annotations

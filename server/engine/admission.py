@@ -269,8 +269,9 @@ class Admission:
             req.locked_node = node
         elif req.prefill_done:  # a one-token prompt decodes straight from the zero state
             self.cache.clear(slot)
-        self.metrics.observe_lookup(len(req.prompt_ids), cached, tier=tier or "gpu",
-                                    capacity_miss=self.cache.capacity_miss(req.prompt_ids[:-1], cached))
+        if self.cache.enabled:  # (--disable-radix-cache: nothing is looked up, so no hit rate of 0 to alert on)
+            self.metrics.observe_lookup(len(req.prompt_ids), cached, tier=tier or "gpu",
+                                        capacity_miss=self.cache.capacity_miss(req.prompt_ids[:-1], cached))
         if req.prefill_done and req.params.max_new_tokens == 0:  # prompt cached but its last token, nothing to generate
             self.output.finish_unsampled(req)  # (a streaming session's turn folds that token into its live state)
         return True

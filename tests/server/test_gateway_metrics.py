@@ -75,7 +75,8 @@ def test_pure_mamba2_usage_is_the_pinned_share_of_the_slot_pool(tiny_ckpt):
 
 def test_hybrid_reports_kv_pages_and_the_fuller_pool(tmp_path):
     """One running request reserves 60 of 64 KV pages (prompt + max_new_tokens) and 1 of 1 state slots;
-    a second one queues. Usage is the fuller pool's pinned share; all comes back after the abort."""
+    a second one queues. Usage is the fuller pool's pinned share; all comes back after the abort. With the radix
+    cache off no prompt counts as looked up in it (a hit rate of 0 would fire the chart's low-hit-rate alert)."""
     path = make_hybrid_checkpoint(tmp_path / "nh", "nemotron_h")
     engine = Engine(ServerConfig(model=str(path), device="cpu", disable_radix_cache=True, context_length=256,
                                  page_size=4, max_total_tokens=256, max_running_requests=2, mamba_cache_size=2,
@@ -106,6 +107,7 @@ def test_hybrid_reports_kv_pages_and_the_fuller_pool(tmp_path):
     assert value(busy, "mambaserve_cache_usage_ratio") == 60 / 64  # the page pool, fuller than 1 of 2 slots
     assert value(idle, "mambaserve_cache_usage_ratio") == 0 and value(idle, "mambaserve_state_slots_used") == 0
     assert acc["kv_pages_free"] == acc["kv_pages"] == 64
+    assert value(idle, "mambaserve_prefix_cache_queried_tokens_total") == 0
 
 
 def _documented_epp_config() -> dict:

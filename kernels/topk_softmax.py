@@ -155,8 +155,15 @@ def rmsnorm_topk_softmax_ref(x, residual, norm_weight, eps: float, scale: float,
 
 
 # Experts a program, router columns a step, warps: the best of 9 tiles at 1 and 8 tokens (at 16, 8 experts a program
-# took 0.7 us less)
+# took 0.7 us less); from 17 rows 8 experts a program (granite's shape on an H200, moe.py --router-tiles: 7.08 against
+# 7.52 us at 32 rows, 7.70 against 9.02 at 64)
 ROUTE_TILES = {"BLOCK_E": 4, "BLOCK_K": 512, "num_warps": 4}
+ROUTE_TILES_WIDE = {"BLOCK_E": 8, "BLOCK_K": 512, "num_warps": 4}
+
+
+def route_tiles(rows: int) -> dict:
+    """The fused router's tiles for ``rows`` rows (each set a compile: ``engine/warm_up.py`` runs both)."""
+    return ROUTE_TILES if rows <= 16 else ROUTE_TILES_WIDE
 
 
 def rmsnorm_topk_softmax(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -167,7 +174,7 @@ def rmsnorm_topk_softmax(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     ``topk_softmax(F.linear(normed, router_weight), k, dtype, always=always)``, in one launch (module docstring).
     ``counters``: int32 zeros, at least one per row, that the kernel leaves at zero (a caller that launches it
     often keeps one buffer; default a new one, a memset more). The residual is in x's dtype; other layouts and
-    dtypes run the reference. ``tiles``: overrides of ``ROUTE_TILES`` (benchmark sweeps)."""
+    dtypes run the reference. ``tiles``: overrides of ``ROUTE_TILES`` / ``ROUTE_TILES_WIDE`` (benchmark sweeps)."""
     E, D = router_weight.shape
     fits = (x.dim() == 2 and x.shape[1] == D and x.is_contiguous() and router_weight.is_contiguous()
             and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype == router_weight.dtype and 0 < k <= E
@@ -191,7 +198,7 @@ def rmsnorm_topk_softmax(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     pdl = pdl_args(x)
     if pdl:
         pdl["PREFETCH_LINES"] = next_pow2(triton.cdiv(D * router_weight.element_size(), 128))
-    tiles = dict(ROUTE_TILES, **(tiles or {}))
+    tiles = dict(route_tiles(T), **(tiles or {}))
     tiles["BLOCK_K"] = min(tiles["BLOCK_K"], next_pow2(D))
     r = residual if residual is not None else x
     _rmsnorm_topk_kernel[(T, triton.cdiv(E, tiles["BLOCK_E"]))](

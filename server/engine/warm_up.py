@@ -8,8 +8,9 @@ step only through a few classes, and ``plan`` (pure) lists one forward per class
   (``_dispatch.seq_block``) and the scan's state tile (``ssd_scan.state_tiles``); one token alone takes the fused
   norm + projection paths; from ``ssd_scan.tma_tokens`` tokens (Hopper) the scan reads through TMA; a snapshot
   before the last token (``snap``) and tracked states (``track``) are variants of the scan and conv kernels;
-- decode run eagerly (more rows than the largest decode graph, or no graphs): one row (fused paths), the state
-  update's tile (``selective_state_update.state_update_tiles``), the attention's split count
+- decode run eagerly (more rows than the largest decode graph, or no graphs): one row (fused paths), the fused
+  MoE router's tiles (``topk_softmax.route_tiles``), the state update's tile
+  (``selective_state_update.state_update_tiles``), the attention's split count
   (``paged_attention.decode_split_count``, by rows and block-table width);
 - MoE experts, by tokens (``moe.launch_variant``): ``warm_up_kernels`` of the model (every MoE layer has the
   same shapes);
@@ -28,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from mambaserve.kernels._dispatch import Target, next_pow2, seq_block, target
+from mambaserve.kernels.topk_softmax import route_tiles
 from mambaserve.kernels.paged_attention import decode_split_count
 from mambaserve.kernels.selective_state_update import state_update_tiles
 from mambaserve.kernels.ssd_scan import state_tiles, tma_tokens
@@ -99,7 +101,7 @@ def plan(limits: Limits, m: Shapes, tg: Target, decode_graph_rows: int = 0) -> l
         tiles = state_update_tiles(m.head_dim, m.state_size, B * m.heads, m.small_tiles)
         for w in range(1, m.kv_pages + 1) if m.kv_heads else (0,):
             splits = decode_split_count(B, m.kv_heads, w * m.page_size, tg) if m.kv_heads else 1
-            decode.setdefault((B == 1, tiles, splits > 1, next_pow2(splits)), Decode(B, w))
+            decode.setdefault((B == 1, str(route_tiles(B)), tiles, splits > 1, next_pow2(splits)), Decode(B, w))
     return steps + list(decode.values())
 
 

@@ -55,7 +55,7 @@ def test_bad_arguments_and_no_tokens(dev):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,D,E,k,always,residual,scale,tiles", [
     (1, 48, 16, 6, 2, True, 0.25, None), (5, 64, 10, 3, 0, True, 1.0, None),
-    (3, 40, 16, 4, 1, False, 0.5, {"BLOCK_E": 16})])
+    (3, 40, 16, 4, 1, False, 0.5, {"BLOCK_E": 16}), (19, 48, 20, 6, 2, True, 0.25, None)])  # (19: the wide tiles)
 def test_the_norm_router_and_top_k_in_one_launch_match_the_three(dev, dtype, T, D, E, k, always, residual, scale,
                                                                  tiles):
     """``rmsnorm_topk_softmax`` (Granite's decode: the layer's residual-add norm, the router's projection, the top-k

@@ -114,11 +114,25 @@ if HAS_TRITON:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
+    @triton.jit
+    def prefetch_rows(w_ptr, rows, n_rows, row_stride, row_len, LINES: tl.constexpr):
+        """``prefetch_l2`` of the first ``LINES`` 128-byte lines of rows ``rows`` (clamped below ``n_rows``) of a
+        matrix at ``w_ptr``, ``row_len`` elements a row and ``row_stride`` apart: a projection's weight rows, asked of
+        L2 before the program's PDL wait."""
+        line = tl.arange(0, LINES) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+        prefetch_l2(w_ptr + tl.minimum(rows, n_rows - 1)[:, None] * row_stride
+                    + tl.minimum(line, row_len - 1)[None, :])
+
 else:  # pragma: no cover
     softplus = None
     dt_prologue = None
     locate_block = None
-    pdl_start = pdl_trigger = pdl_wait = prefetch_l2 = None
+    pdl_start = pdl_trigger = pdl_wait = prefetch_l2 = prefetch_rows = None
+
+
+def prefetch_lines(elements: int, element_size: int) -> int:
+    """``prefetch_rows``' LINES for the first ``elements`` of each row: 128-byte lines, a power of two."""
+    return next_pow2(-(-elements * element_size // 128))
 
 
 def interpreting() -> bool:

@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mambaserve.kernels._dispatch import (HAS_TRITON, next_pow2, pdl_args, pdl_trigger, pdl_wait, prefetch_l2, tl,
-                                         triton, use_triton)
+from mambaserve.kernels._dispatch import (HAS_TRITON, next_pow2, pdl_args, pdl_trigger, pdl_wait, prefetch_lines,
+                                         prefetch_rows, tl, triton, use_triton)
 from mambaserve.kernels.config import DEFAULT, KernelConfig
 from mambaserve.kernels.conv1d import MAX_DECODE_WIDTH, causal_conv1d_update
 from mambaserve.kernels.gated_rmsnorm import gated_rmsnorm
@@ -43,19 +43,16 @@ RESIDUAL, GATED = 1, 2  # the prologue: residual-add RMSNorm, or gated RMSNorm (
 
 if HAS_TRITON:
     from mambaserve.kernels.conv1d import conv_finish, conv_load  # jitted helpers: they exist with Triton only
+    from mambaserve.kernels.rmsnorm import add_residual
 
     @triton.jit
     def _pre_norm(x_ptr, r_ptr, z_ptr, k, mk, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
                   res_t: tl.constexpr):
         """(value to normalise, new residual) at columns k, in fp32, rounded as the references round."""
-        x = tl.load(x_ptr + k, mask=mk, other=0.0).to(tl.float32)
         if PROLOGUE == 1:
-            r = x
-            if HAS_RES:
-                r += tl.load(r_ptr + k, mask=mk, other=0.0).to(tl.float32)
-            r = r.to(res_t)  # the new residual, in its dtype (torch's add rounds once)
-            h = r.to(x_ptr.dtype.element_ty).to(tl.float32)
+            r, h = add_residual(x_ptr + k, r_ptr + k, mk, 1.0, HAS_RES, res_t)
         else:
+            x = tl.load(x_ptr + k, mask=mk, other=0.0).to(tl.float32)
             zv = tl.load(z_ptr + k, mask=mk, other=0.0).to(tl.float32)
             h = x * zv * tl.sigmoid(zv)
             r = h
@@ -108,8 +105,7 @@ if HAS_TRITON:
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = rn < N
         if PREFETCH_LINES > 0:
-            line = tl.arange(0, PREFETCH_LINES) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
-            prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * K + tl.minimum(line, K - 1)[None, :])
+            prefetch_rows(w_ptr, rn, N, K, K, PREFETCH_LINES)
         if not EARLY_CONV:
             pdl_wait(USE_PDL)
         if CONV_K > 0:  # the conv's reads go out now: their latency hides behind the weight stream
@@ -184,7 +180,7 @@ def _launch(prologue, x, r, z, norm_weight, eps, weight, bias, res_out, store_re
     cols = min(K, tiles.pop("PREFETCH_COLS"))
     pdl = pdl_args(x)
     if pdl and cols > 0:
-        pdl["PREFETCH_LINES"] = next_pow2(triton.cdiv(cols * weight.element_size(), 128))
+        pdl["PREFETCH_LINES"] = prefetch_lines(cols, weight.element_size())
     if conv is not None:
         D, CK = conv.weight.shape
         if not 2 <= CK <= MAX_DECODE_WIDTH:

@@ -19,6 +19,16 @@ from mambaserve.kernels._dispatch import HAS_TRITON, next_pow2, tl, triton, use_
 if HAS_TRITON:
 
     @triton.jit
+    def add_residual(x_ptrs, r_ptrs, mask, scale, HAS_RES: tl.constexpr, res_t: tl.constexpr):
+        """(new residual, the value the norm reads) at ``x_ptrs``: ``x * scale (+ r)`` summed in fp32 and rounded once
+        to ``res_t`` (torch's add), then that in x's dtype, as fp32."""
+        r = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32) * scale
+        if HAS_RES:
+            r += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        r = r.to(res_t)
+        return r, r.to(x_ptrs.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps, scale, x_t, r_t, o_t, ro_t,
                         HAS_RES: tl.constexpr, STORE_RES: tl.constexpr, BLOCK: tl.constexpr):
         """Grid (T,): one row. Rounds where the reference rounds: the sum in fp32 then once to the
@@ -26,13 +36,9 @@ if HAS_TRITON:
         t = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         m = c < D
-        r = tl.load(x_ptr + t * x_t + c, mask=m, other=0.0).to(tl.float32) * scale
-        if HAS_RES:
-            r += tl.load(res_ptr + t * r_t + c, mask=m, other=0.0).to(tl.float32)
-        r = r.to(res_out_ptr.dtype.element_ty)
+        r, h = add_residual(x_ptr + t * x_t + c, res_ptr + t * r_t + c, m, scale, HAS_RES, res_out_ptr.dtype.element_ty)
         if STORE_RES:
             tl.store(res_out_ptr + t * ro_t + c, r, mask=m)
-        h = r.to(x_ptr.dtype.element_ty).to(tl.float32)
         inv = tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         y = (h * inv).to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + c, mask=m, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from mambaserve.kernels._dispatch import (HAS_TRITON, next_pow2, pdl_args, pdl_start, pdl_trigger, pdl_wait,
-                                         prefetch_l2, tl, triton, use_triton)
+                                         prefetch_lines, prefetch_rows, tl, triton, use_triton)
 from mambaserve.kernels.rmsnorm import rmsnorm_ref
 
 if HAS_TRITON:
+    from mambaserve.kernels.rmsnorm import add_residual  # a jitted helper: it exists with Triton only
 
     @triton.jit
     def _topk_softmax_kernel(x_ptr, ids_ptr, w_ptr, E, x_t, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
@@ -65,15 +66,6 @@ if HAS_TRITON:
             tl.store(w_ptr + row + K + a, tl.full(a.shape, 1.0, w_ptr.dtype.element_ty), mask=a < ALWAYS)
 
     @triton.jit
-    def _residual(x_ptr, r_ptr, k, mk, scale, res_t: tl.constexpr, HAS_RES: tl.constexpr):
-        """(new residual, the value to normalise: it in x's dtype) at columns k, rounded as ``kernels.rmsnorm``."""
-        r = tl.load(x_ptr + k, mask=mk, other=0.0).to(tl.float32) * scale
-        if HAS_RES:
-            r += tl.load(r_ptr + k, mask=mk, other=0.0).to(tl.float32)
-        r = r.to(res_t)
-        return r, r.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-    @triton.jit
     def _rmsnorm_topk_kernel(x_ptr, r_ptr, nw_ptr, rw_ptr, out_ptr, res_out_ptr, logit_ptr, count_ptr, ids_ptr, w_ptr,
                              D, E, eps, scale, x_t, r_t, o_t, ro_t, rw_e, K: tl.constexpr, KP: tl.constexpr,
                              EP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -89,13 +81,12 @@ if HAS_TRITON:
         e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
         me = e < E
         if PREFETCH_LINES > 0:
-            line = tl.arange(0, PREFETCH_LINES) * (1024 // rw_ptr.dtype.element_ty.primitive_bitwidth)
-            prefetch_l2(rw_ptr + tl.minimum(e, E - 1)[:, None] * rw_e + tl.minimum(line, D - 1)[None, :])
+            prefetch_rows(rw_ptr, e, E, rw_e, D, PREFETCH_LINES)
         pdl_wait(USE_PDL)
         x_ptr += t * x_t
         r_ptr += t * r_t
         c = tl.arange(0, BLOCK_D)
-        r, h = _residual(x_ptr, r_ptr, c, c < D, scale, res_out_ptr.dtype.element_ty, HAS_RES)
+        r, h = add_residual(x_ptr + c, r_ptr + c, c < D, scale, HAS_RES, res_out_ptr.dtype.element_ty)
         mine = tl.where(pe == 0, D, 0)  # program 0 stores the row's residual and normed values (a flag as a bound)
         tl.store(res_out_ptr + t * ro_t + c, r, mask=c < mine)
         inv = tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
@@ -103,7 +94,7 @@ if HAS_TRITON:
         for k0 in range(0, D, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             mk = k < D
-            _, hk = _residual(x_ptr, r_ptr, k, mk, scale, res_out_ptr.dtype.element_ty, HAS_RES)
+            _, hk = add_residual(x_ptr + k, r_ptr + k, mk, scale, HAS_RES, res_out_ptr.dtype.element_ty)
             y = (hk * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # (out is in x's dtype)
             # the fp32 product of two bf16 / fp16 values is exact: one rounding, as torch's elementwise mul
             y = (y * tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -197,7 +188,7 @@ def rmsnorm_topk_softmax(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     logits = torch.empty(T, EP, dtype=torch.float32, device=x.device)
     pdl = pdl_args(x)
     if pdl:
-        pdl["PREFETCH_LINES"] = next_pow2(triton.cdiv(D * router_weight.element_size(), 128))
+        pdl["PREFETCH_LINES"] = prefetch_lines(D, router_weight.element_size())
     tiles = dict(route_tiles(T), **(tiles or {}))
     tiles["BLOCK_K"] = min(tiles["BLOCK_K"], next_pow2(D))
     r = residual if residual is not None else x

@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 
 from mambaserve.kernels._dispatch import Target, next_pow2, seq_block, target
-from mambaserve.kernels.topk_softmax import route_tiles
 from mambaserve.kernels.paged_attention import decode_split_count
 from mambaserve.kernels.selective_state_update import state_update_tiles
 from mambaserve.kernels.ssd_scan import state_tiles, tma_tokens
+from mambaserve.kernels.topk_softmax import route_tiles
 from mambaserve.server.cache.pages import pages_for
 from mambaserve.server.cache.prefix_cache import StateOps
 from mambaserve.server.engine.batch import ForwardBatch
@@ -101,7 +101,8 @@ def plan(limits: Limits, m: Shapes, tg: Target, decode_graph_rows: int = 0) -> l
         tiles = state_update_tiles(m.head_dim, m.state_size, B * m.heads, m.small_tiles)
         for w in range(1, m.kv_pages + 1) if m.kv_heads else (0,):
             splits = decode_split_count(B, m.kv_heads, w * m.page_size, tg) if m.kv_heads else 1
-            decode.setdefault((B == 1, str(route_tiles(B)), tiles, splits > 1, next_pow2(splits)), Decode(B, w))
+            key = (B == 1, tuple(route_tiles(B).items()), tiles, splits > 1, next_pow2(splits))
+            decode.setdefault(key, Decode(B, w))
     return steps + list(decode.values())
 
 
